@@ -1,0 +1,405 @@
+"""Building blocks of the paper's baselines and ablations (Appendix B and Appendix G).
+
+Each is a small pure function next to the GRAFT core, named after its paper definition.
+The trainer's method objects combine them; nothing here knows about models or data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graft_rl.algo.core import (
+    MAX_LOG_RATIO,
+    _out_dtype,
+    _per_token,
+    _work_dtype,
+    grpo_advantages,
+    mean_token_logprob,
+)
+
+__all__ = [
+    "pooled_advantages",
+    "success_only_mask",
+    "count_matched_random_prompts",
+    "random_admission_weight",
+    "luffy_shaping",
+    "luffy_policy_loss",
+    "sgt_eligible",
+    "sgt_select",
+    "sgt_nll",
+    "hacpo_peer_clip_lower",
+    "hacpo_capability_ratio",
+    "hacpo_advantages",
+    "hacpo_policy_loss",
+    "dynamic_sampling_mask",
+]
+
+
+# --------------------------------------------------------------------------- pooled groups
+def pooled_advantages(
+    rewards_recv: torch.Tensor, rewards_src: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""GRPO advantages over the pooled group (Appendix G, "Pooled groups").
+
+    .. math:: \mathcal G_{pool}(q) = \mathcal G_B(q) \| \mathcal G_A(q),\quad
+              \hat a_i = \frac{r_i - \mathrm{mean}(\mathcal G_{pool})}{\mathrm{std}(\mathcal G_{pool}) + \epsilon_{adv}}
+
+    Unbiased std over the ``n_recv + n_src`` pooled rewards (SPEC section 2).
+
+    Args:
+        rewards_recv: ``[G, n]`` receiver rewards. rewards_src: ``[G, n']`` source rewards.
+
+    Returns:
+        ``(adv_recv [G, n], adv_src [G, n'])``.
+
+    Example:
+        >>> pooled_advantages(torch.tensor([[0., 0.]]), torch.tensor([[1., 0.]]))
+        (tensor([[-0.5000, -0.5000]]), tensor([[ 1.5000, -0.5000]]))
+    """
+    if rewards_recv.dim() != 2 or rewards_src.dim() != 2 or rewards_recv.shape[0] != rewards_src.shape[0]:
+        raise ValueError(
+            "pooled_advantages: rewards must be [G, n] and [G, n'] with the same G, got "
+            f"{tuple(rewards_recv.shape)} and {tuple(rewards_src.shape)}"
+        )
+    n = rewards_recv.shape[1]
+    wd = _work_dtype(rewards_recv)
+    pooled = torch.cat([rewards_recv.to(wd), rewards_src.to(wd)], dim=1)
+    adv = grpo_advantages(pooled, eps).to(_out_dtype(rewards_recv))
+    return adv[:, :n], adv[:, n:]
+
+
+# --------------------------------------------------------------------------- success-only
+def success_only_mask(mask: torch.Tensor, rewards: torch.Tensor, is_peer: torch.Tensor) -> torch.Tensor:
+    r"""Token mask for success-only transfer (Appendix G, "Success-only transfer").
+
+    Unsuccessful *peer* responses are removed from both the policy-gradient numerator and
+    the token-mean denominator by zeroing their mask rows; their source advantages were
+    computed on the full peer group before filtering, so the caller keeps those. Own
+    responses are untouched.
+
+    Args:
+        mask: ``[M, T]``; rewards: ``[M]`` (success means ``reward > 0``); is_peer: ``[M]`` bool.
+
+    Example:
+        >>> success_only_mask(torch.ones(3, 2), torch.tensor([1., 0., 0.]), torch.tensor([True, True, False]))
+        tensor([[1., 1.],
+                [0., 0.],
+                [1., 1.]])
+    """
+    if mask.dim() != 2 or rewards.shape != (mask.shape[0],) or is_peer.shape != (mask.shape[0],):
+        raise ValueError("success_only_mask: expected mask [M, T], rewards [M], is_peer [M]")
+    drop = is_peer.to(torch.bool) & ~(rewards > 0)
+    return mask * (~drop).to(mask.dtype).unsqueeze(1)
+
+
+# --------------------------------------------------------------------------- count-matched random
+def count_matched_random_prompts(
+    a_to_b: torch.Tensor, b_to_a: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Count-matched random prompt selection (Appendix G, "Count-matched random selection").
+
+    GRAFT's rule fixes how many prompts move in each direction; this control instead picks
+    the same number of prompts uniformly from the whole prompt batch, irrespective of either
+    model's rewards. Each direction is drawn independently.
+
+    Args:
+        a_to_b, b_to_a: ``[G]`` bool masks chosen by :func:`~graft_rl.algo.balanced_exchange`.
+
+    Returns:
+        ``(rand_a_to_b, rand_b_to_a)`` bool masks with the same counts.
+    """
+    out = []
+    for sel in (a_to_b, b_to_a):
+        if sel.dim() != 1:
+            raise ValueError(f"count_matched_random_prompts: masks must be [G], got {tuple(sel.shape)}")
+        count = int(sel.sum().item())
+        picked = torch.randperm(sel.shape[0], generator=generator)[:count].to(sel.device)
+        new = torch.zeros_like(sel, dtype=torch.bool)
+        new[picked] = True
+        out.append(new)
+    return out[0], out[1]
+
+
+def random_admission_weight(
+    score: torch.Tensor, delta: float = 0.8, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    r"""Count-matched random admission (Appendix G).
+
+    .. math:: w_{random}(o) = \mathbf 1[o \in \mathcal A_{rand}] \min\{s(o\mid q), 1\}
+
+    :math:`\mathcal A_{rand}` holds as many responses as the gate ``s > delta`` would admit
+    among these (one direction's transferred responses), chosen uniformly at random.
+
+    Args:
+        score: ``[M]`` compatibility scores of one direction's transferred responses.
+
+    Returns:
+        ``[M]`` weights.
+    """
+    if score.dim() != 1:
+        raise ValueError(f"random_admission_weight: score must be [M], got {tuple(score.shape)}")
+    s = score.detach()
+    count = int((s > delta).sum().item())
+    picked = torch.randperm(s.shape[0], generator=generator)[:count].to(s.device)
+    admitted = torch.zeros_like(s, dtype=torch.bool)
+    admitted[picked] = True
+    capped = torch.nan_to_num(s, nan=0.0).clamp(0.0, 1.0)
+    return torch.where(admitted, capped, torch.zeros_like(capped))
+
+
+# --------------------------------------------------------------------------- LUFFY-style
+def luffy_shaping(prob: torch.Tensor, gamma: float = 0.1) -> torch.Tensor:
+    r"""LUFFY's regularised importance-sampling shaping :math:`f(x) = x / (x + \gamma)` (Appendix G).
+
+    Example:
+        >>> luffy_shaping(torch.tensor([0.0, 0.1, 0.9]))
+        tensor([0.0000, 0.5000, 0.9000])
+    """
+    return prob / (prob + gamma)
+
+
+def luffy_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    is_peer: torch.Tensor,
+    gamma: float = 0.1,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""LUFFY-style peer updates (Appendix G, "LUFFY-style peer updates").
+
+    Peer tokens contribute :math:`f(\pi_\theta(o_t\mid q,o_{<t}))\,\hat a` with
+    :math:`f(x)=x/(x+\gamma)`: behaviour probability 1, no clipping, no compatibility
+    weight. Own tokens use the standard clipped surrogate. One token-mean over all response
+    tokens of the minibatch, as in :func:`~graft_rl.algo.policy_loss`.
+
+    Args:
+        logprobs, old_logprobs, mask: ``[M, T]``; advantages: ``[M]`` or ``[M, T]``; is_peer: ``[M]``.
+
+    Returns:
+        ``(loss, stats)`` with ``clip_frac`` over own tokens, ``peer_shaping_mean`` over peer tokens.
+    """
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError("luffy_policy_loss: logprobs, old_logprobs and mask must all be [M, T]")
+    if is_peer.shape != (logprobs.shape[0],):
+        raise ValueError(f"luffy_policy_loss: is_peer must be [M]={logprobs.shape[0]}, got {tuple(is_peer.shape)}")
+    wd = _work_dtype(logprobs)
+    m = mask.to(wd)
+    lp = logprobs.to(wd)
+    a = _per_token(advantages.detach().to(wd), m, "advantages")
+    log_ratio = (lp - old_logprobs.detach().to(wd)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    rho = torch.exp(log_ratio)
+    surr, surr_clipped = rho * a, rho.clamp(1 - eps_low, 1 + eps_high) * a
+    own_obj = torch.minimum(surr, surr_clipped)
+    shaped = luffy_shaping(torch.exp(lp), gamma)
+    peer = is_peer.to(torch.bool).unsqueeze(1).expand_as(m)
+    objective = torch.where(peer, shaped * a, own_obj)
+    loss = -(objective * m).sum() / m.sum().clamp_min(1.0)
+    with torch.no_grad():
+        own_m = m * (~peer).to(wd)
+        peer_m = m * peer.to(wd)
+        stats = {
+            "clip_frac": ((surr_clipped < surr).to(wd) * own_m).sum().div(own_m.sum().clamp_min(1)).float(),
+            "peer_shaping_mean": (shaped * peer_m).sum().div(peer_m.sum().clamp_min(1)).float(),
+            "num_tokens": m.sum().float(),
+        }
+    return loss.to(logprobs.dtype), stats
+
+
+# --------------------------------------------------------------------------- SGT
+def sgt_eligible(k_recv: torch.Tensor, k_peer: torch.Tensor) -> torch.Tensor:
+    r"""SGT's prompt rule (Appendix B): the receiver has no correct rollout and the peer has
+    at least one, :math:`k_B(q)=0 \wedge k_A(q)\ge 1` (no upper bound, unlike GRAFT).
+
+    Example:
+        >>> sgt_eligible(torch.tensor([0, 0, 1]), torch.tensor([8, 0, 3]))
+        tensor([ True, False, False])
+    """
+    return (k_recv == 0) & (k_peer >= 1)
+
+
+def sgt_select(
+    peer_rewards: torch.Tensor, selected: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    r"""Uniformly sample one correct peer response per selected prompt (Appendix B, SGT).
+
+    Vectorised: each correct response gets an i.i.d. uniform key, failures get -1, and the
+    arg-max per row is a uniform choice among the correct ones.
+
+    Args:
+        peer_rewards: ``[G, n]`` the peer's rewards. selected: ``[G]`` bool prompts to use.
+
+    Returns:
+        ``[G]`` int64 index into the peer group, ``-1`` where no response is taken
+        (not selected, or the peer has no success).
+    """
+    if peer_rewards.dim() != 2 or selected.shape != (peer_rewards.shape[0],):
+        raise ValueError("sgt_select: expected peer_rewards [G, n] and selected [G]")
+    ok = peer_rewards > 0
+    keys = torch.rand(peer_rewards.shape, generator=generator).to(peer_rewards.device)
+    keys = torch.where(ok, keys, torch.full_like(keys, -1.0))
+    idx = keys.argmax(dim=1)
+    take = selected.to(torch.bool) & ok.any(dim=1)
+    return torch.where(take, idx, torch.full_like(idx, -1))
+
+
+def sgt_nll(logprobs: torch.Tensor, mask: torch.Tensor, coef: float = 0.1) -> torch.Tensor:
+    r"""SGT's auxiliary supervised term, :math:`\lambda \cdot \mathrm{NLL}` (Appendix B, :math:`\lambda=0.1`).
+
+    Token-mean negative log-likelihood of the sampled correct peer responses under the
+    receiver's own tokenisation, added to the GRPO loss. An empty batch gives 0 (with the
+    graph kept, so ``backward`` is always safe).
+
+    Example:
+        >>> sgt_nll(torch.tensor([[-1.0, -3.0]]), torch.ones(1, 2))
+        tensor(0.2000)
+    """
+    if logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError("sgt_nll: logprobs and mask must both be [M, T]")
+    wd = _work_dtype(logprobs)
+    m = mask.to(wd)
+    nll = -(logprobs.to(wd) * m).sum() / m.sum().clamp_min(1.0)
+    return (coef * nll).to(logprobs.dtype)
+
+
+# --------------------------------------------------------------------------- HACPO
+def hacpo_peer_clip_lower(step: int, start: float = 0.8, increment: float = 0.025) -> float:
+    """HACPO's rising lower clip bound for peer rollouts: ``min(1, start + increment * step)`` (Appendix B).
+
+    Example:
+        >>> hacpo_peer_clip_lower(4)
+        0.9
+    """
+    if step < 0:
+        raise ValueError(f"hacpo_peer_clip_lower: step must be >= 0, got {step}")
+    return min(1.0, start + increment * step)
+
+
+def hacpo_capability_ratio(
+    capability_src: float, capability_recv: float, ratio_min: float = 0.1, ratio_max: float = 10.0
+) -> float:
+    r"""HACPO's capability ratio :math:`P_{src}/P_{recv}`, bounded to ``[ratio_min, ratio_max]``.
+
+    Capabilities are the models' recent success rates (the trainer keeps a rolling window).
+    Used as the peer-loss multiplier; its inverse :math:`P_{recv}/P_{src}` weights peer
+    rewards in the capability-aware baseline (:func:`hacpo_advantages`).
+    """
+    if not (capability_src > 0 and capability_recv > 0):
+        raise ValueError("hacpo_capability_ratio: capabilities must be > 0")
+    return min(max(capability_src / capability_recv, ratio_min), ratio_max)
+
+
+def hacpo_advantages(
+    rewards_self: torch.Tensor,
+    rewards_peer: torch.Tensor,
+    capability_self: float,
+    capability_peer: float,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""HACPO's capability-aware advantage over the pooled group (Appendix B; HACPO Eqs. 5-6).
+
+    Each pooled reward is weighted by :math:`\omega = P_{self}/P_{src}` (1 for own rollouts)
+    in the baseline :math:`b = \mathrm{mean}_i(\omega_i r_i)`; a group whose rewards are all
+    equal uses the plain mean (weights must not create a signal), and a baseline above 1
+    (impossible for binary rewards) falls back to the learner's own mean. The scale is the
+    unbiased std of the pooled rewards plus ``eps``.
+
+    Returns:
+        ``(adv_self [G, n], adv_peer [G, n'])``.
+    """
+    if rewards_self.dim() != 2 or rewards_peer.dim() != 2 or rewards_self.shape[0] != rewards_peer.shape[0]:
+        raise ValueError("hacpo_advantages: rewards must be [G, n] and [G, n'] with the same G")
+    if not (capability_self > 0 and capability_peer > 0):
+        raise ValueError("hacpo_advantages: capabilities must be > 0")
+    wd = _work_dtype(rewards_self)
+    rs, rp = rewards_self.to(wd), rewards_peer.to(wd)
+    n = rs.shape[1]
+    pooled = torch.cat([rs, rp], dim=1)
+    omega = capability_self / capability_peer
+    weighted = torch.cat([rs, rp * omega], dim=1).mean(dim=1, keepdim=True)
+    uniform = (pooled == pooled[:, :1]).all(dim=1, keepdim=True)
+    baseline = torch.where(uniform, pooled.mean(dim=1, keepdim=True), weighted)
+    baseline = torch.where(baseline > 1.0, rs.mean(dim=1, keepdim=True), baseline)
+    std = pooled.std(dim=1, keepdim=True, correction=1) if pooled.shape[1] > 1 else torch.zeros_like(baseline)
+    adv = ((pooled - baseline) / (std + eps)).to(_out_dtype(rewards_self))
+    return adv[:, :n], adv[:, n:]
+
+
+def hacpo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    src_mean_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    is_peer: torch.Tensor,
+    step: int,
+    capability_ratio: torch.Tensor | float = 1.0,
+    self_clip_low: float = 3e-4,
+    self_clip_high: float = 4e-4,
+    peer_clip_start: float = 0.8,
+    peer_clip_increment: float = 0.025,
+    alpha: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""HACPO's sequence-level clipped objective (Appendix B, as in HACPO's released recipe).
+
+    Sequence ratio :math:`r_j = \exp(\bar\ell(\pi_\theta, o_j) - \bar\ell_{ref,j})`: for own
+    rollouts the reference is the mean old log-prob; for peer rollouts the source's mean
+    generation log-prob (``src_mean_logprob``). Own: PPO clip with the tiny deltas
+    ``[1-3e-4, 1+4e-4]``. Peer: :math:`\bar r = \mathrm{clip}(r, \ell_{step}, 1)` with the
+    rising lower bound :func:`hacpo_peer_clip_lower`, objective
+    :math:`\bar r \cdot \mathrm{sg}(\bar r)^\alpha \cdot \kappa \cdot \hat a` with
+    capability ratio :math:`\kappa`. Loss = minus the mean over responses (sequence-mean).
+
+    Args:
+        logprobs, old_logprobs, mask: ``[M, T]``; src_mean_logprob, advantages, is_peer: ``[M]``;
+        step: training step (for the peer lower bound); capability_ratio: scalar or ``[M]``.
+    """
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError("hacpo_policy_loss: logprobs, old_logprobs and mask must all be [M, T]")
+    M = logprobs.shape[0]
+    for name, t in (("src_mean_logprob", src_mean_logprob), ("advantages", advantages), ("is_peer", is_peer)):
+        if t.shape != (M,):
+            raise ValueError(f"hacpo_policy_loss: {name} must be [M]={M}, got {tuple(t.shape)}")
+    wd = _work_dtype(logprobs)
+    cur = mean_token_logprob(logprobs.to(wd), mask)
+    old = mean_token_logprob(old_logprobs.detach().to(wd), mask)
+    peer = is_peer.to(torch.bool)
+    ref = torch.where(peer, src_mean_logprob.detach().to(wd), old)
+    r = torch.exp((cur - ref).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    a = advantages.detach().to(wd)
+    own_obj = torch.minimum(r * a, r.clamp(1 - self_clip_low, 1 + self_clip_high) * a)
+    lower = hacpo_peer_clip_lower(step, peer_clip_start, peer_clip_increment)
+    r_peer = r.clamp(lower, 1.0)
+    kappa = torch.as_tensor(capability_ratio, dtype=wd, device=logprobs.device)
+    peer_obj = r_peer * r_peer.detach().pow(alpha) * kappa * a
+    objective = torch.where(peer, peer_obj, own_obj)
+    valid = torch.isfinite(cur)  # empty responses contribute nothing
+    objective = torch.where(valid, objective, torch.zeros_like(objective))
+    loss = -objective.sum() / valid.sum().clamp_min(1)
+    with torch.no_grad():
+        own_v, peer_v = (~peer & valid).to(wd), (peer & valid).to(wd)
+        own_clipped = ((r < 1 - self_clip_low) | (r > 1 + self_clip_high)).to(wd)
+        stats = {
+            "clip_frac": (own_clipped * own_v).sum().div(own_v.sum().clamp_min(1)).float(),
+            "peer_clip_frac_low": ((r < lower).to(wd) * peer_v).sum().div(peer_v.sum().clamp_min(1)).float(),
+            "peer_clip_frac_high": ((r > 1.0).to(wd) * peer_v).sum().div(peer_v.sum().clamp_min(1)).float(),
+            "peer_clip_lower": torch.tensor(lower, dtype=torch.float32),
+        }
+    return loss.to(logprobs.dtype), stats
+
+
+# --------------------------------------------------------------------------- DAPO
+def dynamic_sampling_mask(rewards: torch.Tensor) -> torch.Tensor:
+    r"""DAPO's dynamic-sampling group filter: keep groups whose rewards vary (Appendix B).
+
+    For binary rewards this is :math:`0 < k < n`; in general, not all rewards equal.
+
+    Example:
+        >>> dynamic_sampling_mask(torch.tensor([[1., 0.], [1., 1.], [0., 0.]]))
+        tensor([ True, False, False])
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"dynamic_sampling_mask: rewards must be [G, n], got {tuple(rewards.shape)}")
+    return ~(rewards == rewards[:, :1]).all(dim=1)
