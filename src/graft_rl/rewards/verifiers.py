@@ -1,0 +1,156 @@
+"""Binary verifiable rewards: math (math-verify), GSM8K numbers, reasoning-gym tasks."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+
+from graft_rl.rewards.extract import _NUM_RE, last_boxed, normalize_answer, parse_number
+from graft_rl.rewards.pool import Outcome, VerifierPool, VerifyStats
+
+__all__ = ["verify_math", "verify_math_detailed", "verify_gsm8k", "gym_scores", "default_pool"]
+
+_default_pool: VerifierPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> VerifierPool:
+    """The process-wide verifier pool, created on first use."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None:
+            _default_pool = VerifierPool()
+        return _default_pool
+
+
+def _check_lengths(responses: Sequence[str], answers: Sequence[str], who: str) -> None:
+    if len(responses) != len(answers):
+        raise ValueError(f"{who}: got {len(responses)} responses but {len(answers)} answers")
+
+
+def verify_math_detailed(
+    responses: Sequence[str],
+    answers: Sequence[str],
+    timeout: float = 5.0,
+    pool: VerifierPool | None = None,
+) -> tuple[list[float], VerifyStats]:
+    """:func:`verify_math` plus counters (timeouts, errors, crashes, answers without a box)."""
+    _check_lengths(responses, answers, "verify_math")
+    t0 = time.monotonic()
+    stats = VerifyStats()
+    outcomes: list[Outcome | None] = [None] * len(responses)
+    todo: list[int] = []
+    args: list[tuple[str, str]] = []
+    for i, (resp, gold) in enumerate(zip(responses, answers, strict=True)):
+        pred = last_boxed(resp)
+        if pred is None or not pred:
+            outcomes[i] = Outcome(0.0, "skipped")
+        elif normalize_answer(pred) == normalize_answer(gold):
+            outcomes[i] = Outcome(1.0, "skipped")
+        else:
+            todo.append(i)
+            args.append((pred, gold))
+    if todo:
+        done = (pool or default_pool()).map("graft_rl.rewards.checks:math_equal", args, timeout=timeout)
+        for i, o in zip(todo, done, strict=True):
+            outcomes[i] = o
+    for o in outcomes:
+        stats.add(o)
+    stats.seconds = time.monotonic() - t0
+    return [o.score for o in outcomes], stats
+
+
+def verify_math(responses: Sequence[str], answers: Sequence[str], timeout: float = 5.0) -> list[float]:
+    r"""Binary math rewards: math-verify on the **last** ``\boxed{}`` of each response.
+
+    A response without a boxed answer scores 0. Each verification runs in a worker
+    process and is bounded by ``timeout`` seconds of wall time, enforced from outside
+    math-verify (whose own signal timer only works on the main thread), so this is safe
+    from any thread, inside Ray actors, and in scripts without a ``__main__`` guard.
+    Timeout, error or a crashed worker score 0.0 (see :func:`verify_math_detailed` for counts).
+
+    Example:
+        >>> verify_math([r"... so \boxed{\frac{1}{2}}", r"\boxed{0.5}", "no box", r"\boxed{3}"],
+        ...             ["1/2", r"\frac12", "1", "4"])
+        [1.0, 1.0, 0.0, 0.0]
+    """
+    return verify_math_detailed(responses, answers, timeout)[0]
+
+
+def verify_gsm8k(responses: Sequence[str], answers: Sequence[str], rel_tol: float = 1e-6) -> list[float]:
+    r"""Binary GSM8K rewards: the number in the last ``\boxed{}`` (else after the last ``####``,
+    else the last number in the response) equals the reference number.
+
+    Pure string/float work with bounded cost, so it runs in-process.
+
+    Example:
+        >>> verify_gsm8k([r"\boxed{1,200}", "#### 18", "so it is 7 apples", "\\boxed{x}"], ["1200", "18", "7", "3"])
+        [1.0, 1.0, 1.0, 0.0]
+    """
+    _check_lengths(responses, answers, "verify_gsm8k")
+    out = []
+    for resp, gold in zip(responses, answers, strict=True):
+        boxed = last_boxed(resp)
+        if boxed is not None:
+            cand = boxed
+        elif "####" in resp:
+            cand = resp.rsplit("####", 1)[1]
+        else:
+            nums = list(_iter_numbers(resp))
+            cand = nums[-1] if nums else ""
+        pred, ref = parse_number(cand), parse_number(gold)
+        ok = pred is not None and ref is not None and abs(pred - ref) <= rel_tol * max(1.0, abs(ref))
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
+def _iter_numbers(text: str):
+    return (m.group(0) for m in _NUM_RE.finditer(text[-2000:]))
+
+
+def gym_scores(
+    responses: Sequence[str],
+    source: str,
+    indices: Sequence[int],
+    timeout: float = 5.0,
+    binary: bool = True,
+    pool: VerifierPool | None = None,
+) -> tuple[list[float], VerifyStats]:
+    r"""Score responses with a reasoning-gym dataset's own ``score_answer``.
+
+    ``source`` is the row's ``source`` field written by :class:`graft_rl.data.ReasoningGymTask`
+    (``reasoning_gym:NAME:SIZE:SEED:CONFIG_JSON``); ``indices`` the entries' indices. The
+    answer is the content of the last ``\boxed{}``. With ``binary`` a score counts as 1 only
+    when reasoning-gym gives full credit (SPEC: rewards are binary). Scoring runs in the
+    verifier pool, under the same hard timeout as math.
+    """
+    if len(responses) != len(indices):
+        raise ValueError(f"gym_scores: got {len(responses)} responses but {len(indices)} indices")
+    kind, name, size, seed, config_json = source.split(":", 4)
+    if kind != "reasoning_gym":
+        raise ValueError(f"gym_scores: source must start with 'reasoning_gym:', got {source!r}")
+    json.loads(config_json)  # fail here, not in a worker
+    t0 = time.monotonic()
+    stats = VerifyStats()
+    outcomes: list[Outcome | None] = [None] * len(responses)
+    todo, args = [], []
+    for i, (resp, idx) in enumerate(zip(responses, indices, strict=True)):
+        pred = last_boxed(resp)
+        if not pred:
+            outcomes[i] = Outcome(0.0, "skipped")
+        else:
+            todo.append(i)
+            args.append((name, int(size), int(seed), config_json, int(idx), pred))
+    if todo:
+        done = (pool or default_pool()).map("graft_rl.rewards.checks:gym_score", args, timeout=timeout)
+        for i, o in zip(todo, done, strict=True):
+            outcomes[i] = o
+    for o in outcomes:
+        stats.add(o)
+    stats.seconds = time.monotonic() - t0
+    scores = [o.score for o in outcomes]
+    if binary:
+        scores = [1.0 if s >= 1.0 else 0.0 for s in scores]
+    return scores, stats
