@@ -7,7 +7,14 @@ worker pool with a hard per-answer timeout behind them.
 
 from graft_rl.rewards.extract import last_boxed, normalize_answer, parse_number
 from graft_rl.rewards.pool import Outcome, VerifierPool, VerifyStats
-from graft_rl.rewards.verifiers import default_pool, gym_scores, verify_gsm8k, verify_math, verify_math_detailed
+from graft_rl.rewards.verifiers import (
+    default_pool,
+    gym_scores,
+    score_responses,
+    verify_gsm8k,
+    verify_math,
+    verify_math_detailed,
+)
 
 __all__ = [
     "Outcome",
@@ -18,6 +25,7 @@ __all__ = [
     "last_boxed",
     "normalize_answer",
     "parse_number",
+    "score_responses",
     "verify_gsm8k",
     "verify_math",
     "verify_math_detailed",

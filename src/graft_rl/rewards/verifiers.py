@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from graft_rl.rewards.extract import _NUM_RE, last_boxed, normalize_answer, parse_number
 from graft_rl.rewards.pool import Outcome, VerifierPool, VerifyStats
 
-__all__ = ["verify_math", "verify_math_detailed", "verify_gsm8k", "gym_scores", "default_pool"]
+__all__ = ["verify_math", "verify_math_detailed", "verify_gsm8k", "gym_scores", "score_responses", "default_pool"]
 
 _default_pool: VerifierPool | None = None
 _default_lock = threading.Lock()
@@ -154,3 +154,41 @@ def gym_scores(
     if binary:
         scores = [1.0 if s >= 1.0 else 0.0 for s in scores]
     return scores, stats
+
+
+def score_responses(
+    responses: Sequence[str],
+    answers: Sequence[str],
+    verifier: str = "math",
+    sources: Sequence[str | None] | None = None,
+    ids: Sequence[str] | None = None,
+    timeout: float = 5.0,
+) -> tuple[list[float], VerifyStats]:
+    """Binary rewards with the named verifier (``math``, ``gsm8k`` or ``gym``) and counters.
+
+    ``gym`` needs each row's ``source`` and ``id`` (as written by ``ReasoningGymTask``).
+    """
+    _check_lengths(responses, answers, "score_responses")
+    if verifier == "math":
+        return verify_math_detailed(responses, answers, timeout)
+    if verifier == "gsm8k":
+        t0 = time.monotonic()
+        scores = verify_gsm8k(responses, answers)
+        stats = VerifyStats(total=len(scores), skipped=len(scores), seconds=time.monotonic() - t0)
+        return scores, stats
+    if verifier == "gym":
+        if sources is None or ids is None:
+            raise ValueError("score_responses: verifier 'gym' needs sources and ids")
+        scores = [0.0] * len(responses)
+        total = VerifyStats()
+        for src in dict.fromkeys(sources):
+            rows = [i for i, s in enumerate(sources) if s == src]
+            got, st = gym_scores([responses[i] for i in rows], src, [int(ids[i].rsplit("/", 1)[1]) for i in rows], timeout)
+            for i, s in zip(rows, got, strict=True):
+                scores[i] = s
+            for k in ("total", "ok", "timeout", "error", "crash", "skipped"):
+                setattr(total, k, getattr(total, k) + getattr(st, k))
+            total.seconds += st.seconds
+            total.errors.extend(st.errors[: 20 - len(total.errors)])
+        return scores, total
+    raise ValueError(f"score_responses: unknown verifier {verifier!r}; use 'math', 'gsm8k' or 'gym'")

@@ -1,0 +1,195 @@
+"""Prompt datasets (SPEC §4 layer 2): JSONL problems, the paper's benchmarks, procedural tasks.
+
+Every dataset is a list of :class:`Problem` rows with the schema of the shipped files
+(``files/PROVENANCE.md``): ``id``, ``problem``, ``answer`` and optional ``solution``,
+``level``, ``subject``, ``source``. Built-in names: ``math_train`` (the default training
+set, 7,500), the five benchmarks ``math500``, ``aime24``, ``aime25``, ``amc23``,
+``minerva``, and ``gsm8k_train`` / ``gsm8k_test``. Any JSONL file with the schema can be
+loaded by path; ``reasoning_gym:NAME`` builds a procedural task (:class:`ReasoningGymTask`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = [
+    "Problem",
+    "DatasetError",
+    "PROMPT_SUFFIX",
+    "BUILTIN",
+    "BENCHMARKS",
+    "load_jsonl",
+    "load_dataset",
+    "make_prompt",
+    "verifier_for",
+    "ReasoningGymTask",
+    "files_dir",
+]
+
+#: The paper's instruction appended to every problem (Appendix B).
+PROMPT_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+
+_FILES = Path(__file__).resolve().parent / "files"
+
+#: name -> (file, verifier kind)
+BUILTIN: dict[str, tuple[str, str]] = {
+    "math_train": ("math_train.jsonl", "math"),
+    "math500": ("math500.jsonl", "math"),
+    "aime24": ("aime24.jsonl", "math"),
+    "aime25": ("aime25.jsonl", "math"),
+    "amc23": ("amc23.jsonl", "math"),
+    "minerva": ("minerva_math.jsonl", "math"),
+    "gsm8k_train": ("gsm8k_train.jsonl", "gsm8k"),
+    "gsm8k_test": ("gsm8k_test.jsonl", "gsm8k"),
+}
+
+#: The paper's five evaluation benchmarks (Section 5.1), in its table order.
+BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "minerva")
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used; the message names the file, line and field."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer."""
+
+    id: str
+    problem: str
+    answer: str
+    solution: str | None = None
+    level: int | None = None
+    subject: str | None = None
+    source: str | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def files_dir() -> Path:
+    """Folder of the shipped JSONL files and their provenance (``PROVENANCE.md``)."""
+    return _FILES
+
+
+_TYPES = {"id": str, "problem": str, "answer": str}
+_OPTIONAL = {"solution": (str,), "level": (int,), "subject": (str,), "source": (str,)}
+
+
+def _row(obj: object, where: str) -> Problem:
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key, typ in _TYPES.items():
+        if key not in obj:
+            raise DatasetError(f"{where}: row has no '{key}' field")
+        val = obj[key]
+        if key == "answer" and isinstance(val, (int, float)) and not isinstance(val, bool):
+            val = obj[key] = str(val)  # numeric answers are common in third-party files
+        if not isinstance(val, typ):
+            raise DatasetError(f"{where}: field '{key}' must be a string, got {type(val).__name__}")
+    for key, types in _OPTIONAL.items():
+        val = obj.get(key)
+        if val is not None and not isinstance(val, types):
+            raise DatasetError(f"{where}: field '{key}' must be {types[0].__name__} or null, got {type(val).__name__}")
+    return Problem(**{k: obj.get(k) for k in ("id", "problem", "answer", "solution", "level", "subject", "source")})
+
+
+def load_jsonl(path: str | Path, limit: int | None = None) -> list[Problem]:
+    """Read a JSONL problem file; a malformed row raises one :class:`DatasetError` naming file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found")
+    rows: list[Problem] = []
+    seen: dict[str, int] = {}
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
+            row = _row(obj, where)
+            if row.id in seen:
+                raise DatasetError(f"{where}: duplicate id {row.id!r} (first on line {seen[row.id]})")
+            seen[row.id] = lineno
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    if not rows:
+        raise DatasetError(f"{path}: no rows")
+    return rows
+
+
+def load_dataset(name_or_path: str, limit: int | None = None) -> list[Problem]:
+    """A built-in dataset by name, ``reasoning_gym:NAME[:SIZE[:SEED]]``, or a JSONL file by path."""
+    if name_or_path in BUILTIN:
+        return load_jsonl(_FILES / BUILTIN[name_or_path][0], limit)
+    if name_or_path.startswith("reasoning_gym:"):
+        parts = name_or_path.split(":")
+        size = int(parts[2]) if len(parts) > 2 else 1000
+        seed = int(parts[3]) if len(parts) > 3 else 0
+        rows = ReasoningGymTask(parts[1], size=size, seed=seed).problems()
+        return rows[:limit] if limit is not None else rows
+    path = Path(name_or_path)
+    if path.suffix == ".jsonl" or path.exists():
+        return load_jsonl(path, limit)
+    raise DatasetError(
+        f"unknown dataset {name_or_path!r}; built-in: {', '.join(BUILTIN)}; "
+        "or a path to a .jsonl file, or reasoning_gym:NAME[:SIZE[:SEED]]"
+    )
+
+
+def verifier_for(name_or_path: str, problem: Problem | None = None) -> str:
+    """Which verifier scores this dataset: ``math``, ``gsm8k`` or ``gym``."""
+    if problem is not None and problem.source and problem.source.startswith("reasoning_gym:"):
+        return "gym"
+    if name_or_path in BUILTIN:
+        return BUILTIN[name_or_path][1]
+    if name_or_path.startswith("reasoning_gym:"):
+        return "gym"
+    return "gsm8k" if "gsm8k" in Path(name_or_path).name else "math"
+
+
+def make_prompt(problem: str, suffix: str | None = PROMPT_SUFFIX) -> str:
+    r"""The user message for a problem: the problem text, a newline, then the instruction.
+
+    Example:
+        >>> make_prompt("What is 2+3?")
+        "What is 2+3?\nLet's think step by step and output the final answer within \\boxed{}."
+    """
+    return problem if not suffix else f"{problem}\n{suffix}"
+
+
+class ReasoningGymTask:
+    """A reasoning-gym procedural dataset as :class:`Problem` rows, scored by its own verifier.
+
+    Rows carry ``source = "reasoning_gym:NAME:SIZE:SEED:CONFIG_JSON"`` and ``id =
+    "rg/NAME/SEED/INDEX"``, which is all :func:`graft_rl.rewards.gym_scores` needs to
+    re-create the entry in a verifier worker.
+    """
+
+    def __init__(self, name: str, size: int = 1000, seed: int = 0, **config):
+        try:
+            import reasoning_gym
+        except ImportError as exc:  # pragma: no cover - it is a dependency
+            raise DatasetError("reasoning_gym tasks need the 'reasoning-gym' package") from exc
+        from reasoning_gym.factory import DATASETS
+
+        if name not in DATASETS:
+            raise DatasetError(f"unknown reasoning_gym task {name!r}; available: {', '.join(sorted(DATASETS))}")
+        self.name, self.size, self.seed, self.config = name, size, seed, config
+        self.dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
+
+    @property
+    def source(self) -> str:
+        return f"reasoning_gym:{self.name}:{self.size}:{self.seed}:{json.dumps(self.config, sort_keys=True)}"
+
+    def problems(self) -> list[Problem]:
+        return [
+            Problem(id=f"rg/{self.name}/{self.seed}/{i}", problem=e["question"], answer=str(e["answer"]), source=self.source)
+            for i, e in enumerate(self.dataset)
+        ]
