@@ -1,0 +1,22 @@
+"""``graft_rl.policy``: one model + tokenizer + optimiser, rollout backends, tiny test models."""
+
+from graft_rl.policy.policy import Policy, PolicyConfig, PolicyError, PromptTooLongError, token_logprobs_from_logits
+from graft_rl.policy.rollout import HFBackend, RolloutBackend, Sample, VLLMBackend, make_backend, sampling_logprobs
+from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
+
+__all__ = [
+    "HFBackend",
+    "Policy",
+    "PolicyConfig",
+    "PolicyError",
+    "PromptTooLongError",
+    "RolloutBackend",
+    "RolloutGroup",
+    "Sample",
+    "SamplingParams",
+    "TokenBatch",
+    "VLLMBackend",
+    "make_backend",
+    "sampling_logprobs",
+    "token_logprobs_from_logits",
+]

@@ -1,0 +1,209 @@
+"""Rollout backends: one interface, two engines (SPEC §4 layer 3).
+
+``hf``: a KV-cached sampling loop over any transformers causal LM (CPU or GPU). It samples
+from, and records the log-prob of each token under, the *sampling distribution*:
+``log_softmax(top_p(top_k(logits / temperature)))``, renormalised after filtering. At
+temperature 1, top-p 1, top-k 0 that is the model's own distribution, so scoring the
+response again reproduces the generation log-probs (tested to 1e-4 in float32). Otherwise
+the recorded log-probs are those of the tempered/truncated distribution, which is the
+behaviour policy the compatibility score divides by (paper Section 4.2, :math:`\\pi_\\phi`).
+
+``vllm``: vLLM's engine, imported only when chosen. vLLM reports ``logprobs`` of the raw
+model distribution unless ``logprobs_mode="processed_logprobs"`` is set, which we set so
+that the log-probs match what was sampled (after temperature and top-p/top-k). Weights are
+pushed from the trainer's model into the engine after each step without a restart.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from graft_rl.policy.types import SamplingParams
+
+__all__ = ["Sample", "RolloutBackend", "HFBackend", "VLLMBackend", "sampling_logprobs", "make_backend"]
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+class RolloutBackend(Protocol):
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[Sample]]:
+        """``sampling.n`` samples per prompt, in prompt order."""
+
+    def sync_weights(self) -> None:
+        """Make the engine sample from the trainer's current weights."""
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Log-probs ``[B, V]`` of the sampling distribution: temperature, then top-k, then top-p, renormalised.
+
+    Filtered tokens get ``-inf``. Top-p keeps the smallest set of most likely tokens whose
+    mass reaches ``top_p`` (the most likely token is always kept).
+    """
+    x = logits.float() / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.log_softmax(-1)
+
+
+def _cache_of(res):
+    cache = res.get("cache")
+    return cache if cache is not None else res.get("past_key_values")
+
+
+class HFBackend:
+    """KV-cached ancestral sampling with a transformers model (the trainer's own module)."""
+
+    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, batch_size: int = 64):
+        self.model = model
+        self.eos = torch.tensor(sorted(set(eos_token_ids)))
+        self.pad = pad_token_id
+        self.batch_size = batch_size
+        # transformers >= 5.2x names the KV cache `cache`; earlier versions `past_key_values`
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def sync_weights(self) -> None:  # samples from the live module
+        pass
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[Sample]]:
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        rows = [p for p in prompt_ids for _ in range(sampling.n)]
+        out: list[Sample] = []
+        for s in range(0, len(rows), self.batch_size):
+            out.extend(self._generate_batch(rows[s : s + self.batch_size], sampling, gen, device))
+        n = sampling.n
+        return [out[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
+
+    def _generate_batch(self, rows, sp: SamplingParams, gen, device) -> list[Sample]:
+        was_training = self.model.training
+        self.model.eval()
+        B, L = len(rows), max(len(r) for r in rows)
+        inp = torch.full((B, L), self.pad, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding
+            inp[i, L - len(r) :] = torch.tensor(r)
+            attn[i, L - len(r) :] = 1
+        inp, attn = inp.to(device), attn.to(device)
+        eos = self.eos.to(device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        res = self.model(input_ids=inp, attention_mask=attn, position_ids=pos, use_cache=True)
+        past, logits = _cache_of(res), res.logits[:, -1]
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        toks, lps = [], []
+        for step in range(sp.max_new_tokens):
+            lp = sampling_logprobs(logits, sp.temperature, sp.top_p, sp.top_k)
+            tok = torch.multinomial(lp.exp(), 1, generator=gen).squeeze(1)
+            tok_lp = lp.gather(1, tok[:, None]).squeeze(1)
+            tok = torch.where(finished, torch.full_like(tok, self.pad), tok)
+            toks.append(tok)
+            lps.append(tok_lp)
+            finished = finished | torch.isin(tok, eos)
+            if bool(finished.all()) or step == sp.max_new_tokens - 1:
+                break
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
+            pos = pos[:, -1:] + 1
+            res = self.model(
+                input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True, **{self._cache_kw: past}
+            )
+            past, logits = _cache_of(res), res.logits[:, -1]
+        if was_training:
+            self.model.train()
+        tok_m = torch.stack(toks, 1).cpu()
+        lp_m = torch.stack(lps, 1).float().cpu()
+        eos_cpu = self.eos
+        samples = []
+        for i in range(B):
+            ids = tok_m[i].tolist()
+            hit = torch.isin(tok_m[i], eos_cpu).nonzero()
+            if hit.numel():
+                end = int(hit[0]) + 1
+                samples.append(Sample(ids[:end], lp_m[i, :end].tolist(), "stop"))
+            else:
+                samples.append(Sample(ids, lp_m[i].tolist(), "length"))
+        return samples
+
+
+class VLLMBackend:
+    """vLLM engine for one policy, sharing the trainer's weights by in-place reload.
+
+    Needs the ``vllm`` extra (``pip install graft-rl[vllm]``) and a ``save_pretrained``
+    model directory (vLLM does not load GGUF here). ``gpu_memory_utilization`` bounds the
+    engine's share of the GPU so the trainer's model fits beside it.
+    """
+
+    def __init__(self, model, model_dir: str, dtype: str = "float32", gpu_memory_utilization: float = 0.4, **engine_kwargs):
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise ImportError("rollout backend 'vllm' needs vLLM: pip install 'graft-rl[vllm]'") from exc
+        self.model = model
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            **engine_kwargs,
+        )
+
+    def sync_weights(self) -> None:
+        weights = [(name, p.detach()) for name, p in self.model.state_dict().items()]
+
+        def _load(worker_self, w=weights):  # runs inside the engine's worker
+            worker_self.model_runner.model.load_weights(weights=w)
+            return True
+
+        self.llm.collective_rpc(_load)
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[Sample]]:
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        sp = VSP(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=sampling.max_new_tokens,
+            logprobs=0,
+            seed=seed,
+        )
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp, use_tqdm=False)
+        result = []
+        for o in outs:
+            group = []
+            for c in o.outputs:
+                ids = list(c.token_ids)
+                lps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
+                group.append(Sample(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
+            result.append(group)
+        return result
+
+
+def make_backend(kind: str, policy) -> RolloutBackend:
+    """``hf`` or ``vllm`` for a :class:`~graft_rl.policy.Policy`."""
+    if kind == "hf":
+        return HFBackend(policy.model, policy.eos_token_ids, policy.tokenizer.pad_token_id, policy.config.gen_batch_size)
+    if kind == "vllm":
+        return VLLMBackend(policy.model, policy.model_dir, dtype=policy.config.dtype, **policy.config.vllm_kwargs)
+    raise ValueError(f"unknown rollout backend {kind!r}; use 'hf' or 'vllm'")
