@@ -1,0 +1,244 @@
+"""Run configuration: documented dataclasses, YAML files, ``key=value`` overrides.
+
+Each field is documented once, in its dataclass. Unknown keys are rejected with the
+nearest valid name. Defaults follow the paper's Table 3 where they make sense (prompt batch
+128, n=8, minibatch 32 prompts, one epoch per batch, AdamW lr 1e-6, eps 0.2/0.28,
+token-mean loss, no KL/entropy, delta 0.8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from graft_rl.policy import PolicyConfig
+
+__all__ = ["ConfigError", "DataConfig", "MethodConfig", "PeerRecords", "TrainConfig", "load_config", "apply_overrides", "to_dict"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key or value at fault."""
+
+
+@dataclass
+class DataConfig:
+    train: str = "math_train"  # built-in name, JSONL path, or reasoning_gym:NAME[:SIZE[:SEED]]
+    verifier: str = "auto"  # auto | math | gsm8k | gym
+    limit: int | None = None  # use only the first N problems (a fixed pool)
+    verify_timeout: float = 5.0  # seconds per answer, hard (worker killed after)
+
+
+@dataclass
+class MethodConfig:
+    """The training method: GRPO, GRAFT with every Table 2 / Appendix G switch, or a baseline.
+
+    ``name``: ``grpo`` | ``graft`` | ``sgt`` | ``luffy`` | ``hacpo``. Hybrids: ``sgt`` with
+    ``selection: graft`` is "SGT + GRAFT which"; ``graft`` with ``selection: sgt`` is
+    "SGT + GRAFT how"; ``hacpo`` with ``selection: graft`` is "HACPO + GRAFT which".
+    """
+
+    name: str = "graft"
+    # --- which peer groups (Section 4.1, Appendix G)
+    # auto = the method's own rule (graft/luffy: complementary, sgt: sgt, hacpo: all);
+    # complementary (= graft) | random (count-matched) | sgt (k_recv=0, k_peer>=1) | all
+    selection: str = "auto"
+    balance: bool = True  # balanced exchange (Table 2: "w/o balancing" sets false)
+    # --- how to learn from them (Section 4.2)
+    gate: bool = True  # compatibility weighting at all ("w/o compatibility gate": false, w = 1)
+    floor: bool = True  # the delta threshold ("no floor": false, w = min(s, 1))
+    admission: str = "gate"  # gate | random (count-matched random admission)
+    delta: float = 0.8
+    ratio: str = "token"  # token | sequence ("token ratio" ablation)
+    position: str = "last"  # peer minibatch position: last | first | uniform
+    pooled: bool = False  # pooled-group advantages instead of source-computed ones
+    success_only: bool = False  # only successful peer responses (Appendix G)
+    compatibility: str = "token_mean"  # token_mean (paper) | per_char (tokenisation-invariant, beyond the paper)
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    adv_eps: float = 1e-6
+    # --- baselines
+    sgt_coef: float = 0.1  # SGT lambda
+    luffy_gamma: float = 0.1
+    hacpo_self_clip_low: float = 3e-4
+    hacpo_self_clip_high: float = 4e-4
+    hacpo_peer_clip_start: float = 0.8
+    hacpo_peer_clip_increment: float = 0.025
+    hacpo_capability_window: int = 5
+    # --- GRPO + dynamic sampling (DAPO)
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 3  # extra generation rounds at most per step
+
+    _NAMES = ("grpo", "graft", "sgt", "luffy", "hacpo")
+
+    def validate(self) -> None:
+        choices = {
+            "name": self._NAMES,
+            "selection": ("auto", "complementary", "random", "sgt", "graft", "all"),
+            "admission": ("gate", "random"),
+            "ratio": ("token", "sequence"),
+            "position": ("last", "first", "uniform"),
+            "compatibility": ("token_mean", "per_char"),
+        }
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"method.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
+        if self.selection == "auto":
+            self.selection = {"sgt": "sgt", "hacpo": "all"}.get(self.name, "complementary")
+        if not 0 <= self.delta:
+            raise ConfigError(f"method.delta must be >= 0, got {self.delta}")
+
+
+@dataclass
+class PeerRecords:
+    """A peer replayed from a finished run's trajectory records (Section 6.2): never loaded as a model."""
+
+    records: str  # run directory of the peer's run
+    policy: str  # the policy name inside that run
+    name: str | None = None  # name in this run (default: policy)
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/graft"
+    seed: int = 0
+    steps: int | None = None  # optimisation steps; default: `epochs` passes over the data
+    epochs: int = 3  # Table 3
+    prompt_batch: int = 128
+    minibatch: int = 32  # prompts per minibatch
+    n: int = 8  # rollouts per prompt per model
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 4096
+    checkpoint_every: int = 50  # steps; a checkpoint is also written at the end and on Ctrl-C
+    keep_checkpoints: int = 2  # most recent checkpoints kept on disk
+    nonfinite_loss: str = "skip"  # skip (log, keep going) | stop
+    tensorboard: bool = False
+    data: DataConfig = field(default_factory=DataConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    policies: list[PolicyConfig] = field(default_factory=list)
+    peers: list[PeerRecords] = field(default_factory=list)
+
+    def validate(self) -> None:
+        self.method.validate()
+        if not self.policies:
+            raise ConfigError("policies: at least one policy is required")
+        names = [p.name for p in self.policies] + [p.name or p.policy for p in self.peers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"policies/peers: names must be unique, got {names}")
+        if self.method.name != "grpo" and len(names) < 2:
+            raise ConfigError(f"method.name {self.method.name!r} needs at least two policies (or a peer from records)")
+        if self.peers and (self.method.balance and self.method.name == "graft"):
+            self.method.balance = False  # one direction only: balancing is inactive (Section 6.2)
+        for key in ("prompt_batch", "minibatch", "n", "max_new_tokens", "epochs", "checkpoint_every"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.nonfinite_loss not in ("skip", "stop"):
+            raise ConfigError(f"nonfinite_loss: must be skip or stop, got {self.nonfinite_loss!r}")
+
+
+# ---------------------------------------------------------------------------------- building
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+
+
+def _build(cls, data, where: str):
+    if dataclasses.is_dataclass(cls):
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, val in data.items():
+            if key not in fields:
+                raise ConfigError(f"unknown key {where + '.' if where else ''}{key}{_suggest(key, list(fields))}")
+            kwargs[key] = _build(hints[key], val, f"{where}.{key}" if where else key)
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where or 'config'}: {exc}") from None
+    origin = typing.get_origin(cls)
+    args = typing.get_args(cls)
+    if origin is list:
+        if not isinstance(data, list):
+            raise ConfigError(f"{where}: expected a list, got {type(data).__name__}")
+        return [_build(args[0], v, f"{where}.{i}") for i, v in enumerate(data)]
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if data is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _build(inner[0], data, where)
+    if origin is tuple:
+        return tuple(data)
+    if origin is dict or cls is dict:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        return data
+    if cls is float and isinstance(data, (int, float)) and not isinstance(data, bool):
+        return float(data)
+    if cls in (int, str, bool) and not isinstance(data, cls) or (cls is int and isinstance(data, bool)):
+        raise ConfigError(f"{where}: expected {cls.__name__}, got {data!r}")
+    return data
+
+
+def to_dict(obj) -> dict:
+    """A plain dict (YAML-ready) of a config dataclass."""
+    out = dataclasses.asdict(obj)
+
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items() if not k.startswith("_")}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return clean(out)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b=value`` overrides (value parsed as YAML; list items by index: ``policies.0.lr=1e-5``)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw)
+        parts = key.split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                node = node[int(part)]
+            else:
+                node = node.setdefault(part, [] if parts[i + 1].isdigit() else {})
+        last = parts[-1]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return data
+
+
+def load_config(path: str | Path | dict | None, overrides: list[str] | None = None) -> TrainConfig:
+    """A validated :class:`TrainConfig` from a YAML file (or dict) plus overrides."""
+    if path is None:
+        data: dict = {}
+    elif isinstance(path, dict):
+        data = dict(path)
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    data = apply_overrides(data, overrides or [])
+    cfg = _build(TrainConfig, data, "")
+    cfg.validate()
+    return cfg

@@ -1,0 +1,127 @@
+"""Per-minibatch objectives for a receiver (SPEC §4 layer 4): the clipped, compatibility-weighted
+token loss (GRAFT/GRPO, Section 4.2), LUFFY-style peer updates, HACPO's sequence-level loss,
+and SGT's auxiliary NLL. Each returns a micro-batch's *contribution* to the minibatch loss, so
+gradient accumulation over micro-batches reproduces the minibatch's token mean exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graft_rl import algo
+from graft_rl.config import MethodConfig
+
+__all__ = ["RowTensors", "Objective", "build_objective"]
+
+
+class RowTensors:
+    """Per-row tensors of a receiver batch (``M`` rows, ``T`` tokens), indexed by row."""
+
+    def __init__(self, old: torch.Tensor, mask: torch.Tensor, adv, weight, is_peer, include, is_aux, src_mean, kappa):
+        self.old, self.mask = old, mask
+        self.adv = torch.as_tensor(adv, dtype=torch.float32)
+        self.weight = torch.as_tensor(weight, dtype=torch.float32)
+        self.is_peer = torch.as_tensor(is_peer, dtype=torch.bool)
+        self.include = torch.as_tensor(include, dtype=torch.bool)
+        self.is_aux = torch.as_tensor(is_aux, dtype=torch.bool)
+        self.src_mean = torch.as_tensor(src_mean, dtype=torch.float32)
+        self.kappa = torch.as_tensor(kappa, dtype=torch.float32)
+
+    def rl_mask(self, rows) -> torch.Tensor:
+        keep = (self.include & ~self.is_aux)[rows].float()
+        return self.mask[rows] * keep[:, None]
+
+    def aux_mask(self, rows) -> torch.Tensor:
+        return self.mask[rows] * self.is_aux[rows].float()[:, None]
+
+
+def _clip_counts(lp, old, adv, mask, eps_low, eps_high) -> tuple[float, float]:
+    """(clipped tokens, tokens) of the token-clipped surrogate, for self/peer diagnostics (Table 9)."""
+    with torch.no_grad():
+        _, st = algo.policy_loss(lp.detach(), old, adv, mask, None, eps_low, eps_high)
+        return float(st["clip_frac"] * st["num_active_tokens"]), float(st["num_active_tokens"])
+
+
+class Objective:
+    def __init__(self, cfg: MethodConfig):
+        self.cfg = cfg
+
+    def minibatch(self, t: RowTensors, mb_rows: list[int], step: int):
+        """A ``loss_fn(lp, mask, micro_rows)`` closure for :meth:`Policy.update`; ``micro_rows`` index ``mb_rows``."""
+        rl_tokens = float(t.rl_mask(mb_rows).sum())
+        aux_tokens = float(t.aux_mask(mb_rows).sum())
+        mb = torch.tensor(mb_rows)
+
+        def fn(lp, mask, micro):
+            rows = mb[torch.tensor(micro)]
+            T = lp.shape[1]
+            old = t.old[rows, :T].to(lp.device)
+            rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
+            loss, stats = self.rl_loss(lp, old, rl_mask, t, rows, step)
+            total = loss * (float(rl_mask.sum()) / rl_tokens) if rl_tokens > 0 else lp.sum() * 0.0
+            aux_mask = t.aux_mask(rows)[:, :T].to(lp.device)
+            if aux_tokens > 0 and aux_mask.sum() > 0:
+                total = total + algo.sgt_nll(lp, aux_mask, self.cfg.sgt_coef) * (float(aux_mask.sum()) / aux_tokens)
+            # self vs peer clipping (paper Appendix H, Table 9): counts, summed by the trainer
+            adv = t.adv[rows].to(lp.device)
+            peer = t.is_peer[rows].to(lp.device)
+            for name, sel in (("self", ~peer), ("peer", peer)):
+                m = rl_mask * sel.float()[:, None]
+                c, n = _clip_counts(lp, old, adv, m, self.cfg.eps_low, self.cfg.eps_high)
+                stats[f"clipped_tokens_{name}"] = c
+                stats[f"tokens_{name}"] = n
+            return total, stats
+
+        return fn
+
+    def rl_loss(self, lp, old, mask, t: RowTensors, rows, step):
+        c = self.cfg
+        return algo.policy_loss(
+            lp, old, t.adv[rows].to(lp.device), mask, t.weight[rows].to(lp.device), c.eps_low, c.eps_high, c.ratio
+        )
+
+
+class LuffyObjective(Objective):
+    def rl_loss(self, lp, old, mask, t, rows, step):
+        c = self.cfg
+        return algo.luffy_policy_loss(
+            lp, old, t.adv[rows].to(lp.device), mask, t.is_peer[rows].to(lp.device), c.luffy_gamma, c.eps_low, c.eps_high
+        )
+
+
+class HacpoObjective(Objective):
+    """HACPO's loss is a mean over responses: a micro-batch contributes ``rows_in_micro / rows_in_minibatch``."""
+
+    def minibatch(self, t, mb_rows, step):
+        n_rows = float(sum(1 for r in mb_rows if bool(t.include[r]) and not bool(t.is_aux[r])))
+        mb = torch.tensor(mb_rows)
+        c = self.cfg
+
+        def fn(lp, mask, micro):
+            rows = mb[torch.tensor(micro)]
+            T = lp.shape[1]
+            rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
+            valid = rl_mask.sum(dim=1) > 0
+            if not bool(valid.any()):
+                return lp.sum() * 0.0, {}
+            loss, stats = algo.hacpo_policy_loss(
+                lp[valid],
+                t.old[rows, :T].to(lp.device)[valid],
+                t.src_mean[rows].to(lp.device)[valid],
+                t.adv[rows].to(lp.device)[valid],
+                rl_mask[valid],
+                t.is_peer[rows].to(lp.device)[valid],
+                step,
+                t.kappa[rows].to(lp.device)[valid],
+                c.hacpo_self_clip_low,
+                c.hacpo_self_clip_high,
+                c.hacpo_peer_clip_start,
+                c.hacpo_peer_clip_increment,
+            )
+            return loss * (float(valid.sum()) / max(n_rows, 1.0)), {k: float(v) for k, v in stats.items()}
+
+        return fn
+
+
+def build_objective(cfg: MethodConfig) -> Objective:
+    return {"luffy": LuffyObjective, "hacpo": HacpoObjective}.get(cfg.name, Objective)(cfg)

@@ -1,0 +1,135 @@
+"""Trajectory records (SPEC §5): one Parquet file per step per policy, written atomically.
+
+Layout: ``RUN_DIR/records/<policy>/step_<step:06d>.parquet``. One row per response: step,
+prompt id, prompt text, policy, group position, response text, token ids, generation
+log-probs, reward, finish reason. A file is written to a temporary name and renamed, so a
+crash never leaves a half-written record. A later run replays a peer from these records
+(Section 6.2) by prompt id, refusing a mismatched prompt text.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from graft_rl.policy import RolloutGroup
+
+__all__ = ["RecordStore", "RecordError", "SCHEMA"]
+
+SCHEMA = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("prompt_id", pa.string()),
+        ("prompt", pa.string()),
+        ("policy", pa.string()),
+        ("group_index", pa.int16()),
+        ("response", pa.string()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("gen_logprobs", pa.list_(pa.float32())),
+        ("reward", pa.float32()),
+        ("finish_reason", pa.string()),
+    ]
+)
+
+
+class RecordError(ValueError):
+    """Records that cannot be replayed; the message names the run, policy, step or prompt."""
+
+
+class RecordStore:
+    def __init__(self, run_dir: str | Path):
+        self.root = Path(run_dir) / "records"
+
+    def path(self, policy: str, step: int) -> Path:
+        return self.root / policy / f"step_{step:06d}.parquet"
+
+    def write(self, step: int, groups: list[RolloutGroup]) -> Path:
+        """Write one policy's groups of one step (all groups must come from one policy)."""
+        if not groups:
+            raise RecordError(f"step {step}: no groups to record")
+        policy = groups[0].policy
+        cols: dict[str, list] = {name: [] for name in SCHEMA.names}
+        for g in groups:
+            if g.policy != policy:
+                raise RecordError(f"step {step}: groups from {policy!r} and {g.policy!r} in one record file")
+            rewards = g.rewards or [float("nan")] * g.n
+            for i in range(g.n):
+                cols["step"].append(step)
+                cols["prompt_id"].append(g.prompt_id)
+                cols["prompt"].append(g.prompt)
+                cols["policy"].append(policy)
+                cols["group_index"].append(i)
+                cols["response"].append(g.texts[i])
+                cols["token_ids"].append(g.token_ids[i])
+                cols["gen_logprobs"].append(g.gen_logprobs[i])
+                cols["reward"].append(rewards[i])
+                cols["finish_reason"].append(g.finish_reasons[i])
+        table = pa.table(cols, schema=SCHEMA)
+        out = self.path(policy, step)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".parquet.tmp{os.getpid()}")
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, out)
+        return out
+
+    def steps(self, policy: str) -> list[int]:
+        d = self.root / policy
+        if not d.is_dir():
+            return []
+        return sorted(int(p.stem.split("_")[1]) for p in d.glob("step_*.parquet"))
+
+    def policies(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else []
+
+    def read(self, policy: str, step: int) -> list[RolloutGroup]:
+        """Groups of one policy at one step, in recorded prompt order."""
+        path = self.path(policy, step)
+        if not path.is_file():
+            have = self.policies()
+            if policy not in have:
+                raise RecordError(f"{self.root.parent}: no records for policy {policy!r} (have: {', '.join(have) or 'none'})")
+            raise RecordError(f"{self.root.parent}: policy {policy!r} has no record for step {step}")
+        rows = pq.read_table(path).to_pylist()
+        groups: dict[str, dict] = {}
+        for r in rows:
+            g = groups.setdefault(
+                r["prompt_id"], {"prompt": r["prompt"], "texts": [], "ids": [], "lps": [], "fin": [], "rew": []}
+            )
+            g["texts"].append(r["response"])
+            g["ids"].append(r["token_ids"])
+            g["lps"].append(r["gen_logprobs"])
+            g["fin"].append(r["finish_reason"])
+            g["rew"].append(r["reward"])
+        return [
+            RolloutGroup(pid, g["prompt"], policy, g["texts"], g["ids"], g["lps"], g["fin"], g["rew"])
+            for pid, g in groups.items()
+        ]
+
+    def truncate_after(self, step: int) -> int:
+        """Delete records of steps after ``step`` (resume rewrites them); returns how many."""
+        removed = 0
+        if not self.root.is_dir():
+            return 0
+        for pol in self.root.iterdir():
+            for f in pol.glob("step_*.parquet*"):
+                name = f.name.split(".")[0]
+                if ".tmp" in f.name or int(name.split("_")[1]) > step:
+                    f.unlink()
+                    removed += 1
+        return removed
+
+    def replay(self, policy: str, step: int, prompts: list[tuple[str, str]]) -> list[RolloutGroup]:
+        """The recorded groups for exactly these ``(prompt_id, prompt)`` pairs, in this order."""
+        recorded = {g.prompt_id: g for g in self.read(policy, step)}
+        out = []
+        for pid, text in prompts:
+            if pid not in recorded:
+                raise RecordError(f"{self.root.parent}: step {step} of {policy!r} has no record of prompt {pid!r}")
+            g = recorded[pid]
+            if g.prompt != text:
+                raise RecordError(f"{self.root.parent}: step {step}, prompt {pid!r}: recorded prompt text differs from this run's")
+            out.append(g)
+        return out
