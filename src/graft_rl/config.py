@@ -183,6 +183,11 @@ def _build(cls, data, where: str):
         return data
     if cls is float and isinstance(data, (int, float)) and not isinstance(data, bool):
         return float(data)
+    if cls is float and isinstance(data, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+        try:
+            return float(data)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {data!r}") from None
     if cls in (int, str, bool) and not isinstance(data, cls) or (cls is int and isinstance(data, bool)):
         raise ConfigError(f"{where}: expected {cls.__name__}, got {data!r}")
     return data

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graft_rl.config import load_config
+
+# success counts per policy per prompt (n = 4): reward(policy, q, i) = 1 if i < K[policy][q]
+K = {
+    "A": [1, 0, 2, 0, 4, 3, 0, 0],
+    "B": [0, 1, 0, 0, 0, 0, 4, 2],
+    "C": [0, 0, 3, 0, 0, 1, 0, 3],
+}
+# GRAFT between A and B: candidates A->B {q0, q2, q5}, B->A {q1, q7}; m = 2;
+# balanced A->B keeps the two largest k_A: {q2 (2), q5 (3)}; B->A keeps {q1, q7}.
+EXPECTED_A_TO_B = {"q2", "q5"}
+EXPECTED_B_TO_A = {"q1", "q7"}
+
+
+def fake_verify(self, groups):
+    """Deterministic rewards by (policy, prompt, response index), bypassing the verifier."""
+    for g in groups:
+        q = int(g.prompt_id[1:])
+        k = K.get(g.policy, K["A"])[q]
+        g.rewards = [1.0 if i < k else 0.0 for i in range(g.n)]
+    return {"verify_timeouts": 0, "verify_errors": 0}
+
+
+@pytest.fixture
+def fake_rewards(monkeypatch):
+    from graft_rl.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "arith.jsonl"
+    p.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_trio(tmp_path_factory, tiny_pair):
+    from graft_rl.policy.tiny import build_tiny_model, char_tokenizer
+
+    c = build_tiny_model(tmp_path_factory.mktemp("trio") / "c", "gpt2", char_tokenizer(chat_template=None), seed=7)
+    return (*tiny_pair, c)
+
+
+@pytest.fixture
+def make_cfg(tmp_path, tiny_pair, tiny_data):
+    def make(method: dict | None = None, steps: int = 2, run: str = "run", policies=None, **kw):
+        data = {
+            "run_dir": str(tmp_path / run),
+            "steps": steps,
+            "prompt_batch": 8,
+            "minibatch": 2,
+            "n": 4,
+            "max_new_tokens": 8,
+            "checkpoint_every": 1,
+            "data": {"train": str(tiny_data)},
+            "method": method or {"name": "graft"},
+            "policies": policies
+            or [
+                {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3},
+                {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3},
+            ],
+        }
+        data.update(kw)
+        return load_config(data)
+
+    return make

@@ -1,0 +1,292 @@
+"""End-to-end trainer tests with two (or three) tiny models of different tokenizers, on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import graft_rl.trainer as trainer_mod
+from graft_rl import algo
+from graft_rl.config import ConfigError, load_config
+from graft_rl.store import RecordError, RecordStore
+from graft_rl.trainer import Trainer
+
+from .conftest import EXPECTED_A_TO_B, EXPECTED_B_TO_A, K
+
+METHODS = {
+    "grpo": {"name": "grpo"},
+    "grpo_dynamic_sampling": {"name": "grpo", "dynamic_sampling": True, "dynamic_max_rounds": 1},
+    "graft": {"name": "graft"},
+    "graft_no_balance": {"name": "graft", "balance": False},
+    "graft_no_gate": {"name": "graft", "gate": False},
+    "graft_no_floor": {"name": "graft", "floor": False},
+    "graft_sequence_ratio": {"name": "graft", "ratio": "sequence"},
+    "graft_random_prompts": {"name": "graft", "selection": "random"},
+    "graft_random_admission": {"name": "graft", "admission": "random"},
+    "graft_peer_first": {"name": "graft", "position": "first"},
+    "graft_peer_uniform": {"name": "graft", "position": "uniform"},
+    "graft_pooled": {"name": "graft", "pooled": True},
+    "graft_success_only": {"name": "graft", "success_only": True},
+    "graft_per_char": {"name": "graft", "compatibility": "per_char"},
+    "sgt": {"name": "sgt"},
+    "sgt_graft_which": {"name": "sgt", "selection": "graft"},
+    "sgt_graft_how": {"name": "graft", "selection": "sgt", "balance": False},
+    "luffy": {"name": "luffy"},
+    "hacpo": {"name": "hacpo"},
+    "hacpo_graft_which": {"name": "hacpo", "selection": "graft"},
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_runs_two_steps(method, make_cfg, fake_rewards):
+    # dynamic sampling draws extra prompts from outside the batch: use half the data per batch
+    cfg = make_cfg(METHODS[method], **({"prompt_batch": 4} if "dynamic" in method else {}))
+    tr = Trainer(cfg, show_progress=False)
+    lines = tr.run()
+    assert [(ln["step"], ln["policy"]) for ln in lines] == [(1, "A"), (1, "B"), (2, "A"), (2, "B")]
+    for ln in lines:
+        assert ln["skipped_updates"] == 0 and ln["loss"] is not None
+    store = RecordStore(cfg.run_dir)
+    assert store.steps("A") == [1, 2] and store.steps("B") == [1, 2]
+    metrics = [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 4
+    if method in ("graft", "graft_pooled", "luffy"):
+        assert {ln["policy"]: ln["exchanged_in"] for ln in lines[:2]} == {"A": 2.0, "B": 2.0}
+    if method == "graft_no_balance":
+        assert {ln["policy"]: ln["exchanged_in"] for ln in lines[:2]} == {"A": 2.0, "B": 3.0}
+    if method == "grpo":
+        assert all(ln["exchanged_in"] == 0 for ln in lines)
+    if method == "grpo_dynamic_sampling":
+        assert all(ln["rollouts"] == 2 * 4 * 4 for ln in lines)  # one extra round of 4 prompts x 4, counted
+
+
+def test_graft_replaces_exactly_the_complementary_groups_with_source_advantages_last(make_cfg, fake_rewards, monkeypatch):
+    cfg = make_cfg({"name": "graft"}, steps=1)
+    tr = Trainer(cfg, show_progress=False)
+    seen, orders = {}, {}
+    real_train, real_order = tr._train_receiver, trainer_mod.algo.minibatch_order
+
+    def spy_train(name, batch, step):
+        seen[name] = batch
+        return real_train(name, batch, step)
+
+    def spy_order(is_peer, size, position, gen):
+        out = real_order(is_peer, size, position, gen)
+        orders[len(orders)] = (is_peer.clone(), out)
+        return out
+
+    monkeypatch.setattr(tr, "_train_receiver", spy_train)
+    monkeypatch.setattr(trainer_mod.algo, "minibatch_order", spy_order)
+    tr.run()
+    for receiver, source, expected in (("B", "A", EXPECTED_A_TO_B), ("A", "B", EXPECTED_B_TO_A)):
+        batch = seen[receiver]
+        grafted = {r.prompt_id for r in batch.rows if r.is_peer}
+        assert grafted == expected
+        assert all(r.source == source for r in batch.rows if r.is_peer)
+        # a grafted prompt carries the whole source group (n = 4) and no own response
+        for pid in expected:
+            rows = [r for r in batch.rows if r.prompt_id == pid]
+            assert len(rows) == 4 and all(r.is_peer for r in rows)
+            k = K[source][int(pid[1:])]
+            rewards = torch.tensor([[1.0 if i < k else 0.0 for i in range(4)]])
+            assert [r.advantage for r in rows] == pytest.approx(algo.grpo_advantages(rewards)[0].tolist())
+            assert all(r.weight == 0.0 or 0.8 < r.weight <= 1.0 for r in rows)
+        # own responses keep weight 1
+        assert all(r.weight == 1.0 for r in batch.rows if not r.is_peer)
+    # peer-last: in both receivers' orders every minibatch with a grafted group comes after the own-only ones
+    for is_peer, order in orders.values():
+        flags = [bool(is_peer[b].any()) for b in order]
+        assert flags == sorted(flags) and any(flags)
+
+
+def test_three_policies_take_the_peer_with_most_successes(tmp_path, tiny_trio, tiny_data, fake_rewards, monkeypatch):
+    a, b, c = tiny_trio
+    cfg = load_config(
+        {
+            "run_dir": str(tmp_path / "trio"),
+            "steps": 1,
+            "prompt_batch": 8,
+            "minibatch": 4,
+            "n": 4,
+            "max_new_tokens": 6,
+            "data": {"train": str(tiny_data)},
+            "method": {"name": "graft", "balance": False},
+            "policies": [
+                {"name": "A", "model": str(a)},
+                {"name": "B", "model": str(b)},
+                {"name": "C", "model": str(c)},
+            ],
+        }
+    )
+    tr = Trainer(cfg, show_progress=False)
+    seen = {}
+    real = tr._train_receiver
+    monkeypatch.setattr(tr, "_train_receiver", lambda n, bt, s: (seen.__setitem__(n, bt), real(n, bt, s))[1])
+    tr.run()
+    src_b = {r.prompt_id: r.source for r in seen["B"].rows if r.is_peer}
+    # B fails on q0 (A:1, C:0), q2 (A:2, C:3 -> C), q5 (A:3, C:1 -> A), q7? B has 2 -> no
+    assert src_b == {"q0": "A", "q2": "C", "q5": "A"}
+    src_a = {r.prompt_id: r.source for r in seen["A"].rows if r.is_peer}
+    # A fails on q1 (B:1), q3 (none), q6 (B:4 all-pass, C:0 -> none), q7 (B:2, C:3 -> C)
+    assert src_a == {"q1": "B", "q7": "C"}
+
+
+def test_stored_trajectory_replay_reproduces_online_selection(make_cfg, tiny_pair, fake_rewards, monkeypatch, tmp_path):
+    grpo = make_cfg({"name": "grpo"}, steps=1, run="peer_grpo")
+    Trainer(grpo, show_progress=False).run()
+    captured = {}
+
+    def capture(tr):
+        real = tr._train_receiver
+        monkeypatch.setattr(tr, "_train_receiver", lambda n, bt, s: (captured.setdefault(tr.cfg.run_dir, {}).__setitem__(n, bt), real(n, bt, s))[1])
+
+    online = make_cfg({"name": "graft", "balance": False}, steps=1, run="online")
+    tr_online = Trainer(online, show_progress=False)
+    capture(tr_online)
+    tr_online.run()
+    replay = make_cfg(
+        {"name": "graft"},
+        steps=1,
+        run="replay",
+        policies=[{"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3}],
+        peers=[{"records": grpo.run_dir, "policy": "B"}],
+    )
+    assert replay.method.balance is False  # one direction: balancing is inactive
+    tr_replay = Trainer(replay, show_progress=False)
+    assert "B" not in tr_replay.policies  # the peer model is never loaded
+    capture(tr_replay)
+    tr_replay.run()
+    on, re = captured[online.run_dir]["A"], captured[replay.run_dir]["A"]
+    assert [(r.prompt_id, r.text, r.advantage, r.weight) for r in on.rows] == [
+        (r.prompt_id, r.text, r.advantage, r.weight) for r in re.rows
+    ]
+    assert {r.prompt_id for r in re.rows if r.is_peer} == {"q1", "q7"}
+
+
+def test_replay_refuses_mismatched_prompt_and_missing_step(make_cfg, tiny_pair, fake_rewards, tmp_path):
+    grpo = make_cfg({"name": "grpo"}, steps=1, run="peer")
+    Trainer(grpo, show_progress=False).run()
+    replay = make_cfg(
+        {"name": "graft"},
+        steps=2,
+        run="replay2",
+        policies=[{"name": "A", "model": str(tiny_pair[0])}],
+        peers=[{"records": grpo.run_dir, "policy": "B"}],
+    )
+    tr = Trainer(replay, show_progress=False)
+    tr.run(max_steps=1)
+    with pytest.raises(RecordError, match="policy 'B' has no record for step 2"):
+        tr.run()
+    # tamper with a recorded prompt text
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = RecordStore(grpo.run_dir).path("B", 1)
+    t = pq.read_table(path)
+    t = t.set_column(t.schema.get_field_index("prompt"), "prompt", pa.array(["changed"] * t.num_rows))
+    pq.write_table(t, path)
+    replay3 = make_cfg(
+        {"name": "graft"}, steps=1, run="replay3", policies=[{"name": "A", "model": str(tiny_pair[0])}],
+        peers=[{"records": grpo.run_dir, "policy": "B"}],
+    )
+    with pytest.raises(RecordError, match="recorded prompt text differs"):
+        Trainer(replay3, show_progress=False).run()
+
+
+def _params(tr):
+    return {n: [p.detach().clone() for p in pol.model.parameters()] for n, pol in tr.policies.items()}
+
+
+def _strip(lines):
+    return [{k: v for k, v in ln.items() if not k.startswith("time_")} for ln in lines]
+
+
+def test_resume_reproduces_an_uninterrupted_run(make_cfg, fake_rewards):
+    full = Trainer(make_cfg({"name": "graft"}, steps=4, run="full", checkpoint_every=2), show_progress=False)
+    full.run()
+    part = Trainer(make_cfg({"name": "graft"}, steps=4, run="part", checkpoint_every=2), show_progress=False)
+    part.run(max_steps=3)  # "killed" after step 3: its records and metrics exist, the last checkpoint is step 2
+    assert RecordStore(part.run_dir).steps("A") == [1, 2, 3]
+    resumed = Trainer.resume(part.run_dir, show_progress=False)
+    assert resumed.start_step == 3
+    resumed.run()
+    for name in ("A", "B"):
+        for p, q in zip(_params(full)[name], _params(resumed)[name], strict=True):
+            assert torch.equal(p, q)
+    read = lambda tr: [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert _strip(read(full)) == _strip(read(resumed))
+    s_full, s_res = RecordStore(full.run_dir), RecordStore(resumed.run_dir)
+    assert s_full.steps("A") == s_res.steps("A") == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        for name in ("A", "B"):
+            a, b = s_full.read(name, step), s_res.read(name, step)
+            assert [(g.prompt_id, g.texts, g.rewards) for g in a] == [(g.prompt_id, g.texts, g.rewards) for g in b]
+
+
+def test_interrupt_saves_a_checkpoint_and_leaves_no_partial_step(make_cfg, fake_rewards, monkeypatch):
+    tr = Trainer(make_cfg({"name": "graft"}, steps=3, run="intr", checkpoint_every=10), show_progress=False)
+    real = tr._train_receiver
+
+    def boom(name, batch, step):
+        if step == 2 and name == "B":
+            raise KeyboardInterrupt
+        return real(name, batch, step)
+
+    monkeypatch.setattr(tr, "_train_receiver", boom)
+    with pytest.raises(KeyboardInterrupt):
+        tr.run()
+    assert (tr.run_dir / "checkpoints" / "step_000001" / "trainer_state.json").is_file()
+    assert RecordStore(tr.run_dir).steps("A") == [1]
+    resumed = Trainer.resume(tr.run_dir, show_progress=False)
+    assert resumed.start_step == 2
+    resumed.run()
+    assert RecordStore(tr.run_dir).steps("B") == [1, 2, 3]
+
+
+def test_nonfinite_loss_skips_the_update_and_is_logged(make_cfg, fake_rewards, monkeypatch):
+    tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="nan"), show_progress=False)
+    real = tr.objective.minibatch
+
+    def nan_minibatch(t, rows, step):
+        fn = real(t, rows, step)
+        return lambda lp, mask, micro: (fn(lp, mask, micro)[0] * float("nan"), {})
+
+    monkeypatch.setattr(tr.objective, "minibatch", nan_minibatch)
+    lines = tr.run()
+    assert all(ln["skipped_updates"] == ln["minibatches"] > 0 for ln in lines)
+    stop = Trainer(make_cfg({"name": "graft"}, steps=1, run="nan_stop", nonfinite_loss="stop"), show_progress=False)
+    monkeypatch.setattr(stop.objective, "minibatch", nan_minibatch)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        stop.run()
+
+
+def test_config_errors_are_one_clear_line(make_cfg, tiny_pair, tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key method.dleta; did you mean 'delta'\?"):
+        make_cfg({"name": "graft", "dleta": 0.9})
+    with pytest.raises(ConfigError, match=r"unknown key prompt_bach; did you mean 'prompt_batch'\?"):
+        make_cfg(prompt_bach=3)
+    with pytest.raises(ConfigError, match=r"method.position: 'middle' is not one of last, first, uniform"):
+        make_cfg({"name": "graft", "position": "middle"})
+    with pytest.raises(ConfigError, match="needs at least two policies"):
+        make_cfg({"name": "graft"}, policies=[{"name": "A", "model": str(tiny_pair[0])}])
+    with pytest.raises(ConfigError, match="fewer than prompt_batch"):
+        Trainer(make_cfg(prompt_batch=64), show_progress=False)
+
+
+def test_overrides_and_resolved_config(make_cfg, fake_rewards):
+    cfg = make_cfg({"name": "graft"}, steps=1, run="ov")
+    from graft_rl.config import apply_overrides, to_dict
+
+    data = apply_overrides(to_dict(cfg), ["method.delta=0.9", "policies.1.lr=5e-4", "n=2"])
+    cfg2 = load_config(data)
+    assert cfg2.method.delta == 0.9 and cfg2.policies[1].lr == 5e-4 and cfg2.n == 2
+    tr = Trainer(cfg2, show_progress=False)
+    import yaml
+
+    saved = yaml.safe_load((tr.run_dir / "config.yaml").read_text())
+    assert saved["method"]["delta"] == 0.9 and saved["policies"][1]["lr"] == 5e-4
+    with pytest.raises(ConfigError, match="already holds a run"):
+        tr.run()
+        Trainer(cfg2, show_progress=False)
