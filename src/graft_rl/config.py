@@ -18,7 +18,7 @@ import yaml
 
 from graft_rl.policy import PolicyConfig
 
-__all__ = ["ConfigError", "DataConfig", "MethodConfig", "PeerRecords", "TrainConfig", "load_config", "apply_overrides", "to_dict"]
+__all__ = ["ConfigError", "DataConfig", "MethodConfig", "PeerRecords", "TrainConfig", "ValidationConfig", "load_config", "apply_overrides", "to_dict"]
 
 
 class ConfigError(ValueError):
@@ -94,6 +94,25 @@ class MethodConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """Validation during training and best-checkpoint selection (paper Appendix B, Evaluation).
+
+    Every ``every`` steps (and before the first step and after the last) each policy is
+    evaluated on each dataset; the aggregate score is the unweighted mean of the datasets'
+    pass@1, and the best-scoring checkpoint of each policy is kept in ``RUN_DIR/best/``.
+    """
+
+    data: list[str] = field(default_factory=list)  # dataset names/paths; e.g. [math500, aime24, aime25, amc23, minerva]
+    every: int = 5
+    samples: int = 1  # responses per problem (pass@1 = mean correctness)
+    limit: int | None = None  # first N problems of each dataset
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_new_tokens: int = 4096
+    at_start: bool = True
+
+
+@dataclass
 class PeerRecords:
     """A peer replayed from a finished run's trajectory records (Section 6.2): never loaded as a model."""
 
@@ -119,6 +138,7 @@ class TrainConfig:
     nonfinite_loss: str = "skip"  # skip (log, keep going) | stop
     tensorboard: bool = False
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     policies: list[PolicyConfig] = field(default_factory=list)
     peers: list[PeerRecords] = field(default_factory=list)
@@ -167,6 +187,8 @@ def _build(cls, data, where: str):
     origin = typing.get_origin(cls)
     args = typing.get_args(cls)
     if origin is list:
+        if isinstance(data, str) and args and args[0] is str:  # "a,b,c" for a list of names
+            data = [x.strip() for x in data.split(",") if x.strip()]
         if not isinstance(data, list):
             raise ConfigError(f"{where}: expected a list, got {type(data).__name__}")
         return [_build(args[0], v, f"{where}.{i}") for i, v in enumerate(data)]

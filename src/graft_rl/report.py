@@ -21,9 +21,15 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
 
+def read_validation(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "validation.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
 def run_summary(run_dir: str | Path) -> list[dict]:
-    """Per policy: steps, first/last reward, groups received, admitted fraction, clip fractions, time."""
+    """Per policy: steps, first/last reward, validation before/after/best, groups received, admitted fraction, time."""
     lines = read_metrics(run_dir)
+    val = read_validation(run_dir)
     out = []
     for name in dict.fromkeys(ln["policy"] for ln in lines):
         mine = [ln for ln in lines if ln["policy"] == name]
@@ -39,6 +45,10 @@ def run_summary(run_dir: str | Path) -> list[dict]:
                 "clip_frac_self": _mean(ln.get("clip_frac_self") for ln in mine),
                 "clip_frac_peer": _mean(ln.get("clip_frac_peer") for ln in mine),
                 "rollouts": sum(ln.get("rollouts") or 0 for ln in mine),
+                "val_before": next((v["val/score"] for v in val if v["policy"] == name), None),
+                "val_after": next((v["val/score"] for v in reversed(val) if v["policy"] == name), None),
+                "val_best": max((v["val/score"] for v in val if v["policy"] == name), default=None),
+                "best_step": next((v.get("best_step") for v in reversed(val) if v["policy"] == name), None),
                 "seconds": sum((ln.get("time_generate") or 0) + (ln.get("time_reward") or 0)
                                + (ln.get("time_score") or 0) + (ln.get("time_update") or 0) for ln in mine),
             }
@@ -60,14 +70,19 @@ def print_run_summary(run_dir: str | Path) -> None:
 
     rows = run_summary(run_dir)
     table = Table(title=f"graft run {run_dir}")
-    cols = [("policy", False), ("steps", False), ("reward (first 25%)", True), ("reward (last 25%)", True),
-            ("groups received", False), ("admitted", True), ("clip self", True), ("clip peer", True), ("train s", False)]
+    cols = [("policy", False), ("steps", False), ("reward first¼", True), ("reward last¼", True),
+            ("val before", True), ("val after", True), ("val best (step)", True),
+            ("groups in", False), ("admitted", True), ("clip self", True), ("clip peer", True), ("train s", False)]
     for c, _ in cols:
         table.add_column(c)
     for r in rows:
         table.add_row(
             r["policy"], str(r["steps"]), _fmt(r["reward_first"], True), _fmt(r["reward_last"], True),
+            _fmt(r["val_before"], True), _fmt(r["val_after"], True),
+            f"{_fmt(r['val_best'], True)} ({r['best_step']})" if r["val_best"] is not None else "-",
             str(int(r["exchanged_in"])), _fmt(r["admitted_frac"], True), _fmt(r["clip_frac_self"], True),
             _fmt(r["clip_frac_peer"], True), f"{r['seconds']:.0f}",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 150)).print(table)
+    print("reward: training-batch pass rate; val: held-out pass@1 (validation.jsonl); groups in: peer groups grafted "
+          "into this policy; admitted: peer responses passing the compatibility gate.")

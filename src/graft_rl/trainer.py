@@ -93,6 +93,8 @@ class Trainer:
         if ckpt is not None:
             self._restore(ckpt)
         self._tb = self._tensorboard() if cfg.tensorboard else None
+        self.val_sets = {name: load_dataset(name, cfg.validation.limit) for name in cfg.validation.data}
+        self.best: dict[str, dict] = self._best_from_log()
 
     # ------------------------------------------------------------------ data order
     def prompts_for_step(self, step: int) -> list[tuple[str, str]]:
@@ -300,6 +302,52 @@ class Trainer:
             line.update(self._train_receiver(name, batch, step))
         return [lines[n] for n in self.policies]
 
+    # ------------------------------------------------------------------ validation
+    def validate(self, step: int) -> list[dict]:
+        """Evaluate every policy on the validation sets; keep each policy's best checkpoint."""
+        if not self.val_sets:
+            return []
+        from graft_rl.evaluation import evaluate_policy
+
+        v = self.cfg.validation
+        lines = []
+        for name, pol in self.policies.items():
+            line: dict = {"step": step, "policy": name}
+            t0 = time.perf_counter()
+            scores = []
+            for ds, problems in self.val_sets.items():
+                res = evaluate_policy(
+                    pol, problems, verifier_for(ds, problems[0]), v.samples, v.temperature, v.top_p, v.max_new_tokens,
+                    seed=derive_seed(self.cfg.seed, 7, step, self.names.index(name)), timeout=self.cfg.data.verify_timeout,
+                )
+                line[f"val/{Path(ds).stem}"] = res["pass@1"]
+                scores.append(res["pass@1"])
+            line["val/score"] = statistics.fmean(scores)
+            line["time_validate"] = time.perf_counter() - t0
+            best = self.best.get(name)
+            if best is None or line["val/score"] > best["score"]:
+                self.best[name] = {"step": step, "score": line["val/score"]}
+                pol.save(self.run_dir / "best" / name)
+                (self.run_dir / "best" / "best.json").write_text(json.dumps(self.best, indent=1))
+            line["best_step"] = self.best[name]["step"]
+            lines.append(line)
+        with (self.run_dir / "validation.jsonl").open("a") as f:
+            for line in lines:
+                f.write(json.dumps(_finite(line)) + "\n")
+        return lines
+
+    def _best_from_log(self) -> dict[str, dict]:
+        best: dict[str, dict] = {}
+        path = self.run_dir / "validation.jsonl"
+        if path.is_file():
+            for ln in path.read_text().splitlines():
+                if ln.strip():
+                    d = json.loads(ln)
+                    b = best.get(d["policy"])
+                    if b is None or d["val/score"] > b["score"]:
+                        best[d["policy"]] = {"step": d["step"], "score": d["val/score"]}
+        return best
+
     # ------------------------------------------------------------------ run
     def run(self, max_steps: int | None = None) -> list[dict]:
         """Train from ``start_step`` to the end (or ``max_steps`` steps, for tests); returns the metric lines."""
@@ -314,12 +362,16 @@ class Trainer:
         except ValueError:  # not the main thread
             pass
         try:
+            if self.start_step == 1 and self.cfg.validation.at_start and self.val_sets:
+                self.validate(0)
             for step in bar:
                 lines = self.step(step)
                 self._write_metrics(lines)
                 all_lines.extend(lines)
                 done = step
                 bar.set_postfix_str(_summary(lines))
+                if self.val_sets and (step % self.cfg.validation.every == 0 or step == self.total_steps):
+                    self.validate(step)
                 if step % self.cfg.checkpoint_every == 0 or step == self.total_steps:
                     self.save_checkpoint(step)
         except KeyboardInterrupt:
@@ -389,12 +441,12 @@ class Trainer:
                 self.success_history[k].extend(v)
         self.start_step = step + 1
         # drop what the interrupted run wrote after the checkpoint: it is recomputed identically
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            kept = [ln for ln in metrics.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-            tmp = metrics.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept))
-            os.replace(tmp, metrics)
+        for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl"):
+            if log.exists():
+                kept = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+                tmp = log.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(ln + "\n" for ln in kept))
+                os.replace(tmp, log)
         self.store.truncate_after(step)
 
     @classmethod

@@ -1,0 +1,74 @@
+"""pass@k evaluation of a policy on verifiable problems (paper Section 5.1, Evaluation).
+
+pass@1 is estimated by averaging correctness over the ``k`` samples of each problem, then
+over problems; pass@k uses the unbiased estimator of Chen et al. (2021),
+``1 - C(n - c, k) / C(n, k)`` for ``c`` correct out of ``n`` samples.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from graft_rl.data import Problem
+from graft_rl.policy import Policy, SamplingParams
+from graft_rl.rewards import score_responses
+
+__all__ = ["pass_at_k", "evaluate_policy"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``c`` correct of ``n`` samples.
+
+    Example:
+        >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 4), round(pass_at_k(4, 2, 2), 4)
+        (0.25, 1.0, 0.8333)
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate_policy(
+    policy: Policy,
+    problems: Sequence[Problem],
+    verifier: str = "math",
+    samples: int = 8,
+    temperature: float = 0.6,
+    top_p: float = 0.95,
+    max_new_tokens: int = 4096,
+    seed: int = 0,
+    timeout: float = 5.0,
+    batch_prompts: int = 64,
+) -> dict:
+    """Sample ``samples`` responses per problem and verify them.
+
+    Returns ``{"pass@1", "pass@k": {k: value}, "correct": [c per problem], "samples", "n_problems",
+    "truncated_frac"}``; pass@k for every power of two up to ``samples`` and ``samples`` itself.
+    """
+    sp = SamplingParams(samples, temperature, top_p, 0, max_new_tokens)
+    correct: list[int] = []
+    truncated = total = 0
+    for s in range(0, len(problems), batch_prompts):
+        chunk = list(problems[s : s + batch_prompts])
+        groups = policy.generate([(p.id, p.problem) for p in chunk], sp, seed=seed + s)
+        flat = [(p, t) for p, g in zip(chunk, groups, strict=True) for t in g.texts]
+        scores, _ = score_responses(
+            [t for _, t in flat], [p.answer for p, _ in flat], verifier, [p.source for p, _ in flat], [p.id for p, _ in flat], timeout
+        )
+        for i in range(len(chunk)):
+            correct.append(int(sum(scores[i * samples : (i + 1) * samples])))
+        truncated += sum(f == "length" for g in groups for f in g.finish_reasons)
+        total += sum(g.n for g in groups)
+    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, samples) if k <= samples})
+    return {
+        "pass@1": statistics.fmean(c / samples for c in correct),
+        "pass@k": {k: statistics.fmean(pass_at_k(samples, c, k) for c in correct) for k in ks},
+        "correct": correct,
+        "samples": samples,
+        "n_problems": len(problems),
+        "truncated_frac": truncated / max(total, 1),
+    }

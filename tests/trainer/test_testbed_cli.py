@@ -1,0 +1,114 @@
+"""The CPU testbed, validation with best-checkpoint selection, pass@k, and the `graft train` command."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import yaml
+
+from graft_rl.cli import main
+from graft_rl.config import load_config
+from graft_rl.data import load_jsonl
+from graft_rl.evaluation import pass_at_k
+from graft_rl.rewards import verify_gsm8k
+from graft_rl.testbed import TASKS, ensure_testbed, make_problem, make_split
+from graft_rl.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def testbed(tmp_path_factory):
+    return ensure_testbed(tmp_path_factory.mktemp("testbed"), warmup_seconds=3, pool=120, heldout=24, progress=False)
+
+
+def test_problems_are_verifiable_and_solutions_correct():
+    rng = random.Random(0)
+    for kind in TASKS:
+        for _ in range(50):
+            expr, sol, ans = make_problem(kind, rng)
+            assert verify_gsm8k([sol], [ans]) == [1.0]
+            assert eval(expr.removesuffix("=?")) == int(ans)  # noqa: S307 - our own arithmetic strings
+
+
+def test_splits_are_reproducible_and_disjoint(testbed):
+    assert make_split(50, 3) == make_split(50, 3)
+    train = {p.problem for p in load_jsonl(testbed.train_file)}
+    held = {p.problem for p in load_jsonl(testbed.eval_file)}
+    assert len(train) == 120 and not train & held
+
+
+def test_pair_differs_in_architecture_tokenizer(testbed):
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert AutoConfig.from_pretrained(testbed.model_a).model_type == "llama"
+    assert AutoConfig.from_pretrained(testbed.model_b).model_type == "gpt2"
+    ta, tb = AutoTokenizer.from_pretrained(testbed.model_a), AutoTokenizer.from_pretrained(testbed.model_b)
+    text = "12*7=84. \\boxed{84}"
+    assert len(ta(text).input_ids) > len(tb(text).input_ids)
+
+
+def test_testbed_build_is_cached(testbed):
+    stamp = (testbed.root / "testbed.json").stat().st_mtime
+    again = ensure_testbed(testbed.root, warmup_seconds=3, pool=120, heldout=24, progress=False)
+    assert (again.root / "testbed.json").stat().st_mtime == stamp
+
+
+def test_pass_at_k_unbiased_estimator():
+    assert pass_at_k(8, 0, 1) == 0.0 and pass_at_k(8, 8, 8) == 1.0
+    assert pass_at_k(8, 2, 1) == pytest.approx(0.25)
+    assert pass_at_k(8, 2, 4) == pytest.approx(1 - (6 * 5 * 4 * 3) / (8 * 7 * 6 * 5))
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def _small(testbed, tmp_path, **kw):
+    data = testbed.train_config(run_dir=str(tmp_path / "run"))
+    data.update(steps=3, prompt_batch=8, minibatch=4, n=2, max_new_tokens=16, checkpoint_every=2)
+    data["validation"].update(every=2, samples=2, limit=8, max_new_tokens=16)
+    data.update(kw)
+    return data
+
+
+def test_validation_and_best_checkpoint(testbed, tmp_path):
+    tr = Trainer(load_config(_small(testbed, tmp_path)), show_progress=False)
+    tr.run()
+    val = [json.loads(x) for x in (tr.run_dir / "validation.jsonl").read_text().splitlines()]
+    assert [(v["step"], v["policy"]) for v in val] == [(0, "A"), (0, "B"), (2, "A"), (2, "B"), (3, "A"), (3, "B")]
+    best = json.loads((tr.run_dir / "best" / "best.json").read_text())
+    for name in ("A", "B"):
+        scores = [v["val/score"] for v in val if v["policy"] == name]
+        steps = [v["step"] for v in val if v["policy"] == name]
+        assert best[name]["score"] == max(scores)
+        assert best[name]["step"] == steps[scores.index(max(scores))]  # first step reaching the best score
+        assert (tr.run_dir / "best" / name / "config.json").is_file()
+
+
+def test_cli_train_config_file_and_summary(testbed, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(_small(testbed, tmp_path)))
+    assert main(["train", str(cfg), "steps=2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "val before" in out and "groups in" in out
+    assert (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()
+    # resume a finished run: nothing left to do, still a clean exit
+    assert main(["train", "--resume", str(tmp_path / "run"), "--no-progress"]) == 0
+
+
+def test_cli_bad_input_is_one_line(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("method: {name: graft, dleta: 0.9}\n")
+    assert main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["graft train: unknown key method.dleta; did you mean 'delta'?"]
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_cli_default_uses_the_cached_testbed(testbed, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GRAFT_RL_CACHE", str(testbed.root.parent))
+    (testbed.root.parent / "testbed").symlink_to(testbed.root)
+    monkeypatch.chdir(tmp_path)
+    args = ["steps=1", "prompt_batch=8", "n=2", "max_new_tokens=8", "validation.limit=4", "validation.samples=1", "--no-progress"]
+    assert main(["train", *args]) == 0
+    assert (tmp_path / "runs" / "demo" / "metrics.jsonl").is_file()
