@@ -1,0 +1,209 @@
+"""GRAFT vs baselines on the CPU testbed: held-out pass@1, training-pool coverage, wall time, rollouts.
+
+Trains the testbed pair (graft_rl.testbed) on a fixed pool of prompts with each method for the
+same number of steps and seeds, evaluates both models on held-out prompts (T=1, top-p 1,
+``--eval-samples`` per prompt) before, during and after training, and writes:
+
+- ``OUT/results.md``: per method and model, final held-out pass@1 mean ± std over seeds,
+  Δ vs GRPO (n=8), training-pool coverage (prompts solved at least once), rollouts, wall time;
+- ``OUT/curves.png``: held-out pass@1 vs step and vs wall time (mean over seeds);
+- ``OUT/complementarity.md``: Fig. 1 at the start: fraction of one model's all-fail held-out
+  prompts that the other solves at least once;
+- ``OUT/runs/...``: every run directory (records, metrics, validation).
+
+Reproduce (about 2-4 minutes per run on 2 cores):
+    python benchmarks/testbed.py --seeds 0 1 2 --steps 30 \
+        --methods grpo_n8 grpo_n16 graft graft_stored graft_no_gate sgt
+Methods available: see METHODS below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+METHODS: dict[str, dict] = {
+    "grpo_n8": {"method": {"name": "grpo"}},
+    "grpo_n16": {"method": {"name": "grpo"}, "n": 16},
+    "grpo_n32": {"method": {"name": "grpo"}, "n": 32},
+    "grpo_dynamic": {"method": {"name": "grpo", "dynamic_sampling": True}},
+    "graft": {"method": {"name": "graft"}},
+    "graft_stored": {"stored": True},  # each model replays the other's grpo_n8 records (same seed)
+    "graft_no_gate": {"method": {"name": "graft", "gate": False}},
+    "graft_no_floor": {"method": {"name": "graft", "floor": False}},
+    "graft_no_balance": {"method": {"name": "graft", "balance": False}},
+    "graft_seq_ratio": {"method": {"name": "graft", "ratio": "sequence"}},
+    "graft_peer_first": {"method": {"name": "graft", "position": "first"}},
+    "graft_per_char": {"method": {"name": "graft", "compatibility": "per_char"}},
+    "sgt": {"method": {"name": "sgt"}},
+}
+
+
+def run_one(tb, out: Path, method: str, seed: int, steps: int, eval_prompts: int, eval_samples: int, every: int) -> Path:
+    from graft_rl.config import load_config
+    from graft_rl.trainer import Trainer
+
+    spec = METHODS[method]
+    run_dir = out / "runs" / f"{method}_s{seed}"
+    if (run_dir / "done.json").is_file():
+        return run_dir
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    base = tb.train_config(run_dir=str(run_dir))
+    base.update(seed=seed, steps=steps, checkpoint_every=steps)
+    base["validation"].update(every=every, samples=eval_samples, limit=eval_prompts, temperature=1.0, top_p=1.0)
+    for k, v in spec.items():
+        if k != "stored":
+            base[k] = v
+    t0 = time.perf_counter()
+    if spec.get("stored"):
+        peer_run = run_one(tb, out, "grpo_n8", seed, steps, eval_prompts, eval_samples, every)
+        policies = base["policies"]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for recv, peer in (("A", "B"), ("B", "A")):
+            cfg = dict(base, run_dir=str(run_dir / recv), method={"name": "graft"},
+                       policies=[p for p in policies if p["name"] == recv], peers=[{"records": str(peer_run), "policy": peer}])
+            Trainer(load_config(cfg), show_progress=False).run()
+    else:
+        Trainer(load_config(base), show_progress=False).run()
+    (run_dir / "done.json").write_text(json.dumps({"seconds": time.perf_counter() - t0}))
+    return run_dir
+
+
+def _logs(run_dir: Path, name: str) -> tuple[list[dict], list[dict], Path]:
+    d = run_dir / name if (run_dir / name / "metrics.jsonl").is_file() else run_dir
+    metrics = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    val = [json.loads(x) for x in (d / "validation.jsonl").read_text().splitlines() if x.strip()]
+    return [m for m in metrics if m["policy"] == name], [v for v in val if v["policy"] == name], d
+
+
+def summarize(out: Path, methods: list[str], seeds: list[int]) -> None:
+    from graft_rl.store import RecordStore
+
+    rows, curves = [], {}
+    done_seeds = {m: [s for s in seeds if (out / "runs" / f"{m}_s{s}" / "done.json").is_file()] for m in methods}
+    methods = [m for m in methods if done_seeds[m]]
+    for method in methods:
+        for name in ("A", "B"):
+            finals, covs, walls, rolls = [], [], [], []
+            for seed in done_seeds[method]:
+                m, v, d = _logs(out / "runs" / f"{method}_s{seed}", name)
+                finals.append(v[-1]["val/score"])
+                store = RecordStore(d)
+                solved, seen = set(), set()
+                for step in store.steps(name):
+                    for g in store.read(name, step):
+                        seen.add(g.prompt_id)
+                        if any(r > 0 for r in g.rewards):
+                            solved.add(g.prompt_id)
+                covs.append(len(solved) / max(len(seen), 1))
+                walls.append(sum(x.get(k) or 0 for x in m for k in ("time_generate", "time_reward", "time_score", "time_update")))
+                rolls.append(sum(x["rollouts"] for x in m))
+                curves.setdefault((method, name), []).append(
+                    [(x["step"], x["val/score"]) for x in v]
+                )
+            rows.append((method, name, finals, covs, walls, rolls))
+    base = {name: statistics.fmean(f) for meth, name, f, *_ in rows if meth == "grpo_n8"}
+    start = {}
+    for meth, name, *_ in rows:
+        _, v, _ = _logs(out / "runs" / f"{meth}_s{done_seeds[meth][0]}", name)
+        start.setdefault(name, v[0]["val/score"])
+    lines = [
+        f"Held-out pass@1 (T=1; seeds per method: {', '.join(f'{m} {done_seeds[m]}' for m in methods)}); start: "
+        + ", ".join(f"{n} {100 * s:.1f}%" for n, s in start.items()),
+        "",
+        "| method | model | held-out pass@1 (mean ± std) | Δ vs GRPO n=8 | pool coverage | rollouts | train s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for method, name, finals, covs, walls, rolls in rows:
+        mean = statistics.fmean(finals)
+        std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        delta = f"{100 * (mean - base[name]):+.1f}" if name in base else "-"
+        lines.append(
+            f"| {method} | {name} | {100 * mean:.1f} ± {100 * std:.1f} | {delta} | {100 * statistics.fmean(covs):.1f}% | "
+            f"{statistics.fmean(rolls):.0f} | {statistics.fmean(walls):.0f} |"
+        )
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    _plot(out, curves, rows)
+
+
+def _plot(out: Path, curves: dict, rows) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for name, ax in zip(("A", "B"), axes, strict=True):
+        for (method, n), runs in curves.items():
+            if n != name:
+                continue
+            steps = [s for s, _ in runs[0]]
+            means = [statistics.fmean(r[i][1] for r in runs) for i in range(len(steps))]
+            ax.plot(steps, [100 * m for m in means], marker="o", label=method)
+        ax.set_title(f"model {name}: held-out pass@1 vs step")
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("pass@1 (%)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=120)
+
+
+def complementarity(tb, out: Path, eval_prompts: int, eval_samples: int) -> None:
+    from graft_rl.data import load_jsonl
+    from graft_rl.evaluation import evaluate_policy
+    from graft_rl.policy import Policy, PolicyConfig
+
+    held = load_jsonl(tb.eval_file)[:eval_prompts]
+    correct = {}
+    for d in tb.policy_dicts():
+        pol = Policy(PolicyConfig(**d))
+        correct[d["name"]] = evaluate_policy(pol, held, "gsm8k", eval_samples, 1.0, 1.0, 40)["correct"]
+    lines = ["| receiver | all-fail prompts | peer solves ≥1 | fraction |", "|---|---:|---:|---:|"]
+    for r, p in (("A", "B"), ("B", "A")):
+        fails = [i for i, c in enumerate(correct[r]) if c == 0]
+        solved = sum(1 for i in fails if correct[p][i] > 0)
+        lines.append(f"| {r} (peer {p}) | {len(fails)} | {solved} | {solved / max(len(fails), 1):.2f} |")
+    text = f"Complementarity at the start (Fig. 1), {len(held)} held-out prompts × {eval_samples} samples, T=1:\n\n" + "\n".join(lines)
+    (out / "complementarity.md").write_text(text + "\n")
+    print(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=["grpo_n8", "grpo_n16", "graft", "graft_stored", "graft_no_gate", "sgt"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--every", type=int, default=10, help="validation every N steps")
+    ap.add_argument("--eval-prompts", type=int, default=256)
+    ap.add_argument("--eval-samples", type=int, default=16)
+    ap.add_argument("--out", default="docs/testbed")
+    ap.add_argument("--summarize-only", action="store_true")
+    args = ap.parse_args()
+    from graft_rl.defaults import cache_dir
+    from graft_rl.testbed import ensure_testbed
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tb = ensure_testbed(cache_dir() / "testbed")
+    if not args.summarize_only:
+        if not (out / "complementarity.md").is_file():
+            complementarity(tb, out, args.eval_prompts, args.eval_samples)
+        for seed in args.seeds:
+            for method in args.methods:
+                t0 = time.perf_counter()
+                run_one(tb, out, method, seed, args.steps, args.eval_prompts, args.eval_samples, args.every)
+                print(f"{method} seed {seed}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    summarize(out, args.methods, args.seeds)
+
+
+if __name__ == "__main__":
+    main()
