@@ -251,6 +251,31 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(p: Path, depth: int = 0) -> dict:
+    """Read a YAML config; a ``base: FILE`` key (relative to this file) is loaded first and deep-merged under it."""
+    if not p.is_file():
+        raise ConfigError(f"config file {p} not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: a config must be a mapping of keys to values")
+    if "base" in data:
+        if depth > 8:
+            raise ConfigError(f"{p}: 'base' chain deeper than 8 files (a cycle?)")
+        base_path = (p.parent / str(data.pop("base"))).resolve()
+        data = _merge(_read_yaml(base_path, depth + 1), data)
+    return data
+
+
 def load_config(path: str | Path | dict | None, overrides: list[str] | None = None) -> TrainConfig:
     """A validated :class:`TrainConfig` from a YAML file (or dict) plus overrides."""
     if path is None:
@@ -258,13 +283,7 @@ def load_config(path: str | Path | dict | None, overrides: list[str] | None = No
     elif isinstance(path, dict):
         data = dict(path)
     else:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} not found")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        data = _read_yaml(Path(path))
     data = apply_overrides(data, overrides or [])
     cfg = _build(TrainConfig, data, "")
     cfg.validate()

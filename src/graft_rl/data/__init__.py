@@ -98,7 +98,7 @@ def _row(obj: object, where: str) -> Problem:
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> list[Problem]:
     """Read a JSONL problem file; a malformed row raises one :class:`DatasetError` naming file and line."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
     rows: list[Problem] = []
@@ -134,7 +134,7 @@ def load_dataset(name_or_path: str, limit: int | None = None) -> list[Problem]:
         seed = int(parts[3]) if len(parts) > 3 else 0
         rows = ReasoningGymTask(parts[1], size=size, seed=seed).problems()
         return rows[:limit] if limit is not None else rows
-    path = Path(name_or_path)
+    path = Path(name_or_path).expanduser()
     if path.suffix == ".jsonl" or path.exists():
         return load_jsonl(path, limit)
     raise DatasetError(

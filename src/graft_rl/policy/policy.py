@@ -83,6 +83,13 @@ def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, chun
     return torch.cat(out, dim=1) if out else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
 
 
+def _is_hub_id(name: str) -> bool:
+    """``org/name`` (a Hugging Face hub id, fetched by transformers where a network allows it)."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name)) and not Path(name.split("/")[0]).exists()
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -100,16 +107,19 @@ class Policy:
         self.config = config
         self.name = config.name
         try:
-            path = Path(zoo.resolve(config.model))
+            path = Path(zoo.resolve(config.model)).expanduser()
         except FileNotFoundError as exc:
             raise PolicyError(f"policy {config.name!r}: {exc}") from None
-        if not path.exists():
+        if not path.exists() and not _is_hub_id(config.model):
             raise PolicyError(f"policy {config.name!r}: model path {config.model!r} does not exist")
         gguf = config.gguf_file
         if gguf is None and path.is_file() and path.suffix == ".gguf":
             path, gguf = path.parent, path.name
         self.model_dir = path
         tok_path = Path(config.tokenizer) if config.tokenizer else path
+        if not path.exists():  # a hub id: keep it a string for transformers
+            path = config.model  # type: ignore[assignment]
+            tok_path = config.tokenizer or config.model  # type: ignore[assignment]
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(tok_path, gguf_file=gguf if not config.tokenizer else None)
         except Exception as exc:  # noqa: BLE001 - transformers raises many types here
