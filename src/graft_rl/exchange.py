@@ -49,6 +49,7 @@ class Row:
     advantage: float
     src_logprob_sum: float  # sum of the source's generation log-probs
     src_mean_logprob: float  # mean of the same (paper's l-bar)
+    index: int = 0  # position in the source's group
     is_aux: bool = False  # SGT auxiliary NLL target, not in the policy-gradient term
     include: bool = True  # False: removed from numerator and denominator (success-only)
     weight: float = 1.0  # compatibility weight, set by the weighting after scoring
@@ -96,6 +97,7 @@ def _rows_of(group: RolloutGroup, gi: int, is_peer: bool, adv: list[float]) -> l
                 advantage=float(adv[i]),
                 src_logprob_sum=s,
                 src_mean_logprob=s / len(lps) if lps else math.nan,
+                index=i,
             )
         )
     return rows

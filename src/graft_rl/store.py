@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from graft_rl.policy import RolloutGroup
 
-__all__ = ["RecordStore", "RecordError", "SCHEMA"]
+__all__ = ["RecordStore", "RecordError", "SCHEMA", "EXCHANGE_SCHEMA"]
 
 SCHEMA = pa.schema(
     [
@@ -31,6 +31,24 @@ SCHEMA = pa.schema(
         ("gen_logprobs", pa.list_(pa.float32())),
         ("reward", pa.float32()),
         ("finish_reason", pa.string()),
+    ]
+)
+
+
+EXCHANGE_SCHEMA = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("receiver", pa.string()),
+        ("prompt_id", pa.string()),
+        ("source", pa.string()),
+        ("group_index", pa.int16()),
+        ("reward", pa.float32()),
+        ("advantage", pa.float32()),
+        ("weight", pa.float32()),
+        ("compat_token", pa.float32()),
+        ("compat_char", pa.float32()),
+        ("included", pa.bool_()),
+        ("auxiliary", pa.bool_()),
     ]
 )
 
@@ -75,6 +93,28 @@ class RecordStore:
         os.replace(tmp, out)
         return out
 
+    def write_exchange(self, step: int, receiver: str, rows: list[dict]) -> Path | None:
+        """What a receiver took from its peers at a step (``exchange/<receiver>/step_N.parquet``)."""
+        if not rows:
+            return None
+        out = self.root.parent / "exchange" / receiver / f"step_{step:06d}.parquet"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pylist([{"step": step, "receiver": receiver, **r} for r in rows], schema=EXCHANGE_SCHEMA)
+        tmp = out.with_suffix(f".parquet.tmp{os.getpid()}")
+        pq.write_table(table, tmp)
+        os.replace(tmp, out)
+        return out
+
+    def read_exchange(self, receiver: str | None = None) -> list[dict]:
+        root = self.root.parent / "exchange"
+        if not root.is_dir():
+            return []
+        files = sorted((root / receiver).glob("step_*.parquet")) if receiver else sorted(root.glob("*/step_*.parquet"))
+        rows: list[dict] = []
+        for f in files:
+            rows.extend(pq.read_table(f).to_pylist())
+        return rows
+
     def steps(self, policy: str) -> list[int]:
         d = self.root / policy
         if not d.is_dir():
@@ -111,9 +151,8 @@ class RecordStore:
     def truncate_after(self, step: int) -> int:
         """Delete records of steps after ``step`` (resume rewrites them); returns how many."""
         removed = 0
-        if not self.root.is_dir():
-            return 0
-        for pol in self.root.iterdir():
+        dirs = [d for root in (self.root, self.root.parent / "exchange") if root.is_dir() for d in root.iterdir()]
+        for pol in dirs:
             for f in pol.glob("step_*.parquet*"):
                 name = f.name.split(".")[0]
                 if ".tmp" in f.name or int(name.split("_")[1]) > step:

@@ -184,6 +184,7 @@ class Trainer:
         # compatibility of peer responses (Section 4.2); per-character variant logged too
         peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
         s_tok_all, s_chr_all, weights_all = [], [], []
+        compat: dict[int, tuple[float, float]] = {}
         for src in dict.fromkeys(batch.rows[i].source for i in peer_rows):
             rows = [i for i in peer_rows if batch.rows[i].source == src]
             src_mean = torch.tensor([batch.rows[i].src_mean_logprob for i in rows])
@@ -192,8 +193,9 @@ class Trainer:
             src_sum = torch.tensor([batch.rows[i].src_logprob_sum for i in rows])
             s_chr = torch.exp((recv_sum[rows] - src_sum) / chars)
             w = self.exchange.weighting(s_tok if m.compatibility == "token_mean" else s_chr, gen)
-            for i, wi in zip(rows, w.tolist(), strict=True):
+            for i, wi, st, sc in zip(rows, w.tolist(), s_tok.tolist(), s_chr.tolist(), strict=True):
                 batch.rows[i].weight = wi
+                compat[i] = (st, sc)
             s_tok_all += s_tok.tolist()
             s_chr_all += s_chr.tolist()
             weights_all += w.tolist()
@@ -216,6 +218,12 @@ class Trainer:
             [r.src_mean_logprob for r in batch.rows],
             kappa,
         )
+        self.store.write_exchange(step, name, [
+            {"prompt_id": r.prompt_id, "source": r.source, "group_index": r.index, "reward": r.reward,
+             "advantage": r.advantage, "weight": r.weight, "compat_token": compat.get(i, (None, None))[0],
+             "compat_char": compat.get(i, (None, None))[1], "included": r.include, "auxiliary": r.is_aux}
+            for i, r in enumerate(batch.rows) if r.is_peer
+        ])
         # peer-last minibatches over the receiver's prompt groups (Section 4.2)
         group_rows = batch.group_rows()
         order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.cfg.minibatch, m.position, gen)
