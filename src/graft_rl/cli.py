@@ -7,10 +7,7 @@ import sys
 
 from graft_rl import __version__
 
-_NOT_BUILT = {
-    "eval": "pass@1 on MATH500, AIME24/25, AMC23, Minerva (issue: evaluation)",
-    "analyze": "diagnostics and plots from a run's records (issue: evaluation)",
-}
+_NOT_BUILT: dict[str, str] = {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +22,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. method.delta=0.9 policies.0.lr=1e-5")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e = sub.add_parser("eval", help="pass@1 / pass@k on the paper's benchmarks (mean ± std over runs)")
+    e.add_argument("target", help="a run directory (its best checkpoints) or a model (directory, GGUF, zoo:NAME, hub id)")
+    e.add_argument("--benchmarks", default="math500,aime24,aime25,amc23,minerva",
+                   help="comma-separated built-in names or .jsonl paths")
+    e.add_argument("--samples", type=int, default=8, help="responses per problem (default 8)")
+    e.add_argument("--runs", type=int, default=5, help="independent runs with different seeds (default 5)")
+    e.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    e.add_argument("--temperature", type=float, default=0.6)
+    e.add_argument("--top-p", type=float, default=0.95)
+    e.add_argument("--max-new-tokens", type=int, default=4096)
+    e.add_argument("--policy", default=None, help="only this policy of a run directory")
+    e.add_argument("--out", default=None, help="output directory (default RUN_DIR/eval or ./eval_results)")
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--device", default=None)
+    e.add_argument("--backend", default=None, choices=["hf", "vllm"])
+    e.add_argument("--prompt-format", default=None, choices=["auto", "chat", "plain"])
+    a = sub.add_parser("analyze", help="the paper's diagnostics and plots from a run's records and metrics")
+    a.add_argument("run_dir")
+    a.add_argument("--compare", nargs="*", default=[], metavar="RUN_DIR", help="runs to overlay on the curves")
+    a.add_argument("--out", default=None, help="output directory (default RUN_DIR/analysis)")
+    a.add_argument("--cases", type=int, default=3, help="case studies to include")
     for name, what in _NOT_BUILT.items():
         p = sub.add_parser(name, help=what)
         p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -66,6 +84,22 @@ def _train(ns) -> int:
     return 0
 
 
+def _eval(ns) -> int:
+    from graft_rl.data import DatasetError
+    from graft_rl.evaluate_cli import run_eval
+    from graft_rl.policy import PolicyError
+
+    overrides = {k: v for k, v in (("dtype", ns.dtype), ("device", ns.device), ("backend", ns.backend),
+                                   ("prompt_format", ns.prompt_format)) if v is not None}
+    try:
+        run_eval(ns.target, [b.strip() for b in ns.benchmarks.split(",") if b.strip()], ns.samples, ns.runs, ns.limit,
+                 ns.temperature, ns.top_p, ns.max_new_tokens, ns.policy, ns.out, overrides)
+    except (DatasetError, PolicyError, ValueError) as exc:
+        print(f"graft eval: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -73,6 +107,17 @@ def main(argv: list[str] | None = None) -> int:
         ns = parser.parse_args(["train", *(argv or [])])
     if ns.command == "train":
         return _train(ns)
+    if ns.command == "eval":
+        return _eval(ns)
+    if ns.command == "analyze":
+        from graft_rl.analyze import AnalysisError, analyze, print_summary
+
+        try:
+            print_summary(analyze(ns.run_dir, ns.compare, ns.out, ns.cases))
+        except AnalysisError as exc:
+            print(f"graft analyze: {exc}", file=sys.stderr)
+            return 2
+        return 0
     print(f"graft {ns.command}: not built yet — {_NOT_BUILT[ns.command]}.", file=sys.stderr)
     return 1
 

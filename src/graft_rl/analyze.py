@@ -1,0 +1,292 @@
+"""``graft analyze``: the paper's diagnostics from a run's records and metrics alone (no model loaded).
+
+- complementarity per step: fraction of a model's all-fail prompts on which the peer succeeds
+  at least once (Fig. 1 right);
+- exchange volume per direction per step, before (candidates) and after balancing;
+- compatibility-score distribution and admitted fraction per direction;
+- clipped-token fraction for self vs peer tokens, and steps with no clipping on peer tokens (Table 9);
+- reward and validation curves (several runs overlaid with ``--compare``);
+- case studies (Appendix I): the receiver's failed response beside the grafted successful one;
+- compute accounting (Table 5): wall time per phase, to the best checkpoint and to the end.
+
+Writes ``report.md`` and PNG plots to ``RUN_DIR/analysis`` (or ``--out``) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from graft_rl.report import read_metrics, read_validation
+from graft_rl.store import RecordStore
+
+__all__ = ["AnalysisError", "analyze"]
+
+PHASES = ("time_generate", "time_reward", "time_score", "time_update")
+
+
+class AnalysisError(ValueError):
+    pass
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def complementarity(store: RecordStore) -> dict[str, list[tuple[int, float | None]]]:
+    """Per receiver ``R`` (peer = every other recorded policy): per step, fraction of R's all-fail prompts some peer solves."""
+    pols = store.policies()
+    out: dict[str, list] = {}
+    for r in pols:
+        series = []
+        for step in store.steps(r):
+            ks = {p: {g.prompt_id: g.k for g in store.read(p, step)} for p in pols if step in store.steps(p)}
+            fails = [q for q, k in ks[r].items() if k == 0]
+            peers = [p for p in ks if p != r]
+            if not peers:
+                continue
+            solved = sum(1 for q in fails if any(ks[p].get(q, 0) > 0 for p in peers))
+            series.append((step, solved / len(fails) if fails else None))
+        out[r] = series
+    return out
+
+
+def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str | Path | None = None, cases: int = 3) -> dict:
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise AnalysisError(f"{run}: not a directory")
+    store = RecordStore(run)
+    if not store.policies():
+        raise AnalysisError(f"{run}: no trajectory records (records/<policy>/step_*.parquet); is this a graft run directory?")
+    try:
+        metrics = read_metrics(run)
+    except FileNotFoundError as exc:
+        raise AnalysisError(str(exc)) from None
+    val = read_validation(run)
+    out = Path(out_dir) if out_dir else run / "analysis"
+    out.mkdir(parents=True, exist_ok=True)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(dict.fromkeys(m["policy"] for m in metrics))
+    by_pol = {p: [m for m in metrics if m["policy"] == p] for p in policies}
+    summary: dict = {"run": str(run), "policies": {}}
+    report = [f"# GRAFT analysis of `{run}`", ""]
+
+    # 1. complementarity
+    comp = complementarity(store)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    report += ["## Complementarity (Fig. 1)", "", "Fraction of a model's all-fail prompts on which a peer succeeds at least once.", ""]
+    for r, series in comp.items():
+        pts = [(s, v) for s, v in series if v is not None]
+        if pts:
+            ax.plot([s for s, _ in pts], [v for _, v in pts], marker=".", label=f"{r}'s all-fail solved by peer")
+        mean = _mean(v for _, v in series)
+        summary["policies"].setdefault(r, {})["complementarity_mean"] = mean
+        report.append(f"- {r}: mean {mean:.3f} over {len(pts)} steps" if mean is not None else f"- {r}: no all-fail prompts")
+    ax.set_xlabel("step")
+    ax.set_ylabel("fraction")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    if comp:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "complementarity.png", dpi=110)
+    plt.close(fig)
+
+    # 2. exchange volume
+    fig, ax = plt.subplots(figsize=(7, 4))
+    report += ["", "## Exchange volume per direction", "", "| receiver | candidates (before balancing) | grafted (after) | steps with exchange |",
+               "|---|---:|---:|---:|"]
+    for p in policies:
+        steps = [m["step"] for m in by_pol[p]]
+        cand = [m.get("candidates_in") or 0 for m in by_pol[p]]
+        got = [m.get("exchanged_in") or 0 for m in by_pol[p]]
+        ax.plot(steps, cand, linestyle="--", label=f"into {p}: candidates")
+        ax.plot(steps, got, label=f"into {p}: grafted")
+        report.append(f"| {p} | {sum(cand):.0f} | {sum(got):.0f} | {sum(1 for g in got if g)} / {len(got)} |")
+        summary["policies"].setdefault(p, {}).update(candidates=sum(cand), grafted=sum(got))
+    ax.set_xlabel("step")
+    ax.set_ylabel("prompt groups")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "exchange_volume.png", dpi=110)
+    plt.close(fig)
+
+    # 3. compatibility and admission
+    ex = store.read_exchange()
+    report += ["", "## Compatibility and admission", ""]
+    if not ex:
+        report.append("No peer responses were grafted in this run (zero exchanges): nothing to score.")
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        dirs = defaultdict(list)
+        for r in ex:
+            if not r["auxiliary"]:
+                dirs[(r["source"], r["receiver"])].append(r)
+        report += ["| direction | peer responses | admitted (w>0) | mean weight | median s (token) | median s (char) |",
+                   "|---|---:|---:|---:|---:|---:|"]
+        for (src, recv), rows in dirs.items():
+            s_tok = [r["compat_token"] for r in rows if r["compat_token"] is not None]
+            s_chr = [r["compat_char"] for r in rows if r["compat_char"] is not None]
+            adm = sum(1 for r in rows if r["weight"] > 0) / len(rows)
+            axes[0].hist([min(x, 3) for x in s_tok], bins=40, alpha=0.5, label=f"{src}→{recv}")
+            axes[1].hist([min(x, 3) for x in s_chr], bins=40, alpha=0.5, label=f"{src}→{recv}")
+            report.append(
+                f"| {src}→{recv} | {len(rows)} | {100 * adm:.1f}% | {_mean(r['weight'] for r in rows):.3f} | "
+                f"{statistics.median(s_tok) if s_tok else float('nan'):.3f} | {statistics.median(s_chr) if s_chr else float('nan'):.3f} |"
+            )
+            summary["policies"].setdefault(recv, {})["admitted_frac"] = adm
+        for a, title in zip(axes, ("token-mean s (paper)", "per-character s"), strict=True):
+            a.axvline(0.8, color="k", linestyle=":", label="δ = 0.8")
+            a.set_title(title)
+            a.set_xlabel("compatibility score (capped at 3)")
+            a.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "compatibility.png", dpi=110)
+        plt.close(fig)
+
+    # 4. clipping: self vs peer tokens
+    fig, ax = plt.subplots(figsize=(7, 4))
+    report += ["", "## Clipped-token fraction (Table 9)", "", "| policy | self tokens | peer tokens | steps with peer tokens | of which zero peer clipping |",
+               "|---|---:|---:|---:|---:|"]
+    for p in policies:
+        steps = [m["step"] for m in by_pol[p]]
+        cs = [m.get("clip_frac_self") for m in by_pol[p]]
+        cp = [m.get("clip_frac_peer") for m in by_pol[p]]
+        ax.plot(steps, [c or 0 for c in cs], label=f"{p} self")
+        ax.plot(steps, [c if c is not None else float("nan") for c in cp], label=f"{p} peer", linestyle="--")
+        with_peer = [c for c in cp if c is not None]
+        zero = sum(1 for c in with_peer if c == 0)
+        report.append(f"| {p} | {100 * (_mean(cs) or 0):.2f}% | {100 * (_mean(with_peer) or 0):.2f}% | {len(with_peer)} | {zero} |")
+        summary["policies"].setdefault(p, {}).update(clip_self=_mean(cs), clip_peer=_mean(with_peer), zero_peer_clip_steps=zero)
+    ax.set_xlabel("step")
+    ax.set_ylabel("clipped fraction")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "clipping.png", dpi=110)
+    plt.close(fig)
+
+    # 5. reward and validation curves, with comparisons
+    runs = [run] + [Path(c) for c in (compare or [])]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for rdir in runs:
+        try:
+            ms = read_metrics(rdir)
+        except FileNotFoundError as exc:
+            raise AnalysisError(str(exc)) from None
+        vs = read_validation(rdir)
+        for p in dict.fromkeys(m["policy"] for m in ms):
+            mine = [m for m in ms if m["policy"] == p]
+            xs = [m["step"] for m in mine]
+            ys = [m["reward_mean"] for m in mine]
+            k = max(1, len(ys) // 20)
+            smooth = [statistics.fmean(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
+            axes[0].plot(xs, smooth, label=f"{rdir.name}:{p}")
+            vv = [v for v in vs if v["policy"] == p]
+            if vv:
+                axes[1].plot([v["step"] for v in vv], [v["val/score"] for v in vv], marker="o", label=f"{rdir.name}:{p}")
+    axes[0].set_title("training reward (moving mean)")
+    axes[1].set_title("validation score")
+    for a in axes:
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=110)
+    plt.close(fig)
+
+    # 6. case studies (Appendix I)
+    report += ["", "## Case studies (Appendix I)", ""]
+    shown = 0
+    for r in ex:
+        if shown >= cases:
+            break
+        if r["auxiliary"] or r["reward"] <= 0 or r["weight"] <= 0:
+            continue
+        try:
+            own = {g.prompt_id: g for g in store.read(r["receiver"], r["step"])}.get(r["prompt_id"])
+            peer = {g.prompt_id: g for g in store.read(r["source"], r["step"])}.get(r["prompt_id"])
+        except Exception:  # noqa: BLE001 - a peer replayed from another run has no records here
+            continue
+        if own is None or peer is None:
+            continue
+        report += [
+            f"### step {r['step']}, prompt `{r['prompt_id']}`: {r['source']} → {r['receiver']} (weight {r['weight']:.3f}, "
+            f"s = {r['compat_token']:.3f})",
+            "",
+            f"Prompt: {own.prompt}",
+            "",
+            f"{r['receiver']}'s failed response (reward 0):",
+            "```",
+            own.texts[0][:1500],
+            "```",
+            f"{r['source']}'s successful response (advantage {r['advantage']:+.3f}):",
+            "```",
+            peer.texts[r["group_index"]][:1500],
+            "```",
+            "",
+        ]
+        shown += 1
+    if not shown:
+        report.append("No admitted successful peer response to show.")
+
+    # 7. compute accounting (Table 5)
+    report += ["", "## Compute (Table 5)", "", "| policy | generate s | reward s | score s | update s | total s | best step | s to best |",
+               "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    joint_total = 0.0
+    step_time = defaultdict(float)
+    for m in metrics:
+        step_time[m["step"]] += sum(m.get(k) or 0 for k in PHASES)
+    for p in policies:
+        sums = {k: sum(m.get(k) or 0 for m in by_pol[p]) for k in PHASES}
+        total = sum(sums.values())
+        joint_total += total
+        vv = [v for v in val if v["policy"] == p]
+        best = max(vv, key=lambda v: v["val/score"])["step"] if vv else None
+        to_best = sum(sum(m.get(k) or 0 for k in PHASES) for m in by_pol[p] if best is not None and m["step"] <= best)
+        report.append(
+            f"| {p} | {sums['time_generate']:.1f} | {sums['time_reward']:.1f} | {sums['time_score']:.1f} | "
+            f"{sums['time_update']:.1f} | {total:.1f} | {best if best is not None else '-'} | "
+            f"{to_best:.1f} |"
+        )
+        summary["policies"].setdefault(p, {}).update(seconds=total, best_step=best)
+    bests = [summary["policies"][p].get("best_step") for p in policies if summary["policies"][p].get("best_step") is not None]
+    joint_best = sum(t for s, t in step_time.items() if bests and s <= max(bests))
+    report.append("")
+    report.append(f"Joint: {joint_total:.1f} s for the whole run; {joint_best:.1f} s to the later of the best checkpoints "
+                  "(the joint run must reach both).")
+    summary["joint_seconds"] = joint_total
+    (out / "report.md").write_text("\n".join(report) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    summary["out"] = str(out)
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"graft analyze {summary['run']}")
+    for c in ("policy", "complementarity", "candidates", "grafted", "admitted", "clip self", "clip peer", "best step", "train s"):
+        t.add_column(c)
+
+    def f(v, pct=False):
+        if v is None:
+            return "-"
+        return f"{100 * v:.1f}%" if pct else (f"{v:.0f}" if isinstance(v, float) else str(v))
+
+    for p, s in summary["policies"].items():
+        t.add_row(p, f(s.get("complementarity_mean"), True), f(s.get("candidates")), f(s.get("grafted")),
+                  f(s.get("admitted_frac"), True), f(s.get("clip_self"), True), f(s.get("clip_peer"), True),
+                  f(s.get("best_step")), f(s.get("seconds")))
+    Console(width=max(Console().width, 120)).print(t)
+    print(f"report and plots: {summary['out']}")

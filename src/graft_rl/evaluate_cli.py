@@ -1,0 +1,149 @@
+"""``graft eval``: pass@1 (and pass@k) on the paper's benchmarks, mean ± std over runs.
+
+Paper Section 5.1 / Appendix B: temperature 0.6, top-p 0.95, 8 samples per problem, pass@1
+averaged over samples then problems, the aggregate is the unweighted mean of the five
+benchmarks, and each model is evaluated over 5 runs with different seeds (mean ± std).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from graft_rl.data import BENCHMARKS, BUILTIN, DatasetError, load_dataset, verifier_for
+from graft_rl.evaluation import evaluate_policy, pass_at_k
+from graft_rl.policy import Policy, PolicyConfig
+
+__all__ = ["resolve_targets", "run_eval"]
+
+
+def resolve_targets(target: str, policy: str | None = None, **overrides) -> list[PolicyConfig]:
+    """Policy configs to evaluate: a run directory (its best checkpoints, else the latest), or one model."""
+    path = Path(target).expanduser()
+    if (path / "config.yaml").is_file():
+        from graft_rl.config import load_config
+
+        cfg = load_config(path / "config.yaml", [f"run_dir={path}"])
+        ckpts = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file())
+        out = []
+        for pc in cfg.policies:
+            if policy and pc.name != policy:
+                continue
+            best = path / "best" / pc.name
+            model = best if (best / "config.json").is_file() else (ckpts[-1] / pc.name if ckpts else None)
+            if model is None:
+                raise DatasetError(f"{path}: run has no checkpoint of policy {pc.name!r} to evaluate")
+            out.append(replace(pc, model=str(model), gguf_file=None, tokenizer=None, backend="hf", **overrides))
+        if not out:
+            raise DatasetError(f"{path}: no policy named {policy!r} (have: {', '.join(p.name for p in cfg.policies)})")
+        return out
+    return [PolicyConfig(name=policy or Path(target).name or target, model=target, **overrides)]
+
+
+def _benchmarks(names: list[str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        if name in BUILTIN or Path(name).expanduser().suffix == ".jsonl" or name.startswith("reasoning_gym:"):
+            out[Path(name).stem if name not in BUILTIN else name] = name
+        else:
+            raise DatasetError(f"unknown benchmark {name!r}; available: {', '.join(BUILTIN)}, or a path to a .jsonl file")
+    return out
+
+
+def run_eval(
+    target: str,
+    benchmarks: list[str] = list(BENCHMARKS),
+    samples: int = 8,
+    runs: int = 5,
+    limit: int | None = None,
+    temperature: float = 0.6,
+    top_p: float = 0.95,
+    max_new_tokens: int = 4096,
+    policy: str | None = None,
+    out_dir: str | None = None,
+    policy_overrides: dict | None = None,
+    show: bool = True,
+) -> dict:
+    """Evaluate every target policy; write ``eval.json`` and ``eval.md``; return the results."""
+    bench = _benchmarks(benchmarks)
+    data = {label: load_dataset(name, limit) for label, name in bench.items()}
+    targets = resolve_targets(target, policy, **(policy_overrides or {}))
+    results: dict = {"target": target, "samples": samples, "runs": runs, "temperature": temperature, "top_p": top_p,
+                     "limit": limit, "policies": {}}
+    for pc in targets:
+        pol = Policy(pc)
+        per: dict = {}
+        for label, problems in data.items():
+            name = bench[label]
+            run_scores, pooled = [], [0] * len(problems)
+            for r in range(runs):
+                res = evaluate_policy(pol, problems, verifier_for(name, problems[0]), samples, temperature, top_p,
+                                      max_new_tokens, seed=1000 * r)
+                run_scores.append(res["pass@1"])
+                pooled = [a + b for a, b in zip(pooled, res["correct"], strict=True)]
+            total = samples * runs
+            ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, total) if k <= total})
+            per[label] = {
+                "pass@1_mean": statistics.fmean(run_scores),
+                "pass@1_std": statistics.stdev(run_scores) if runs > 1 else 0.0,
+                "pass@1_runs": run_scores,
+                "pass@k": {k: statistics.fmean(pass_at_k(total, c, k) for c in pooled) for k in ks},
+                "problems": len(problems),
+            }
+        means = [v["pass@1_mean"] for v in per.values()]
+        agg_runs = [statistics.fmean(v["pass@1_runs"][r] for v in per.values()) for r in range(runs)]
+        results["policies"][pc.name] = {
+            "model": pc.model,
+            "benchmarks": per,
+            "average": statistics.fmean(means),
+            "average_std": statistics.stdev(agg_runs) if runs > 1 else 0.0,
+        }
+    out = Path(out_dir) if out_dir else (Path(target) / "eval" if (Path(target) / "config.yaml").is_file() else Path("eval_results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(results, indent=1))
+    md = _markdown(results, list(data))
+    (out / "eval.md").write_text(md)
+    if show:
+        _print(results, list(data))
+        print(f"written: {out / 'eval.json'}, {out / 'eval.md'}")
+    return results
+
+
+def _markdown(res: dict, labels: list[str]) -> str:
+    head = "| policy | " + " | ".join(labels) + " | average |"
+    lines = [
+        f"pass@1 (%), mean ± std over {res['runs']} runs of {res['samples']} samples per problem, "
+        f"T={res['temperature']}, top-p={res['top_p']}" + (f", first {res['limit']} problems" if res["limit"] else ""),
+        "",
+        head,
+        "|---|" + "---:|" * (len(labels) + 1),
+    ]
+    for name, p in res["policies"].items():
+        cells = [f"{100 * p['benchmarks'][b]['pass@1_mean']:.2f} ± {100 * p['benchmarks'][b]['pass@1_std']:.2f}" for b in labels]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {100 * p['average']:.2f} ± {100 * p['average_std']:.2f} |")
+    lines += ["", "pass@k (%) pooled over all samples of all runs:", ""]
+    for name, p in res["policies"].items():
+        for b in labels:
+            pk = p["benchmarks"][b]["pass@k"]
+            lines.append(f"- {name} / {b}: " + ", ".join(f"pass@{k} {100 * v:.1f}" for k, v in pk.items()))
+    return "\n".join(lines) + "\n"
+
+
+def _print(res: dict, labels: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"graft eval: pass@1 (%), {res['runs']} runs × {res['samples']} samples")
+    t.add_column("policy")
+    for b in labels:
+        t.add_column(b, justify="right")
+    t.add_column("average", justify="right")
+    for name, p in res["policies"].items():
+        t.add_row(
+            name,
+            *[f"{100 * p['benchmarks'][b]['pass@1_mean']:.2f} ± {100 * p['benchmarks'][b]['pass@1_std']:.2f}" for b in labels],
+            f"{100 * p['average']:.2f} ± {100 * p['average_std']:.2f}",
+        )
+    Console(width=max(Console().width, 120)).print(t)

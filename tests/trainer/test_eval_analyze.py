@@ -1,0 +1,94 @@
+"""`graft eval` arithmetic and `graft analyze` from records alone."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+import graft_rl.evaluate_cli as ev
+from graft_rl.analyze import AnalysisError, analyze
+from graft_rl.cli import main
+from graft_rl.policy import RolloutGroup
+from graft_rl.trainer import Trainer
+
+
+class FakePolicy:
+    """Answers problem i correctly in the first c_i of its samples; c_i depends on the seed (run)."""
+
+    def __init__(self, pc):
+        self.name = pc.name
+
+    def generate(self, prompts, sp, seed=0):
+        out = []
+        for pid, _ in prompts:
+            i = int(pid.split("-")[1])
+            run = seed // 1000
+            c = (i + run) % (sp.n + 1)
+            texts = ["\\boxed{%d}" % (i if j < c else -1) for j in range(sp.n)]
+            out.append(RolloutGroup(pid, "", self.name, texts, [[0]] * sp.n, [[0.0]] * sp.n, ["stop"] * sp.n))
+        return out
+
+
+def test_eval_pass1_averages_samples_then_problems_and_std_over_runs(tmp_path, monkeypatch):
+    bench = tmp_path / "toy.jsonl"
+    bench.write_text("".join(json.dumps({"id": f"t-{i}", "problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(5)))
+    monkeypatch.setattr(ev, "Policy", FakePolicy)
+    res = ev.run_eval(str(tmp_path / "modelX"), [str(bench)], samples=4, runs=3, out_dir=str(tmp_path / "out"), show=False)
+    per = res["policies"]["modelX"]["benchmarks"]["toy"]
+    expected_runs = [statistics.fmean(((i + r) % 5) / 4 for i in range(5)) for r in range(3)]
+    assert per["pass@1_runs"] == pytest.approx(expected_runs)
+    assert per["pass@1_mean"] == pytest.approx(statistics.fmean(expected_runs))
+    assert per["pass@1_std"] == pytest.approx(statistics.stdev(expected_runs))
+    assert per["pass@k"][12] <= 1.0 and per["pass@k"][1] == pytest.approx(per["pass@1_mean"])
+    assert res["policies"]["modelX"]["average"] == pytest.approx(per["pass@1_mean"])
+    assert (tmp_path / "out" / "eval.md").read_text().startswith("pass@1 (%)")
+
+
+def test_eval_unknown_benchmark_lists_available(tmp_path, capsys):
+    assert main(["eval", str(tmp_path), "--benchmarks", "math5000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("graft eval: unknown benchmark 'math5000'; available: math_train, math500") and "\n" not in err
+
+
+def _run(make_cfg, method, run):
+    tr = Trainer(make_cfg(method, steps=2, run=run), show_progress=False)
+    tr.run()
+    return tr.run_dir
+
+
+def test_analyze_from_records_alone(make_cfg, fake_rewards, monkeypatch, tmp_path):
+    graft = _run(make_cfg, {"name": "graft", "gate": False}, "g")
+    grpo = _run(make_cfg, {"name": "grpo"}, "r")
+
+    def no_models(*a, **k):
+        raise AssertionError("analyze must not load a model")
+
+    monkeypatch.setattr("graft_rl.policy.Policy.__init__", no_models)
+    s = analyze(graft, compare=[str(grpo)])
+    out = graft / "analysis"
+    for png in ("complementarity.png", "exchange_volume.png", "compatibility.png", "clipping.png", "curves.png"):
+        assert (out / png).stat().st_size > 1000
+    report = (out / "report.md").read_text()
+    for section in ("Complementarity", "Exchange volume", "Compatibility and admission", "Clipped-token", "Case studies", "Compute"):
+        assert section in report
+    # conftest K: A's all-fail prompts {q1, q3, q6, q7}; B solves q1, q6, q7 -> 3/4
+    assert s["policies"]["A"]["complementarity_mean"] == pytest.approx(0.75)
+    assert s["policies"]["A"]["grafted"] == 4 and s["policies"]["B"]["grafted"] == 4
+    assert "failed response" in report  # a case study with the receiver's failure beside the peer's success
+
+
+def test_analyze_run_with_zero_exchanges(make_cfg, fake_rewards):
+    grpo = _run(make_cfg, {"name": "grpo"}, "r0")
+    s = analyze(grpo)
+    assert "zero exchanges" in (grpo / "analysis" / "report.md").read_text()
+    assert s["policies"]["A"]["grafted"] == 0
+
+
+def test_analyze_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["analyze", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("graft analyze:") and "no trajectory records" in err and "\n" not in err
+    with pytest.raises(AnalysisError, match="not a directory"):
+        analyze(tmp_path / "nope")
