@@ -113,6 +113,17 @@ class ValidationConfig:
 
 
 @dataclass
+class RayConfig:
+    """``execution: ray``: each policy in its own Ray actor with its own resources."""
+
+    address: str | None = None  # None: start a local Ray; "auto" or "ray://HOST:10001": join a running cluster
+    num_cpus: float = 1.0  # per policy actor
+    num_gpus: float = 0.0  # per policy actor (1 for a GPU per policy)
+    resources: dict = field(default_factory=dict)  # per policy name: extra actor options, e.g. {"A": {"resources": {"node_a": 1}}}
+    torch_threads: int | None = None  # torch threads inside each actor (default: num_cpus)
+
+
+@dataclass
 class PeerRecords:
     """A peer replayed from a finished run's trajectory records (Section 6.2): never loaded as a model."""
 
@@ -137,6 +148,8 @@ class TrainConfig:
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
     nonfinite_loss: str = "skip"  # skip (log, keep going) | stop
     tensorboard: bool = False
+    execution: str = "local"  # local (one process) | ray (one actor per policy)
+    ray: RayConfig = field(default_factory=RayConfig)
     data: DataConfig = field(default_factory=DataConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
@@ -157,6 +170,8 @@ class TrainConfig:
         for key in ("prompt_batch", "minibatch", "n", "max_new_tokens", "epochs", "checkpoint_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.execution not in ("local", "ray"):
+            raise ConfigError(f"execution: must be local or ray, got {self.execution!r}")
         if self.nonfinite_loss not in ("skip", "stop"):
             raise ConfigError(f"nonfinite_loss: must be skip or stop, got {self.nonfinite_loss!r}")
 

@@ -31,14 +31,14 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from graft_rl import algo
 from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.data import Problem, load_dataset, verifier_for
 from graft_rl.exchange import ReceiverBatch, build_exchange
-from graft_rl.objectives import RowTensors, build_objective
-from graft_rl.policy import Policy, PolicyConfig, RolloutGroup, SamplingParams, TokenBatch
+from graft_rl.objectives import build_objective
+from graft_rl.policy import Policy, PolicyConfig, RolloutGroup, SamplingParams
 from graft_rl.rewards import score_responses
 from graft_rl.store import RecordStore
+from graft_rl.worker import PolicyWorker
 
 __all__ = ["Trainer", "derive_seed"]
 
@@ -71,6 +71,7 @@ class Trainer:
         self.objective = build_objective(cfg.method)
         self.sampling = SamplingParams(cfg.n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens)
         self.start_step = 1
+        self._elapsed = {}
         self.success_history: dict[str, deque] = {}
         ckpt = self._latest_checkpoint() if resume else None
         if resume and ckpt is None:
@@ -80,11 +81,25 @@ class Trainer:
                 raise ConfigError(f"run_dir {self.run_dir} already holds a run; use --resume or another run_dir")
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        self.policies: dict[str, Policy] = {}
+        pcs = []
         for pc in cfg.policies:
             if ckpt is not None:
                 pc = PolicyConfig(**{**to_dict(pc), "model": str(ckpt / pc.name), "gguf_file": None, "tokenizer": None})
-            self.policies[pc.name] = Policy(pc)
+            pcs.append(pc)
+        # in-process: the Policy objects live here (self.policies); with Ray each lives in its actor
+        self.policies: dict[str, Policy] = {}
+        self.workers: dict = {}
+        if cfg.execution == "ray":
+            from graft_rl.distributed import start_actors
+
+            self.workers = start_actors(cfg, pcs)
+            self.policies = {pc.name: pc for pc in pcs}  # type: ignore[misc]  # names only: no model here
+        else:
+            for pc in pcs:
+                self.policies[pc.name] = Policy(pc)
+                self.workers[pc.name] = PolicyWorker(
+                    self.policies[pc.name], cfg.method, cfg.minibatch, cfg.nonfinite_loss, self.objective, self.exchange.weighting
+                )
         self.peers = {p.name or p.policy: (RecordStore(p.records), p.policy) for p in cfg.peers}
         self.live = set(self.policies)
         self.names = [p.name for p in cfg.policies] + list(self.peers)
@@ -95,6 +110,29 @@ class Trainer:
         self._tb = self._tensorboard() if cfg.tensorboard else None
         self.val_sets = {name: load_dataset(name, cfg.validation.limit) for name in cfg.validation.data}
         self.best: dict[str, dict] = self._best_from_log()
+
+    # ------------------------------------------------------------------ workers
+    _elapsed: dict
+
+    def _submit(self, name: str, method: str, *args):
+        """Start a call on a policy's worker: a Ray future, or (in-process) the finished result."""
+        w = self.workers[name]
+        if self.cfg.execution == "ray":
+            return getattr(w, method).remote(*args)
+        t0 = time.perf_counter()
+        out = getattr(w, method)(*args)
+        self._elapsed[name] = time.perf_counter() - t0
+        return out
+
+    def _result(self, handle):
+        if self.cfg.execution == "ray":
+            from graft_rl.distributed import get
+
+            return get(handle)
+        return handle
+
+    def _call(self, name: str, method: str, *args):
+        return self._result(self._submit(name, method, *args))
 
     # ------------------------------------------------------------------ data order
     def prompts_for_step(self, step: int) -> list[tuple[str, str]]:
@@ -124,9 +162,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ generation
     def _generate(self, name: str, prompts, step: int) -> tuple[list[RolloutGroup], int]:
-        pol = self.policies[name]
         seed = derive_seed(self.cfg.seed, 2, step, self.names.index(name))
-        groups = pol.generate(prompts, self.sampling, seed=seed)
+        groups = self._call(name, "generate", prompts, self.sampling, seed)
         return groups, len(groups) * self.cfg.n
 
     def _dynamic_sampling(self, name, prompts, groups, step, vstats) -> tuple[list, list, int]:
@@ -142,7 +179,7 @@ class Trainer:
             take, pool = pool[: self.cfg.prompt_batch], pool[self.cfg.prompt_batch :]
             more_prompts = [(self.data[i].id, self.data[i].problem) for i in take]
             seed = derive_seed(self.cfg.seed, 4, step, self.names.index(name), rounds)
-            more = self.policies[name].generate(more_prompts, self.sampling, seed=seed)
+            more = self._call(name, "generate", more_prompts, self.sampling, seed)
             extra_rollouts += len(more) * self.cfg.n
             st = self._verify(more)
             for k, v in st.items():
@@ -152,110 +189,16 @@ class Trainer:
         return keep, [(gr.prompt_id, gr.prompt) for gr in keep], extra_rollouts
 
     # ------------------------------------------------------------------ one receiver
-    def _encode(self, pol: Policy, batch: ReceiverBatch) -> TokenBatch:
-        prompt_ids, response_ids = [], []
-        foreign = [(i, r) for i, r in enumerate(batch.rows) if r.source != pol.name]
-        retok = pol.encode_texts([r.prompt for _, r in foreign], [r.text for _, r in foreign], [r.finished for _, r in foreign])
-        foreign_idx = {i: j for j, (i, _) in enumerate(foreign)}
-        cache: dict[str, list[int]] = {}
-        for i, r in enumerate(batch.rows):
-            if i in foreign_idx:
-                j = foreign_idx[i]
-                prompt_ids.append(retok.prompt_ids[j])
-                response_ids.append(retok.response_ids[j])
-            else:  # own response: the generated ids, no re-tokenisation
-                if r.prompt not in cache:
-                    cache[r.prompt] = pol.prompt_token_ids(r.prompt, r.prompt_id)
-                prompt_ids.append(cache[r.prompt])
-                response_ids.append(r.token_ids)
-        return TokenBatch(prompt_ids, response_ids)
-
     def _train_receiver(self, name: str, batch: ReceiverBatch, step: int) -> dict:
-        pol = self.policies[name]
-        m = self.cfg.method
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 5, step, self.names.index(name)))
-        t0 = time.perf_counter()
-        tb = self._encode(pol, batch)
-        old, mask = pol.token_logprobs(tb)  # pi_old: before the step's first update
-        recv_sum = (old * mask).sum(1)
-        recv_mean = algo.mean_token_logprob(old, mask)
-        score_s = time.perf_counter() - t0
-        stats: dict = {}
-        # compatibility of peer responses (Section 4.2); per-character variant logged too
-        peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
-        s_tok_all, s_chr_all, weights_all = [], [], []
-        compat: dict[int, tuple[float, float]] = {}
-        for src in dict.fromkeys(batch.rows[i].source for i in peer_rows):
-            rows = [i for i in peer_rows if batch.rows[i].source == src]
-            src_mean = torch.tensor([batch.rows[i].src_mean_logprob for i in rows])
-            s_tok = algo.compatibility_score(recv_mean[rows], src_mean)
-            chars = torch.tensor([max(len(batch.rows[i].text), 1) for i in rows], dtype=torch.float32)
-            src_sum = torch.tensor([batch.rows[i].src_logprob_sum for i in rows])
-            s_chr = torch.exp((recv_sum[rows] - src_sum) / chars)
-            w = self.exchange.weighting(s_tok if m.compatibility == "token_mean" else s_chr, gen)
-            for i, wi, st, sc in zip(rows, w.tolist(), s_tok.tolist(), s_chr.tolist(), strict=True):
-                batch.rows[i].weight = wi
-                compat[i] = (st, sc)
-            s_tok_all += s_tok.tolist()
-            s_chr_all += s_chr.tolist()
-            weights_all += w.tolist()
-        kappa = []
-        for r in batch.rows:
-            if r.is_peer and m.name == "hacpo":
-                p_src = self._capability(r.source)
-                p_recv = self._capability(name)
-                kappa.append(algo.hacpo_capability_ratio(p_src, p_recv))
-            else:
-                kappa.append(1.0)
-        t = RowTensors(
-            old,
-            mask,
-            [r.advantage for r in batch.rows],
-            [r.weight for r in batch.rows],
-            [r.is_peer for r in batch.rows],
-            [r.include for r in batch.rows],
-            [r.is_aux for r in batch.rows],
-            [r.src_mean_logprob for r in batch.rows],
-            kappa,
-        )
-        self.store.write_exchange(step, name, [
-            {"prompt_id": r.prompt_id, "source": r.source, "group_index": r.index, "reward": r.reward,
-             "advantage": r.advantage, "weight": r.weight, "compat_token": compat.get(i, (None, None))[0],
-             "compat_char": compat.get(i, (None, None))[1], "included": r.include, "auxiliary": r.is_aux}
-            for i, r in enumerate(batch.rows) if r.is_peer
-        ])
-        # peer-last minibatches over the receiver's prompt groups (Section 4.2)
-        group_rows = batch.group_rows()
-        order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.cfg.minibatch, m.position, gen)
-        t0 = time.perf_counter()
-        upd: list[dict] = []
-        for mb_groups in order:
-            rows = [r for gi in mb_groups.tolist() for r in group_rows[gi]]
-            out = pol.update(tb.select(rows), self.objective.minibatch(t, rows, step))
-            upd.append(out)
-            if out["skipped"] and self.cfg.nonfinite_loss == "stop":
-                raise FloatingPointError(f"step {step}, policy {name!r}: non-finite loss or gradient (nonfinite_loss=stop)")
-        update_s = time.perf_counter() - t0
-
-        def ssum(key):
-            return sum(u.get(key, 0.0) for u in upd)
-
-        stats.update(batch.stats)
-        stats["admitted_frac"] = (sum(1 for w in weights_all if w > 0) / len(weights_all)) if weights_all else None
-        stats["peer_weight_mean"] = statistics.fmean(weights_all) if weights_all else None
-        stats["compat_token_median"] = statistics.median(s_tok_all) if s_tok_all else None
-        stats["compat_char_median"] = statistics.median(s_chr_all) if s_chr_all else None
-        stats["compat_token"] = [round(x, 5) for x in s_tok_all]
-        stats["compat_char"] = [round(x, 5) for x in s_chr_all]
-        stats["clip_frac_self"] = ssum("clipped_tokens_self") / max(ssum("tokens_self"), 1.0)
-        stats["clip_frac_peer"] = ssum("clipped_tokens_peer") / max(ssum("tokens_peer"), 1.0) if ssum("tokens_peer") else None
-        good = [u for u in upd if not u["skipped"]]
-        stats["loss"] = statistics.fmean(u["loss"] for u in good) if good else None
-        stats["grad_norm"] = statistics.fmean(u["grad_norm"] for u in good) if good else None
-        stats["skipped_updates"] = len(upd) - len(good)
-        stats["minibatches"] = len(upd)
-        stats["time_score"] = score_s
-        stats["time_update"] = update_s
+        """Score, weight and update one receiver (where its model lives); record what it grafted."""
+        seed = derive_seed(self.cfg.seed, 5, step, self.names.index(name))
+        caps = {n: self._capability(n) for n in self.names}
+        stats, weights, exchange_rows = self._call(name, "train", batch, step, seed, caps)
+        for r, w in zip(batch.rows, weights, strict=True):
+            r.weight = w
+        self.store.write_exchange(step, name, exchange_rows)
+        if stats.pop("nonfinite_stop", False):
+            raise FloatingPointError(f"step {step}, policy {name!r}: non-finite loss or gradient (nonfinite_loss=stop)")
         return stats
 
     def _capability(self, name: str) -> float:
@@ -267,10 +210,16 @@ class Trainer:
         prompts = self.prompts_for_step(step)
         groups: dict[str, list[RolloutGroup]] = {}
         lines: dict[str, dict] = {name: {"step": step, "policy": name} for name in self.policies}
+        # all policies generate at once (overlapping in time with Ray; one after another in-process)
+        t0 = time.perf_counter()
+        pending = {
+            name: self._submit(name, "generate", prompts, self.sampling, derive_seed(self.cfg.seed, 2, step, self.names.index(name)))
+            for name in self.policies
+        }
         for name in self.policies:
-            t0 = time.perf_counter()
-            gs, rollouts = self._generate(name, prompts, step)
-            lines[name]["time_generate"] = time.perf_counter() - t0
+            gs = self._result(pending[name])
+            rollouts = len(gs) * self.cfg.n
+            lines[name]["time_generate"] = self._elapsed.pop(name, time.perf_counter() - t0)
             t0 = time.perf_counter()
             vst = self._verify(gs)
             if self.cfg.method.dynamic_sampling:
@@ -315,18 +264,16 @@ class Trainer:
         """Evaluate every policy on the validation sets; keep each policy's best checkpoint."""
         if not self.val_sets:
             return []
-        from graft_rl.evaluation import evaluate_policy
-
         v = self.cfg.validation
         lines = []
-        for name, pol in self.policies.items():
+        for name in self.policies:
             line: dict = {"step": step, "policy": name}
             t0 = time.perf_counter()
             scores = []
             for ds, problems in self.val_sets.items():
-                res = evaluate_policy(
-                    pol, problems, verifier_for(ds, problems[0]), v.samples, v.temperature, v.top_p, v.max_new_tokens,
-                    seed=derive_seed(self.cfg.seed, 7, step, self.names.index(name)), timeout=self.cfg.data.verify_timeout,
+                res = self._call(
+                    name, "evaluate", problems, verifier_for(ds, problems[0]), v.samples, v.temperature, v.top_p,
+                    v.max_new_tokens, derive_seed(self.cfg.seed, 7, step, self.names.index(name)), self.cfg.data.verify_timeout,
                 )
                 line[f"val/{Path(ds).stem}"] = res["pass@1"]
                 scores.append(res["pass@1"])
@@ -335,7 +282,7 @@ class Trainer:
             best = self.best.get(name)
             if best is None or line["val/score"] > best["score"]:
                 self.best[name] = {"step": step, "score": line["val/score"]}
-                pol.save(self.run_dir / "best" / name)
+                self._call(name, "save", str(self.run_dir / "best" / name))
                 (self.run_dir / "best" / "best.json").write_text(json.dumps(self.best, indent=1))
             line["best_step"] = self.best[name]["step"]
             lines.append(line)
@@ -422,8 +369,8 @@ class Trainer:
         tmp = root / f".step_{step:06d}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
-        for name, pol in self.policies.items():
-            pol.save(tmp / name)
+        for name in self.policies:
+            self._call(name, "save", str(tmp / name))
         state = {"step": step, "success_history": {k: list(v) for k, v in self.success_history.items()}}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         if final.exists():
@@ -442,8 +389,8 @@ class Trainer:
     def _restore(self, ckpt: Path) -> None:
         state = json.loads((ckpt / "trainer_state.json").read_text())
         step = int(state["step"])
-        for name, pol in self.policies.items():
-            pol.load_state(ckpt / name)
+        for name in self.policies:
+            self._call(name, "load_state", str(ckpt / name))
         for k, v in state["success_history"].items():
             if k in self.success_history:
                 self.success_history[k].extend(v)

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-import graft_rl.trainer as trainer_mod
 from graft_rl import algo
 from graft_rl.config import ConfigError, load_config
 from graft_rl.store import RecordError, RecordStore
@@ -66,7 +65,7 @@ def test_graft_replaces_exactly_the_complementary_groups_with_source_advantages_
     cfg = make_cfg({"name": "graft"}, steps=1)
     tr = Trainer(cfg, show_progress=False)
     seen, orders = {}, {}
-    real_train, real_order = tr._train_receiver, trainer_mod.algo.minibatch_order
+    real_train, real_order = tr._train_receiver, algo.minibatch_order
 
     def spy_train(name, batch, step):
         seen[name] = batch
@@ -78,7 +77,7 @@ def test_graft_replaces_exactly_the_complementary_groups_with_source_advantages_
         return out
 
     monkeypatch.setattr(tr, "_train_receiver", spy_train)
-    monkeypatch.setattr(trainer_mod.algo, "minibatch_order", spy_order)
+    monkeypatch.setattr(algo, "minibatch_order", spy_order)  # the worker looks it up at call time
     tr.run()
     for receiver, source, expected in (("B", "A", EXPECTED_A_TO_B), ("A", "B", EXPECTED_B_TO_A)):
         batch = seen[receiver]

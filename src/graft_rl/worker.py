@@ -1,0 +1,181 @@
+"""Receiver-side work on one policy, in-process or inside a Ray actor (SPEC §4 layer 5).
+
+A :class:`PolicyWorker` owns one :class:`~graft_rl.policy.Policy` (model, optimiser, rollout
+backend). The trainer's driver sends it prompts, or a receiver batch (texts, advantages, the
+source's generation log-probs); model weights never leave it. The same class runs in-process
+(``execution: local``) and as a Ray actor (``execution: ray``), so both paths compute the same.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from graft_rl import algo
+from graft_rl.config import MethodConfig
+from graft_rl.exchange import ReceiverBatch, Weighting, build_exchange
+from graft_rl.objectives import Objective, RowTensors, build_objective
+from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch
+
+__all__ = ["PolicyWorker"]
+
+
+class PolicyWorker:
+    def __init__(
+        self,
+        policy: PolicyConfig | Policy,
+        method: MethodConfig,
+        minibatch: int,
+        nonfinite_loss: str = "skip",
+        objective: Objective | None = None,
+        weighting: Weighting | None = None,
+        torch_threads: int | None = None,
+    ):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.policy = policy if isinstance(policy, Policy) else Policy(policy)
+        self.method = method
+        self.minibatch = minibatch
+        self.nonfinite_loss = nonfinite_loss
+        self.objective = objective or build_objective(method)
+        self.weighting = weighting or build_exchange(method).weighting
+
+    # ------------------------------------------------------------------ simple remote-able calls
+    def name(self) -> str:
+        return self.policy.name
+
+    def generate(self, prompts, sampling: SamplingParams, seed: int):
+        return self.policy.generate(prompts, sampling, seed=seed)
+
+    def save(self, path: str) -> str:
+        return str(self.policy.save(path))
+
+    def load_state(self, path: str) -> None:
+        self.policy.load_state(path)
+
+    def evaluate(self, problems, verifier: str, samples: int, temperature: float, top_p: float, max_new_tokens: int,
+                 seed: int, timeout: float) -> dict:
+        from graft_rl.evaluation import evaluate_policy
+
+        return evaluate_policy(self.policy, problems, verifier, samples, temperature, top_p, max_new_tokens, seed=seed,
+                               timeout=timeout)
+
+    def state_digest(self) -> list[float]:
+        """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
+        return [float(p.detach().double().sum()) for p in self.policy.model.parameters()]
+
+    # ------------------------------------------------------------------ receiver step
+    def _encode(self, batch: ReceiverBatch) -> TokenBatch:
+        pol = self.policy
+        prompt_ids, response_ids = [], []
+        foreign = [(i, r) for i, r in enumerate(batch.rows) if r.source != pol.name]
+        retok = pol.encode_texts([r.prompt for _, r in foreign], [r.text for _, r in foreign], [r.finished for _, r in foreign])
+        foreign_idx = {i: j for j, (i, _) in enumerate(foreign)}
+        cache: dict[str, list[int]] = {}
+        for i, r in enumerate(batch.rows):
+            if i in foreign_idx:
+                j = foreign_idx[i]
+                prompt_ids.append(retok.prompt_ids[j])
+                response_ids.append(retok.response_ids[j])
+            else:  # own response: the generated ids, no re-tokenisation
+                if r.prompt not in cache:
+                    cache[r.prompt] = pol.prompt_token_ids(r.prompt, r.prompt_id)
+                prompt_ids.append(cache[r.prompt])
+                response_ids.append(r.token_ids)
+        return TokenBatch(prompt_ids, response_ids)
+
+    def train(self, batch: ReceiverBatch, step: int, seed: int, capabilities: dict[str, float]):
+        """Score every row once (old log-probs), weight peer rows, run the peer-last minibatch epoch.
+
+        Returns ``(stats, weights per row, exchange record rows)``.
+        """
+        pol, name = self.policy, self.policy.name
+        m = self.method
+        gen = torch.Generator().manual_seed(seed)
+        t0 = time.perf_counter()
+        tb = self._encode(batch)
+        old, mask = pol.token_logprobs(tb)  # pi_old: before the step's first update
+        recv_sum = (old * mask).sum(1)
+        recv_mean = algo.mean_token_logprob(old, mask)
+        score_s = time.perf_counter() - t0
+        stats: dict = {}
+        # compatibility of peer responses (Section 4.2); per-character variant logged too
+        peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
+        s_tok_all, s_chr_all, weights_all = [], [], []
+        compat: dict[int, tuple[float, float]] = {}
+        for src in dict.fromkeys(batch.rows[i].source for i in peer_rows):
+            rows = [i for i in peer_rows if batch.rows[i].source == src]
+            src_mean = torch.tensor([batch.rows[i].src_mean_logprob for i in rows])
+            s_tok = algo.compatibility_score(recv_mean[rows], src_mean)
+            chars = torch.tensor([max(len(batch.rows[i].text), 1) for i in rows], dtype=torch.float32)
+            src_sum = torch.tensor([batch.rows[i].src_logprob_sum for i in rows])
+            s_chr = torch.exp((recv_sum[rows] - src_sum) / chars)
+            w = self.weighting(s_tok if m.compatibility == "token_mean" else s_chr, gen)
+            for i, wi, st, sc in zip(rows, w.tolist(), s_tok.tolist(), s_chr.tolist(), strict=True):
+                batch.rows[i].weight = wi
+                compat[i] = (st, sc)
+            s_tok_all += s_tok.tolist()
+            s_chr_all += s_chr.tolist()
+            weights_all += w.tolist()
+        kappa = []
+        for r in batch.rows:
+            if r.is_peer and m.name == "hacpo":
+                p_src = capabilities.get(r.source, 0.5)
+                p_recv = capabilities.get(name, 0.5)
+                kappa.append(algo.hacpo_capability_ratio(p_src, p_recv))
+            else:
+                kappa.append(1.0)
+        t = RowTensors(
+            old,
+            mask,
+            [r.advantage for r in batch.rows],
+            [r.weight for r in batch.rows],
+            [r.is_peer for r in batch.rows],
+            [r.include for r in batch.rows],
+            [r.is_aux for r in batch.rows],
+            [r.src_mean_logprob for r in batch.rows],
+            kappa,
+        )
+        exchange_rows = ([
+            {"prompt_id": r.prompt_id, "source": r.source, "group_index": r.index, "reward": r.reward,
+             "advantage": r.advantage, "weight": r.weight, "compat_token": compat.get(i, (None, None))[0],
+             "compat_char": compat.get(i, (None, None))[1], "included": r.include, "auxiliary": r.is_aux}
+            for i, r in enumerate(batch.rows) if r.is_peer
+        ])
+        # peer-last minibatches over the receiver's prompt groups (Section 4.2)
+        group_rows = batch.group_rows()
+        order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.minibatch, m.position, gen)
+        t0 = time.perf_counter()
+        upd: list[dict] = []
+        for mb_groups in order:
+            rows = [r for gi in mb_groups.tolist() for r in group_rows[gi]]
+            out = pol.update(tb.select(rows), self.objective.minibatch(t, rows, step))
+            upd.append(out)
+            if out["skipped"] and self.nonfinite_loss == "stop":
+                stats["nonfinite_stop"] = True
+                break
+        update_s = time.perf_counter() - t0
+
+        def ssum(key):
+            return sum(u.get(key, 0.0) for u in upd)
+
+        stats.update(batch.stats)
+        stats["admitted_frac"] = (sum(1 for w in weights_all if w > 0) / len(weights_all)) if weights_all else None
+        stats["peer_weight_mean"] = statistics.fmean(weights_all) if weights_all else None
+        stats["compat_token_median"] = statistics.median(s_tok_all) if s_tok_all else None
+        stats["compat_char_median"] = statistics.median(s_chr_all) if s_chr_all else None
+        stats["compat_token"] = [round(x, 5) for x in s_tok_all]
+        stats["compat_char"] = [round(x, 5) for x in s_chr_all]
+        stats["clip_frac_self"] = ssum("clipped_tokens_self") / max(ssum("tokens_self"), 1.0)
+        stats["clip_frac_peer"] = ssum("clipped_tokens_peer") / max(ssum("tokens_peer"), 1.0) if ssum("tokens_peer") else None
+        good = [u for u in upd if not u["skipped"]]
+        stats["loss"] = statistics.fmean(u["loss"] for u in good) if good else None
+        stats["grad_norm"] = statistics.fmean(u["grad_norm"] for u in good) if good else None
+        stats["skipped_updates"] = len(upd) - len(good)
+        stats["minibatches"] = len(upd)
+        stats["time_score"] = score_s
+        stats["time_update"] = update_s
+        return stats, [r.weight for r in batch.rows], exchange_rows
+
