@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def _benchmarks(names: list[str]) -> dict[str, str]:
 
 def run_eval(
     target: str,
-    benchmarks: list[str] = list(BENCHMARKS),
+    benchmarks: Sequence[str] = BENCHMARKS,
     samples: int = 8,
     runs: int = 5,
     limit: int | None = None,

@@ -173,7 +173,7 @@ class Testbed:
 def ensure_testbed(root: str | Path, seed: int = 0, warmup_seconds: float = 180.0, pool: int = 1000, heldout: int = 512,
                    progress: bool = True) -> Testbed:
     """Build (once) the pair and the data under ``root``; later calls return the cached build."""
-    from graft_rl.policy.tiny import build_tiny_model, bpe_tokenizer, char_tokenizer
+    from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model, char_tokenizer
 
     tb = Testbed(Path(root))
     done = tb.root / "testbed.json"

@@ -122,7 +122,7 @@ class Policy:
             tok_path = config.tokenizer or config.model  # type: ignore[assignment]
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(tok_path, gguf_file=gguf if not config.tokenizer else None)
-        except Exception as exc:  # noqa: BLE001 - transformers raises many types here
+        except Exception as exc:
             where = f"{tok_path}" + (f" (gguf_file={gguf})" if gguf and not config.tokenizer else "")
             raise PolicyError(f"policy {config.name!r}: no usable tokenizer at {where}: {type(exc).__name__}: {exc}") from None
         if self.tokenizer.pad_token_id is None:
@@ -131,7 +131,7 @@ class Policy:
             raise PolicyError(f"policy {config.name!r}: prompt_format 'chat' but the tokenizer at {tok_path} has no chat template")
         try:
             self.model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=_DTYPES[config.dtype])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise PolicyError(f"policy {config.name!r}: cannot load model from {path}: {type(exc).__name__}: {exc}") from None
         if gguf:  # a dequantised GGUF model: drop the quantizer marker so save_pretrained works
             self.model.hf_quantizer = None
