@@ -105,8 +105,12 @@ def summarize(out: Path, methods: list[str], seeds: list[int]) -> None:
                 covs.append(len(solved) / max(len(seen), 1))
                 walls.append(sum(x.get(k) or 0 for x in m for k in ("time_generate", "time_reward", "time_score", "time_update")))
                 rolls.append(sum(x["rollouts"] for x in m))
+                cum, wall_at = 0.0, {0: 0.0}
+                for x in m:
+                    cum += sum(x.get(k) or 0 for k in ("time_generate", "time_reward", "time_score", "time_update"))
+                    wall_at[x["step"]] = cum
                 curves.setdefault((method, name), []).append(
-                    [(x["step"], x["val/score"]) for x in v]
+                    [(x["step"], x["val/score"], wall_at.get(x["step"], cum)) for x in v]
                 )
             rows.append((method, name, finals, covs, walls, rolls))
     base = {name: statistics.fmean(f) for meth, name, f, *_ in rows if meth == "grpo_n8"}
@@ -140,19 +144,25 @@ def _plot(out: Path, curves: dict, rows) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for name, ax in zip(("A", "B"), axes, strict=True):
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey="row")
+    for col, name in enumerate(("A", "B")):
         for (method, n), runs in curves.items():
             if n != name:
                 continue
-            steps = [s for s, _ in runs[0]]
+            steps = [s for s, _, _ in runs[0]]
             means = [statistics.fmean(r[i][1] for r in runs) for i in range(len(steps))]
-            ax.plot(steps, [100 * m for m in means], marker="o", label=method)
-        ax.set_title(f"model {name}: held-out pass@1 vs step")
-        ax.set_xlabel("training step")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("pass@1 (%)")
-    axes[1].legend(fontsize=8)
+            walls = [statistics.fmean(r[i][2] for r in runs) for i in range(len(steps))]
+            axes[0, col].plot(steps, [100 * m for m in means], marker="o", label=method)
+            axes[1, col].plot(walls, [100 * m for m in means], marker="o", label=method)
+        axes[0, col].set_title(f"model {name}: held-out pass@1 vs step")
+        axes[0, col].set_xlabel("training step")
+        axes[1, col].set_title(f"model {name}: held-out pass@1 vs training wall time")
+        axes[1, col].set_xlabel("seconds (generate + reward + score + update, this model)")
+        for row in range(2):
+            axes[row, col].grid(alpha=0.3)
+    for row in range(2):
+        axes[row, 0].set_ylabel("pass@1 (%)")
+    axes[0, 1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=120)
 

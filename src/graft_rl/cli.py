@@ -73,9 +73,14 @@ def _train(ns) -> int:
                 cfg = load_config(config, overrides)
             trainer = Trainer(cfg, show_progress=not ns.no_progress)
         trainer.run()
-    except (ConfigError, DatasetError, PolicyError, RecordError) as exc:
+    except (ConfigError, DatasetError, PolicyError, RecordError, FloatingPointError) as exc:
         print(f"graft train: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        if type(exc).__name__ != "ActorDied":
+            raise
+        print(f"graft train: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
     from graft_rl.report import print_run_summary
