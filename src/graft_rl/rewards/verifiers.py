@@ -25,6 +25,17 @@ def default_pool() -> VerifierPool:
         return _default_pool
 
 
+def _finish(outcomes: list, todo: list[int], fn: str, args: list, timeout: float, pool, stats: VerifyStats, t0: float) -> None:
+    """Run the undecided items in the pool, fill their outcomes, and count everything."""
+    if todo:
+        done = (pool or default_pool()).map(fn, args, timeout=timeout)
+        for i, o in zip(todo, done, strict=True):
+            outcomes[i] = o
+    for o in outcomes:
+        stats.add(o)
+    stats.seconds = time.monotonic() - t0
+
+
 def _check_lengths(responses: Sequence[str], answers: Sequence[str], who: str) -> None:
     if len(responses) != len(answers):
         raise ValueError(f"{who}: got {len(responses)} responses but {len(answers)} answers")
@@ -52,13 +63,7 @@ def verify_math_detailed(
         else:
             todo.append(i)
             args.append((pred, gold))
-    if todo:
-        done = (pool or default_pool()).map("graft_rl.rewards.checks:math_equal", args, timeout=timeout)
-        for i, o in zip(todo, done, strict=True):
-            outcomes[i] = o
-    for o in outcomes:
-        stats.add(o)
-    stats.seconds = time.monotonic() - t0
+    _finish(outcomes, todo, "graft_rl.rewards.checks:math_equal", args, timeout, pool, stats, t0)
     return [o.score for o in outcomes], stats
 
 
@@ -143,13 +148,7 @@ def gym_scores(
         else:
             todo.append(i)
             args.append((name, int(size), int(seed), config_json, int(idx), pred))
-    if todo:
-        done = (pool or default_pool()).map("graft_rl.rewards.checks:gym_score", args, timeout=timeout)
-        for i, o in zip(todo, done, strict=True):
-            outcomes[i] = o
-    for o in outcomes:
-        stats.add(o)
-    stats.seconds = time.monotonic() - t0
+    _finish(outcomes, todo, "graft_rl.rewards.checks:gym_score", args, timeout, pool, stats, t0)
     scores = [o.score for o in outcomes]
     if binary:
         scores = [1.0 if s >= 1.0 else 0.0 for s in scores]
