@@ -83,11 +83,18 @@ def _corpus_text(rows: list[dict]) -> list[str]:
     return [PLAIN_TEMPLATE.replace("{prompt}", r["problem"]) + r["solution"] for r in rows]
 
 
-def warm_up(model_dir: Path, rows: list[dict], seconds: float, seed: int, lr: float = 3e-3, batch: int = 32) -> dict:
-    """Supervised warm-up ("pretraining") on prompt -> solution, loss on solution tokens only."""
+def warm_up(model_dir: Path, rows: list[dict], steps: int, seed: int, lr: float = 3e-3, batch: int = 32) -> dict:
+    """Supervised warm-up ("pretraining") on prompt -> solution, loss on solution tokens only.
+
+    A fixed number of steps (not a time budget), so a build is reproducible from its seed on
+    any machine, however loaded.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from graft_rl.policy.policy import _quiet_transformers
+
+    _quiet_transformers()
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -99,8 +106,8 @@ def warm_up(model_dir: Path, rows: list[dict], seconds: float, seed: int, lr: fl
         s = tok(r["solution"], add_special_tokens=False).input_ids + [tok.eos_token_id]
         enc.append((p, s))
     rng = random.Random(seed)
-    t0, steps, loss_ema = time.perf_counter(), 0, None
-    while time.perf_counter() - t0 < seconds:
+    t0, loss_ema = time.perf_counter(), None
+    for step in range(steps):
         chunk = rng.sample(enc, min(batch, len(enc)))
         L = max(len(p) + len(s) for p, s in chunk)
         ids = torch.full((len(chunk), L), tok.pad_token_id)
@@ -111,7 +118,7 @@ def warm_up(model_dir: Path, rows: list[dict], seconds: float, seed: int, lr: fl
             ids[i, : len(seq)] = torch.tensor(seq)
             labels[i, len(p) : len(seq)] = torch.tensor(s)
             attn[i, : len(seq)] = 1
-        frac = min(1.0, (time.perf_counter() - t0) / seconds)
+        frac = step / max(steps, 1)
         for g in opt.param_groups:  # linear decay to 10%
             g["lr"] = lr * (1 - 0.9 * frac)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
@@ -119,7 +126,6 @@ def warm_up(model_dir: Path, rows: list[dict], seconds: float, seed: int, lr: fl
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        steps += 1
         lv = float(loss.detach())
         loss_ema = lv if loss_ema is None else 0.95 * loss_ema + 0.05 * lv
     model.eval()
@@ -170,8 +176,13 @@ class Testbed:
         }
 
 
-def ensure_testbed(root: str | Path, seed: int = 0, warmup_seconds: float = 180.0, pool: int = 1000, heldout: int = 512,
-                   progress: bool = True) -> Testbed:
+#: Warm-up steps (batch 32) of A and B: the byte-level model learns more slowly, so it gets more.
+#: About 2 and 1 minutes on 2 CPU cores.
+WARMUP_STEPS = (1835, 842)
+
+
+def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int] = WARMUP_STEPS, pool: int = 1000,
+                   heldout: int = 512, progress: bool = True) -> Testbed:
     """Build (once) the pair and the data under ``root``; later calls return the cached build."""
     from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model, char_tokenizer
 
@@ -194,10 +205,10 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_seconds: float = 180.
     build_tiny_model(tb.model_a, "llama", char_tokenizer(chat_template=None), hidden=128, layers=2, heads=4, seed=seed)
     build_tiny_model(tb.model_b, "gpt2", bpe, hidden=128, layers=2, heads=4, seed=seed + 1)
     info = {}
-    # the byte-level model learns more slowly than the BPE one: it gets 2/3 of the warm-up budget
-    for name, path, rows, s, share in (("A", tb.model_a, warm_a, seed + 5, 2 / 3), ("B", tb.model_b, warm_b, seed + 6, 1 / 3)):
+    for name, path, rows, s, steps in (("A", tb.model_a, warm_a, seed + 5, warmup_steps[0]),
+                                       ("B", tb.model_b, warm_b, seed + 6, warmup_steps[1])):
         if progress:
-            print(f"testbed: warming up model {name} ({warmup_seconds * share:.0f}s)...", flush=True)
-        info[name] = warm_up(path, rows, warmup_seconds * share, s)
+            print(f"testbed: warming up model {name} ({steps} steps, about {steps // 15} s on 2 cores)...", flush=True)
+        info[name] = warm_up(path, rows, steps, s)
     done.write_text(json.dumps({"seed": seed, "warmup": info, "pool": pool, "heldout": len(held)}, indent=1))
     return tb

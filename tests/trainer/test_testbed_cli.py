@@ -19,7 +19,7 @@ from graft_rl.trainer import Trainer
 
 @pytest.fixture(scope="module")
 def testbed(tmp_path_factory):
-    return ensure_testbed(tmp_path_factory.mktemp("testbed"), warmup_seconds=3, pool=120, heldout=24, progress=False)
+    return ensure_testbed(tmp_path_factory.mktemp("testbed"), warmup_steps=(20, 20), pool=120, heldout=24, progress=False)
 
 
 def test_problems_are_verifiable_and_solutions_correct():
@@ -50,7 +50,7 @@ def test_pair_differs_in_architecture_tokenizer(testbed):
 
 def test_testbed_build_is_cached(testbed):
     stamp = (testbed.root / "testbed.json").stat().st_mtime
-    again = ensure_testbed(testbed.root, warmup_seconds=3, pool=120, heldout=24, progress=False)
+    again = ensure_testbed(testbed.root, warmup_steps=(20, 20), pool=120, heldout=24, progress=False)
     assert (again.root / "testbed.json").stat().st_mtime == stamp
 
 
