@@ -84,6 +84,7 @@ def _logs(run_dir: Path, name: str) -> tuple[list[dict], list[dict], Path]:
 
 
 def summarize(out: Path, methods: list[str], seeds: list[int]) -> None:
+    from graft_rl.analyze import PHASES
     from graft_rl.store import RecordStore
 
     rows, curves = [], {}
@@ -103,11 +104,11 @@ def summarize(out: Path, methods: list[str], seeds: list[int]) -> None:
                         if any(r > 0 for r in g.rewards):
                             solved.add(g.prompt_id)
                 covs.append(len(solved) / max(len(seen), 1))
-                walls.append(sum(x.get(k) or 0 for x in m for k in ("time_generate", "time_reward", "time_score", "time_update")))
+                walls.append(sum(x.get(k) or 0 for x in m for k in PHASES))
                 rolls.append(sum(x["rollouts"] for x in m))
                 cum, wall_at = 0.0, {0: 0.0}
                 for x in m:
-                    cum += sum(x.get(k) or 0 for k in ("time_generate", "time_reward", "time_score", "time_update"))
+                    cum += sum(x.get(k) or 0 for k in PHASES)
                     wall_at[x["step"]] = cum
                 curves.setdefault((method, name), []).append(
                     [(x["step"], x["val/score"], wall_at.get(x["step"], cum)) for x in v]

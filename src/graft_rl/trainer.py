@@ -161,10 +161,8 @@ class Trainer:
         return {"verify_timeouts": st.timeout, "verify_errors": st.error + st.crash}
 
     # ------------------------------------------------------------------ generation
-    def _generate(self, name: str, prompts, step: int) -> tuple[list[RolloutGroup], int]:
-        seed = derive_seed(self.cfg.seed, 2, step, self.names.index(name))
-        groups = self._call(name, "generate", prompts, self.sampling, seed)
-        return groups, len(groups) * self.cfg.n
+    def _generation_seed(self, name: str, step: int) -> int:
+        return derive_seed(self.cfg.seed, 2, step, self.names.index(name))
 
     def _dynamic_sampling(self, name, prompts, groups, step, vstats) -> tuple[list, list, int]:
         """DAPO: keep non-zero-variance groups; draw more prompts (capped rounds) until the batch is full."""
@@ -213,7 +211,7 @@ class Trainer:
         # all policies generate at once (overlapping in time with Ray; one after another in-process)
         t0 = time.perf_counter()
         pending = {
-            name: self._submit(name, "generate", prompts, self.sampling, derive_seed(self.cfg.seed, 2, step, self.names.index(name)))
+            name: self._submit(name, "generate", prompts, self.sampling, self._generation_seed(name, step))
             for name in self.policies
         }
         for name in self.policies:
