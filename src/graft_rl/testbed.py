@@ -180,6 +180,10 @@ class Testbed:
 #: About 2 and 1 minutes on 2 CPU cores.
 WARMUP_STEPS = (1835, 842)
 
+#: Bumped whenever the build procedure changes what it produces for the same arguments, so a
+#: cached build from an older procedure is rebuilt instead of silently reused.
+BUILD_VERSION = 2
+
 
 def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int] = WARMUP_STEPS, pool: int = 1000,
                    heldout: int = 512, progress: bool = True) -> Testbed:
@@ -188,8 +192,18 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int
 
     tb = Testbed(Path(root))
     done = tb.root / "testbed.json"
+    build = {"version": BUILD_VERSION, "seed": seed, "warmup_steps": list(warmup_steps), "pool": pool, "heldout": heldout}
     if done.is_file():
-        return tb
+        try:
+            cached = json.loads(done.read_text()).get("build")
+        except (json.JSONDecodeError, AttributeError):
+            cached = None
+        if cached == build:
+            return tb
+        if progress:
+            print(f"testbed: the cached build in {tb.root} was made with other settings ({cached} != {build}); rebuilding",
+                  flush=True)
+        done.unlink()  # only this build's own files are replaced below
     tb.root.mkdir(parents=True, exist_ok=True)
     train = make_split(pool, seed, prefix="train")
     held = [r for r in make_split(pool + heldout * 2, seed + 1, prefix="heldout") if r["problem"] not in {t["problem"] for t in train}]
@@ -210,5 +224,5 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int
         if progress:
             print(f"testbed: warming up model {name} ({steps} steps, about {steps // 15} s on 2 cores)...", flush=True)
         info[name] = warm_up(path, rows, steps, s)
-    done.write_text(json.dumps({"seed": seed, "warmup": info, "pool": pool, "heldout": len(held)}, indent=1))
+    done.write_text(json.dumps({"build": build, "warmup": info, "heldout_rows": len(held)}, indent=1))
     return tb

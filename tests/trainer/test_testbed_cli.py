@@ -54,6 +54,18 @@ def test_testbed_build_is_cached(testbed):
     assert (again.root / "testbed.json").stat().st_mtime == stamp
 
 
+def test_testbed_cache_from_other_settings_is_rebuilt(testbed, tmp_path):
+    import shutil
+
+    root = tmp_path / "old"
+    shutil.copytree(testbed.root, root)
+    meta = json.loads((root / "testbed.json").read_text())
+    meta["build"]["warmup_steps"] = [5, 5]  # as if made by an older/other procedure
+    (root / "testbed.json").write_text(json.dumps(meta))
+    again = ensure_testbed(root, warmup_steps=(20, 20), pool=120, heldout=24, progress=False)
+    assert json.loads((again.root / "testbed.json").read_text())["build"]["warmup_steps"] == [20, 20]
+
+
 def test_pass_at_k_unbiased_estimator():
     assert pass_at_k(8, 0, 1) == 0.0 and pass_at_k(8, 8, 8) == 1.0
     assert pass_at_k(8, 2, 1) == pytest.approx(0.25)
