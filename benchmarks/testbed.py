@@ -11,10 +11,11 @@ same number of steps and seeds, evaluates both models on held-out prompts (T=1, 
   prompts that the other solves at least once;
 - ``OUT/runs/...``: every run directory (records, metrics, validation).
 
-Reproduce (about 2-4 minutes per run on 2 cores):
-    python benchmarks/testbed.py --seeds 0 1 2 --steps 30 \
-        --methods grpo_n8 grpo_n16 graft graft_stored graft_no_gate sgt
-Methods available: see METHODS below.
+Reproduce (every method, 3 seeds, 5 epochs over a 256-prompt pool; about 90 minutes on 2 cores
+with two runs at a time, one thread each):
+    python benchmarks/testbed.py --jobs 2
+Methods available: see METHODS below (``--methods`` picks some). Finished runs are cached by
+their ``done.json``; delete ``OUT/runs`` after changing the testbed or the settings.
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ METHODS: dict[str, dict] = {
 }
 
 
-def run_one(tb, out: Path, method: str, seed: int, steps: int, eval_prompts: int, eval_samples: int, every: int) -> Path:
+def run_one(tb, out: Path, method: str, seed: int, steps: int, eval_prompts: int, eval_samples: int, every: int,
+            pool: int | None = None, threads: int | None = None) -> Path:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     from graft_rl.config import load_config
     from graft_rl.trainer import Trainer
 
@@ -57,13 +63,14 @@ def run_one(tb, out: Path, method: str, seed: int, steps: int, eval_prompts: int
         shutil.rmtree(run_dir)
     base = tb.train_config(run_dir=str(run_dir))
     base.update(seed=seed, steps=steps, checkpoint_every=steps)
+    base["data"]["limit"] = pool
     base["validation"].update(every=every, samples=eval_samples, limit=eval_prompts, temperature=1.0, top_p=1.0)
     for k, v in spec.items():
         if k != "stored":
             base[k] = v
     t0 = time.perf_counter()
     if spec.get("stored"):
-        peer_run = run_one(tb, out, "grpo_n8", seed, steps, eval_prompts, eval_samples, every)
+        peer_run = run_one(tb, out, "grpo_n8", seed, steps, eval_prompts, eval_samples, every, pool)
         policies = base["policies"]
         run_dir.mkdir(parents=True, exist_ok=True)
         for recv, peer in (("A", "B"), ("B", "A")):
@@ -83,7 +90,7 @@ def _logs(run_dir: Path, name: str) -> tuple[list[dict], list[dict], Path]:
     return [m for m in metrics if m["policy"] == name], [v for v in val if v["policy"] == name], d
 
 
-def summarize(out: Path, methods: list[str], seeds: list[int]) -> None:
+def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "") -> None:
     from graft_rl.analyze import PHASES
     from graft_rl.store import RecordStore
 
@@ -120,6 +127,8 @@ def summarize(out: Path, methods: list[str], seeds: list[int]) -> None:
         _, v, _ = _logs(out / "runs" / f"{meth}_s{done_seeds[meth][0]}", name)
         start.setdefault(name, v[0]["val/score"])
     lines = [
+        settings,
+        "",
         f"Held-out pass@1 (T=1; seeds per method: {', '.join(f'{m} {done_seeds[m]}' for m in methods)}); start: "
         + ", ".join(f"{n} {100 * s:.1f}%" for n, s in start.items()),
         "",
@@ -190,10 +199,12 @@ def complementarity(tb, out: Path, eval_prompts: int, eval_samples: int) -> None
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=["grpo_n8", "grpo_n16", "graft", "graft_stored", "graft_no_gate", "sgt"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--every", type=int, default=10, help="validation every N steps")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--pool", type=int, default=256, help="training pool: the first N training prompts (0 = all 1000)")
+    ap.add_argument("--every", type=int, default=20, help="validation every N steps")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores/jobs torch threads)")
     ap.add_argument("--eval-prompts", type=int, default=256)
     ap.add_argument("--eval-samples", type=int, default=16)
     ap.add_argument("--out", default="docs/testbed")
@@ -208,12 +219,46 @@ def main() -> None:
     if not args.summarize_only:
         if not (out / "complementarity.md").is_file():
             complementarity(tb, out, args.eval_prompts, args.eval_samples)
-        for seed in args.seeds:
-            for method in args.methods:
-                t0 = time.perf_counter()
-                run_one(tb, out, method, seed, args.steps, args.eval_prompts, args.eval_samples, args.every)
-                print(f"{method} seed {seed}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-    summarize(out, args.methods, args.seeds)
+        run_all(tb, out, args)
+    settings = (f"{args.steps} steps of 32 prompts x n (8 unless named) on a pool of {args.pool or 'all'} training prompts "
+                f"({args.steps * 32 / (args.pool or 1000):.1f} epochs); held-out: {args.eval_prompts} prompts x "
+                f"{args.eval_samples} samples every {args.every} steps; {args.jobs} run(s) at a time.")
+    summarize(out, args.methods, args.seeds, settings)
+
+
+def run_all(tb, out: Path, args) -> None:
+    """Every (method, seed) run, ``args.jobs`` at a time; a stored-peer run starts once its peer's run is done."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import os
+
+    from tqdm import tqdm
+
+    pool = args.pool or None
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    common = (args.steps, args.eval_prompts, args.eval_samples, args.every, pool, threads)
+    # costly runs first, so the last minutes are not one long run alone
+    order = sorted(args.methods, key=lambda m: (m != "grpo_n8", -METHODS[m].get("n", 8)))
+    waiting = [(m, s) for s in args.seeds for m in order if METHODS[m].get("stored")]
+    ready = [(m, s) for m in order for s in args.seeds if not METHODS[m].get("stored")]
+    with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex, \
+            tqdm(total=len(waiting) + len(ready), desc="testbed runs", unit="run") as bar:
+        started = {ex.submit(run_one, tb, out, m, s, *common): (m, s, time.perf_counter()) for m, s in ready}
+        running = dict(started)
+        while running:
+            done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in done:
+                m, s, t0 = running.pop(fut)
+                fut.result()
+                bar.update()
+                tqdm.write(f"{m} seed {s}: {time.perf_counter() - t0:.0f}s (queued + run)", file=sys.stderr)
+                if m == "grpo_n8":
+                    for wm, ws in [w for w in waiting if w[1] == s]:
+                        waiting.remove((wm, ws))
+                        running[ex.submit(run_one, tb, out, wm, ws, *common)] = (wm, ws, time.perf_counter())
+        for wm, ws in waiting:  # grpo_n8 not among --methods: run_one trains it first
+            run_one(tb, out, wm, ws, *common)
+            bar.update()
 
 
 if __name__ == "__main__":
