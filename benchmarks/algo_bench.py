@@ -39,7 +39,9 @@ def make_inputs(G: int, n: int, T: int, seed: int, device: str):
     rew_b = (torch.rand(G, n, generator=g) < p_b * p_b).float()
     lengths = torch.randint(T // 8, T + 1, (M,), generator=g)
     mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
-    mk = lambda: (-torch.rand(M, T, generator=g) * 2).to(device)
+    def mk():
+        return (-torch.rand(M, T, generator=g) * 2).to(device)
+
     return {
         "rew": (rew_a.to(device), rew_b.to(device)),
         "gen_lp": (mk(), mk()),  # source generation log-probs on the source's tokens

@@ -15,8 +15,8 @@ import torch
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 vllm = pytest.importorskip("vllm")
 
-from graft_rl.policy import Policy, PolicyConfig, SamplingParams, sampling_logprobs
-from graft_rl.policy.tiny import build_tiny_model, char_tokenizer
+from graft_rl.policy import Policy, PolicyConfig, SamplingParams, sampling_logprobs  # noqa: E402
+from graft_rl.policy.tiny import build_tiny_model, char_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

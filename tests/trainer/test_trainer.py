@@ -214,7 +214,9 @@ def test_resume_reproduces_an_uninterrupted_run(make_cfg, fake_rewards):
     for name in ("A", "B"):
         for p, q in zip(_params(full)[name], _params(resumed)[name], strict=True):
             assert torch.equal(p, q)
-    read = lambda tr: [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]
+    def read(tr):
+        return [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]
+
     assert _strip(read(full)) == _strip(read(resumed))
     s_full, s_res = RecordStore(full.run_dir), RecordStore(resumed.run_dir)
     assert s_full.steps("A") == s_res.steps("A") == [1, 2, 3, 4]
