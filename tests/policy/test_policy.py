@@ -15,6 +15,7 @@ from graft_rl.policy import (
     PromptTooLongError,
     SamplingParams,
     TokenBatch,
+    auto_micro_batch_tokens,
     sampling_logprobs,
     token_logprobs_from_logits,
 )
@@ -96,6 +97,33 @@ def test_scoring_is_independent_of_micro_batching(tiny_pair, pol_b):
     lp1, m1 = pol_b.score_texts(["q"] * 4, texts)
     lp2, m2 = small.score_texts(["q"] * 4, texts)
     assert torch.equal(m1, m2) and torch.allclose(lp1, lp2, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["A", "B"])
+def test_scoring_prompts_of_different_lengths_matches_full_forward(which, pol_a, pol_b):
+    """Only response positions' logits are computed (logits_to_keep); the result equals the naive full pass."""
+    pol = pol_a if which == "A" else pol_b
+    problems = ["1+1=?", "a much longer question about 12*13+7 with words=?", "19-4=?"]
+    batch = pol.encode_texts(problems, ["2. \\boxed{2}", "163", "5, so \\boxed{5}"], [True, False, True])
+    assert len({len(p) for p in batch.prompt_ids}) == 3
+    lp, mask = pol.token_logprobs(batch)
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids, strict=True)):
+            ids = torch.tensor([p + r])
+            ref = pol.model(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            ref = ref[len(p) - 1 :]
+            assert torch.allclose(lp[i, : len(r)], ref, atol=1e-5)
+            assert mask[i, : len(r)].all() and not mask[i, len(r) :].any()
+
+
+def test_automatic_micro_batch_budget_follows_the_vocabulary(pol_a):
+    assert auto_micro_batch_tokens(38) == 16384
+    assert auto_micro_batch_tokens(49152) == 5461
+    assert auto_micro_batch_tokens(262144) == 1024
+    assert auto_micro_batch_tokens(10**9) == 512
+    assert pol_a.micro_batch_tokens == 16384
+    with pytest.raises(PolicyError, match="micro_batch_tokens"):
+        PolicyConfig("X", "m", micro_batch_tokens=0)
 
 
 def test_chunked_token_logprobs_match_log_softmax():

@@ -1,6 +1,13 @@
 """``graft_rl.policy``: one model + tokenizer + optimiser, rollout backends, tiny test models."""
 
-from graft_rl.policy.policy import Policy, PolicyConfig, PolicyError, PromptTooLongError, token_logprobs_from_logits
+from graft_rl.policy.policy import (
+    Policy,
+    PolicyConfig,
+    PolicyError,
+    PromptTooLongError,
+    auto_micro_batch_tokens,
+    token_logprobs_from_logits,
+)
 from graft_rl.policy.rollout import HFBackend, RolloutBackend, Sample, VLLMBackend, make_backend, sampling_logprobs
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
@@ -16,6 +23,7 @@ __all__ = [
     "SamplingParams",
     "TokenBatch",
     "VLLMBackend",
+    "auto_micro_batch_tokens",
     "make_backend",
     "sampling_logprobs",
     "token_logprobs_from_logits",

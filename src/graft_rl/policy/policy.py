@@ -8,6 +8,7 @@ in ``save_pretrained`` format (so transformers and vLLM load checkpoints directl
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from graft_rl.policy import zoo
 from graft_rl.policy.rollout import make_backend
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
-__all__ = ["PolicyConfig", "Policy", "PolicyError", "PromptTooLongError", "token_logprobs_from_logits"]
+__all__ = ["Policy", "PolicyConfig", "PolicyError", "PromptTooLongError", "auto_micro_batch_tokens", "token_logprobs_from_logits"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,7 +54,9 @@ class PolicyConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
-    micro_batch_tokens: int = 16384  # padded (sequences x length) tokens per forward pass
+    # padded (sequences x length) tokens per forward pass; None = from the vocabulary size, so the
+    # logits of one pass stay near LOGITS_BUDGET_BYTES (16384 for small vocabularies, ~1k for Gemma's 262k)
+    micro_batch_tokens: int | None = None
     logprob_chunk: int = 512  # positions per log-softmax chunk (bounds memory with large vocabularies)
     gen_batch_size: int = 64
     backend: str = "hf"  # hf | vllm
@@ -66,6 +69,21 @@ class PolicyConfig:
             raise PolicyError(f"policy {self.name!r}: prompt_format must be auto, chat or plain, got {self.prompt_format!r}")
         if "{prompt}" not in self.plain_template:
             raise PolicyError(f"policy {self.name!r}: plain_template must contain {{prompt}}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise PolicyError(f"policy {self.name!r}: micro_batch_tokens must be >= 1 (or null for automatic), got {self.micro_batch_tokens}")
+
+
+#: Bytes of float32 logits one forward pass may produce when ``micro_batch_tokens`` is automatic.
+LOGITS_BUDGET_BYTES = 1 << 30
+
+
+def auto_micro_batch_tokens(vocab_size: int, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
+    """Padded tokens per forward pass so that ``tokens x vocab`` float32 logits fit ``budget_bytes``.
+
+    Clamped to [512, 16384]: e.g. 16384 for the testbed's 38-320 token vocabularies, 5461 for
+    SmolLM2's 49k, 1024 for Gemma 3's 262k.
+    """
+    return max(512, min(16384, budget_bytes // (4 * max(vocab_size, 1))))
 
 
 def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> torch.Tensor:
@@ -148,6 +166,12 @@ class Policy:
             betas=tuple(config.betas),
             weight_decay=config.weight_decay,
         )
+        self.micro_batch_tokens = config.micro_batch_tokens or auto_micro_batch_tokens(
+            self.model.get_output_embeddings().weight.shape[0]
+            if self.model.get_output_embeddings() is not None
+            else len(self.tokenizer)
+        )
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.backend = make_backend(config.backend, self)
 
     def _eos_ids(self) -> list[int]:
@@ -245,7 +269,7 @@ class Policy:
 
     # ------------------------------------------------------------------ log-probs
     def _micro_batches(self, batch: TokenBatch) -> list[list[int]]:
-        budget = self.config.micro_batch_tokens
+        budget = self.micro_batch_tokens
         out, cur, cur_max = [], [], 0
         for i in range(len(batch)):
             length = len(batch.prompt_ids[i]) + len(batch.response_ids[i])
@@ -271,11 +295,19 @@ class Policy:
             inp[i, : len(s)] = torch.tensor(s)
             attn[i, : len(s)] = 1
         inp, attn = inp.to(device), attn.to(device)
-        logits = self.model(input_ids=inp, attention_mask=attn, use_cache=False).logits
-        lp_all = token_logprobs_from_logits(logits[:, :-1], inp[:, 1:], self.config.logprob_chunk)  # [B, L-1]
+        # only positions from the earliest response start on predict response tokens: skip the
+        # prompt-only positions' logits (with long prompts they dominate the [B, L, V] tensor)
+        starts = [len(p) - 1 for p in batch.prompt_ids]
+        first = min(starts)
+        if self._keeps_logits:
+            logits = self.model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits
+        else:
+            logits = self.model(input_ids=inp, attention_mask=attn, use_cache=False).logits[:, first:]
+        # logits[:, k] is position first + k and predicts token first + k + 1
+        lp_all = token_logprobs_from_logits(logits[:, :-1], inp[:, first + 1 :], self.config.logprob_chunk)
         T = batch.max_response_len
-        starts = torch.tensor([len(p) - 1 for p in batch.prompt_ids], device=device)
-        idx = (starts[:, None] + torch.arange(T, device=device)[None, :]).clamp(max=L - 2)
+        rel = torch.tensor(starts, device=device) - first
+        idx = (rel[:, None] + torch.arange(T, device=device)[None, :]).clamp(max=max(L - 2 - first, 0))
         mask = batch.response_mask().to(device)
         return lp_all.gather(1, idx) * mask
 
