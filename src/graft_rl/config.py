@@ -61,6 +61,9 @@ class MethodConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     adv_eps: float = 1e-6
+    # KL penalty to the initial policy (k3, token mean; 0 = off as in the paper's GRPO/GRAFT;
+    # HACPO's recipe uses 1e-3). Keeps a frozen copy of each model in memory.
+    kl_coef: float = 0.0
     # --- baselines
     sgt_coef: float = 0.1  # SGT lambda
     luffy_gamma: float = 0.1
@@ -91,6 +94,8 @@ class MethodConfig:
             self.selection = {"sgt": "sgt", "hacpo": "all"}.get(self.name, "complementary")
         if not 0 <= self.delta:
             raise ConfigError(f"method.delta must be >= 0, got {self.delta}")
+        if not 0 <= self.kl_coef:
+            raise ConfigError(f"method.kl_coef must be >= 0, got {self.kl_coef}")
 
 
 @dataclass

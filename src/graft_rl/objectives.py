@@ -17,8 +17,9 @@ __all__ = ["RowTensors", "Objective", "build_objective"]
 class RowTensors:
     """Per-row tensors of a receiver batch (``M`` rows, ``T`` tokens), indexed by row."""
 
-    def __init__(self, old: torch.Tensor, mask: torch.Tensor, adv, weight, is_peer, include, is_aux, src_mean, kappa):
-        self.old, self.mask = old, mask
+    def __init__(self, old: torch.Tensor, mask: torch.Tensor, adv, weight, is_peer, include, is_aux, src_mean, kappa,
+                 ref: torch.Tensor | None = None):
+        self.old, self.mask, self.ref = old, mask, ref
         self.adv = torch.as_tensor(adv, dtype=torch.float32)
         self.weight = torch.as_tensor(weight, dtype=torch.float32)
         self.is_peer = torch.as_tensor(is_peer, dtype=torch.bool)
@@ -42,6 +43,16 @@ def _clip_counts(lp, old, adv, mask, eps_low, eps_high) -> tuple[float, float]:
         return float(st["clip_frac"] * st["num_active_tokens"]), float(st["num_active_tokens"])
 
 
+def _with_kl(cfg: MethodConfig, t: RowTensors, lp, rows, rl_mask, rl_tokens: float, total, stats: dict):
+    """Add ``kl_coef`` x token-mean k3 KL to the reference over the minibatch's RL tokens (micro-batch share)."""
+    if cfg.kl_coef <= 0 or t.ref is None or rl_tokens <= 0 or float(rl_mask.sum()) == 0:
+        return total
+    ref = t.ref[rows, : lp.shape[1]].to(lp.device)
+    kl = algo.reference_kl(lp, ref, rl_mask)
+    stats["kl_ref"] = float(kl.detach())
+    return total + cfg.kl_coef * kl * (float(rl_mask.sum()) / rl_tokens)
+
+
 class Objective:
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
@@ -59,6 +70,7 @@ class Objective:
             rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
             loss, stats = self.rl_loss(lp, old, rl_mask, t, rows, step)
             total = loss * (float(rl_mask.sum()) / rl_tokens) if rl_tokens > 0 else lp.sum() * 0.0
+            total = _with_kl(self.cfg, t, lp, rows, rl_mask, rl_tokens, total, stats)
             aux_mask = t.aux_mask(rows)[:, :T].to(lp.device)
             if aux_tokens > 0 and aux_mask.sum() > 0:
                 total = total + algo.sgt_nll(lp, aux_mask, self.cfg.sgt_coef) * (float(aux_mask.sum()) / aux_tokens)
@@ -94,6 +106,7 @@ class HacpoObjective(Objective):
 
     def minibatch(self, t, mb_rows, step):
         n_rows = float(sum(1 for r in mb_rows if bool(t.include[r]) and not bool(t.is_aux[r])))
+        rl_tokens = float(t.rl_mask(mb_rows).sum())
         mb = torch.tensor(mb_rows)
         c = self.cfg
 
@@ -118,7 +131,9 @@ class HacpoObjective(Objective):
                 c.hacpo_peer_clip_start,
                 c.hacpo_peer_clip_increment,
             )
-            return loss * (float(valid.sum()) / max(n_rows, 1.0)), {k: float(v) for k, v in stats.items()}
+            stats = {k: float(v) for k, v in stats.items()}
+            total = _with_kl(c, t, lp, rows, rl_mask, rl_tokens, loss * (float(valid.sum()) / max(n_rows, 1.0)), stats)
+            return total, stats
 
         return fn
 

@@ -84,7 +84,9 @@ class Trainer:
         pcs = []
         for pc in cfg.policies:
             if ckpt is not None:
-                pc = PolicyConfig(**{**to_dict(pc), "model": str(ckpt / pc.name), "gguf_file": None, "tokenizer": None})
+                ref = {"reference_model": pc.reference_model or pc.model,
+                       "reference_gguf_file": pc.reference_gguf_file if pc.reference_model else pc.gguf_file}
+                pc = PolicyConfig(**{**to_dict(pc), "model": str(ckpt / pc.name), "gguf_file": None, "tokenizer": None, **ref})
             pcs.append(pc)
         # in-process: the Policy objects live here (self.policies); with Ray each lives in its actor
         self.policies: dict[str, Policy] = {}

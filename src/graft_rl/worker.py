@@ -41,6 +41,8 @@ class PolicyWorker:
         self.nonfinite_loss = nonfinite_loss
         self.objective = objective or build_objective(method)
         self.weighting = weighting or build_exchange(method).weighting
+        if method.kl_coef > 0:  # the reference is the policy as built, before any update or resume
+            self.policy.init_reference()
 
     # ------------------------------------------------------------------ simple remote-able calls
     def name(self) -> str:
@@ -99,6 +101,7 @@ class PolicyWorker:
         old, mask = pol.token_logprobs(tb)  # pi_old: before the step's first update
         recv_sum = (old * mask).sum(1)
         recv_mean = algo.mean_token_logprob(old, mask)
+        ref = pol.reference_logprobs(tb)[0] if m.kl_coef > 0 else None
         score_s = time.perf_counter() - t0
         stats: dict = {}
         # compatibility of peer responses (Section 4.2); per-character variant logged too
@@ -137,6 +140,7 @@ class PolicyWorker:
             [r.is_aux for r in batch.rows],
             [r.src_mean_logprob for r in batch.rows],
             kappa,
+            ref,
         )
         exchange_rows = ([
             {"prompt_id": r.prompt_id, "source": r.source, "group_index": r.index, "reward": r.reward,
@@ -170,6 +174,8 @@ class PolicyWorker:
         stats["compat_char"] = [round(x, 5) for x in s_chr_all]
         stats["clip_frac_self"] = ssum("clipped_tokens_self") / max(ssum("tokens_self"), 1.0)
         stats["clip_frac_peer"] = ssum("clipped_tokens_peer") / max(ssum("tokens_peer"), 1.0) if ssum("tokens_peer") else None
+        if ref is not None:
+            stats["kl_ref"] = statistics.fmean(u["kl_ref"] for u in upd if "kl_ref" in u) if upd else None
         good = [u for u in upd if not u["skipped"]]
         stats["loss"] = statistics.fmean(u["loss"] for u in good) if good else None
         stats["grad_norm"] = statistics.fmean(u["grad_norm"] for u in good) if good else None

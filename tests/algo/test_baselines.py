@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graft_rl.algo import (
     balanced_exchange,
@@ -19,6 +21,7 @@ from graft_rl.algo import (
     policy_loss,
     pooled_advantages,
     random_admission_weight,
+    reference_kl,
     sgt_eligible,
     sgt_nll,
     sgt_select,
@@ -168,3 +171,33 @@ def test_hacpo_loss_sequence_ratio_clipping():
 def test_dynamic_sampling_keeps_non_zero_variance_groups():
     r = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5, 0.5, 0.2]])
     assert dynamic_sampling_mask(r).tolist() == [True, False, False, True]
+
+
+# --------------------------------------------------------------------------- KL to a reference
+def test_reference_kl_is_zero_at_the_reference_and_matches_k3():
+    lp = -torch.rand(3, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.float64)
+    assert float(reference_kl(lp, lp, mask)) == 0.0
+    ref = -torch.rand(3, 5, dtype=torch.float64)
+    r = ref - lp
+    expected = ((r.exp() - r - 1) * mask).sum() / mask.sum()
+    assert torch.allclose(reference_kl(lp, ref, mask), expected)
+    assert float(reference_kl(lp, ref, torch.zeros_like(mask))) == 0.0
+    with pytest.raises(ValueError, match="shapes differ"):
+        reference_kl(lp, ref[:, :4], mask)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_reference_kl_is_nonnegative_and_pulls_towards_the_reference(M, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    lp = (-torch.rand(M, T, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    ref = -torch.rand(M, T, generator=g, dtype=torch.float64) * 3
+    mask = torch.ones(M, T, dtype=torch.float64)
+    kl = reference_kl(lp, ref, mask)
+    assert float(kl.detach()) >= 0
+    kl.backward()
+    # d/dlp (e^{ref-lp} - (ref-lp) - 1) = 1 - e^{ref-lp}: descending moves lp towards ref
+    expected = (1 - torch.exp(ref - lp.detach())) / (M * T)
+    assert torch.allclose(lp.grad, expected)
+    assert ((lp.grad * (lp.detach() - ref)) >= -1e-12).all()

@@ -35,6 +35,8 @@ METHODS = {
     "luffy": {"name": "luffy"},
     "hacpo": {"name": "hacpo"},
     "hacpo_graft_which": {"name": "hacpo", "selection": "graft"},
+    "graft_kl": {"name": "graft", "kl_coef": 0.1},
+    "hacpo_kl": {"name": "hacpo", "kl_coef": 1e-3},
 }
 
 
@@ -57,6 +59,10 @@ def test_every_method_runs_two_steps(method, make_cfg, fake_rewards):
         assert {ln["policy"]: ln["exchanged_in"] for ln in lines[:2]} == {"A": 2.0, "B": 3.0}
     if method == "grpo":
         assert all(ln["exchanged_in"] == 0 for ln in lines)
+    if "kl" in method:  # KL to the initial policy: >= 0, and > 0 once the policy has moved
+        assert all(ln["kl_ref"] >= 0 for ln in lines) and all(ln["kl_ref"] > 0 for ln in lines[2:])
+    else:
+        assert "kl_ref" not in lines[0]
     if method == "grpo_dynamic_sampling":
         assert all(ln["rollouts"] == 2 * 4 * 4 for ln in lines)  # one extra round of 4 prompts x 4, counted
 
@@ -202,10 +208,13 @@ def _strip(lines):
     return [{k: v for k, v in ln.items() if not k.startswith("time_")} for ln in lines]
 
 
-def test_resume_reproduces_an_uninterrupted_run(make_cfg, fake_rewards):
-    full = Trainer(make_cfg({"name": "graft"}, steps=4, run="full", checkpoint_every=2), show_progress=False)
+@pytest.mark.parametrize("kl_coef", [0.0, 0.5])
+def test_resume_reproduces_an_uninterrupted_run(make_cfg, fake_rewards, kl_coef):
+    # with a KL term the resumed run must still compare against the *initial* weights, not the checkpoint's
+    method = {"name": "graft", "kl_coef": kl_coef}
+    full = Trainer(make_cfg(method, steps=4, run="full", checkpoint_every=2), show_progress=False)
     full.run()
-    part = Trainer(make_cfg({"name": "graft"}, steps=4, run="part", checkpoint_every=2), show_progress=False)
+    part = Trainer(make_cfg(method, steps=4, run="part", checkpoint_every=2), show_progress=False)
     part.run(max_steps=3)  # "killed" after step 3: its records and metrics exist, the last checkpoint is step 2
     assert RecordStore(part.run_dir).steps("A") == [1, 2, 3]
     resumed = Trainer.resume(part.run_dir, show_progress=False)

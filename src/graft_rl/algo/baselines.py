@@ -32,6 +32,7 @@ __all__ = [
     "hacpo_advantages",
     "hacpo_policy_loss",
     "dynamic_sampling_mask",
+    "reference_kl",
 ]
 
 
@@ -403,3 +404,30 @@ def dynamic_sampling_mask(rewards: torch.Tensor) -> torch.Tensor:
     if rewards.dim() != 2:
         raise ValueError(f"dynamic_sampling_mask: rewards must be [G, n], got {tuple(rewards.shape)}")
     return ~(rewards == rewards[:, :1]).all(dim=1)
+
+
+# --------------------------------------------------------------------------- KL to a reference
+def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""Token-mean KL penalty to a frozen reference policy (k3 estimator; DeepSeek GRPO, HACPO's KL loss).
+
+    .. math::
+        \mathrm{KL} = \frac{1}{\sum m}\sum_{i,t} m_{i,t}\,\big(e^{r_{i,t}} - r_{i,t} - 1\big),
+        \qquad r_{i,t} = \log \pi_{ref}(y_t) - \log \pi_\theta(y_t)
+
+    Non-negative, unbiased for :math:`\mathrm{KL}(\pi_\theta \,\|\, \pi_{ref})` on samples from
+    :math:`\pi_\theta`, zero where the two agree; the gradient flows through ``logprobs`` only.
+    ``r`` is clamped to :data:`~graft_rl.algo.core.MAX_LOG_RATIO` before ``exp``. An all-zero mask gives 0.
+
+    Example:
+        >>> lp = torch.tensor([[-1.0, -2.0]]); ref = torch.tensor([[-1.0, -1.0]])
+        >>> round(float(reference_kl(lp, ref, torch.ones(1, 2))), 4)  # (0 + e - 1 - 1) / 2
+        0.3591
+    """
+    if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            f"reference_kl: shapes differ: logprobs {tuple(logprobs.shape)}, ref {tuple(ref_logprobs.shape)}, "
+            f"mask {tuple(mask.shape)}"
+        )
+    r = (ref_logprobs.detach().to(logprobs.dtype) - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    m = mask.to(logprobs.dtype)
+    return ((torch.exp(r) - r - 1) * m).sum() / m.sum().clamp(min=1)

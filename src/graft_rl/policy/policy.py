@@ -59,6 +59,10 @@ class PolicyConfig:
     micro_batch_tokens: int | None = None
     logprob_chunk: int = 512  # positions per log-softmax chunk (bounds memory with large vocabularies)
     gen_batch_size: int = 64
+    # the KL reference (method.kl_coef > 0): None = the weights this policy starts from; a resumed
+    # run points it at the original model so the reference stays the initial policy
+    reference_model: str | None = None
+    reference_gguf_file: str | None = None
     backend: str = "hf"  # hf | vllm
     vllm_kwargs: dict = field(default_factory=dict)
 
@@ -119,20 +123,12 @@ class Policy:
     """One trainable model with its tokenizer, optimiser and rollout backend."""
 
     def __init__(self, config: PolicyConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         _quiet_transformers()
         self.config = config
         self.name = config.name
-        try:
-            path = Path(zoo.resolve(config.model)).expanduser()
-        except FileNotFoundError as exc:
-            raise PolicyError(f"policy {config.name!r}: {exc}") from None
-        if not path.exists() and not _is_hub_id(config.model):
-            raise PolicyError(f"policy {config.name!r}: model path {config.model!r} does not exist")
-        gguf = config.gguf_file
-        if gguf is None and path.is_file() and path.suffix == ".gguf":
-            path, gguf = path.parent, path.name
+        path, gguf = self._resolve(config.model, config.gguf_file)
         self.model_dir = path
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         if not path.exists():  # a hub id: keep it a string for transformers
@@ -147,15 +143,7 @@ class Policy:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if config.prompt_format == "chat" and not self.tokenizer.chat_template:
             raise PolicyError(f"policy {config.name!r}: prompt_format 'chat' but the tokenizer at {tok_path} has no chat template")
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=_DTYPES[config.dtype])
-        except Exception as exc:
-            raise PolicyError(f"policy {config.name!r}: cannot load model from {path}: {type(exc).__name__}: {exc}") from None
-        if gguf:  # a dequantised GGUF model: drop the quantizer marker so save_pretrained works
-            self.model.hf_quantizer = None
-            if hasattr(self.model.config, "quantization_config"):
-                del self.model.config.quantization_config
-            self.model.is_quantized = False
+        self.model = self._load_model(path, gguf)
         self.model.to(config.device)
         self.model.eval()  # no dropout: log-probs must be deterministic functions of the weights
         self.use_chat = config.prompt_format == "chat" or (config.prompt_format == "auto" and bool(self.tokenizer.chat_template))
@@ -173,6 +161,32 @@ class Policy:
         )
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.backend = make_backend(config.backend, self)
+
+    def _resolve(self, model: str, gguf: str | None) -> tuple[Path, str | None]:
+        """``(directory, gguf file or None)`` of a model path, GGUF file, ``zoo:`` name or hub id."""
+        try:
+            path = Path(zoo.resolve(model)).expanduser()
+        except FileNotFoundError as exc:
+            raise PolicyError(f"policy {self.name!r}: {exc}") from None
+        if not path.exists() and not _is_hub_id(model):
+            raise PolicyError(f"policy {self.name!r}: model path {model!r} does not exist")
+        if gguf is None and path.is_file() and path.suffix == ".gguf":
+            path, gguf = path.parent, path.name
+        return path, gguf
+
+    def _load_model(self, path, gguf: str | None):
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=_DTYPES[self.config.dtype])
+        except Exception as exc:
+            raise PolicyError(f"policy {self.name!r}: cannot load model from {path}: {type(exc).__name__}: {exc}") from None
+        if gguf:  # a dequantised GGUF model: drop the quantizer marker so save_pretrained works
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.is_quantized = False
+        return model
 
     def _eos_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -283,8 +297,9 @@ class Policy:
             out.append(cur)
         return out
 
-    def _forward(self, batch: TokenBatch) -> torch.Tensor:
+    def _forward(self, batch: TokenBatch, model=None) -> torch.Tensor:
         """Response-token log-probs ``[M, T]`` (float32) for a batch that fits one forward pass."""
+        model = self.model if model is None else model
         device = self.config.device
         seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
         L = max(len(s) for s in seqs)
@@ -300,9 +315,9 @@ class Policy:
         starts = [len(p) - 1 for p in batch.prompt_ids]
         first = min(starts)
         if self._keeps_logits:
-            logits = self.model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits
+            logits = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits
         else:
-            logits = self.model(input_ids=inp, attention_mask=attn, use_cache=False).logits[:, first:]
+            logits = model(input_ids=inp, attention_mask=attn, use_cache=False).logits[:, first:]
         # logits[:, k] is position first + k and predicts token first + k + 1
         lp_all = token_logprobs_from_logits(logits[:, :-1], inp[:, first + 1 :], self.config.logprob_chunk)
         T = batch.max_response_len
@@ -312,17 +327,38 @@ class Policy:
         return lp_all.gather(1, idx) * mask
 
     @torch.no_grad()
-    def token_logprobs(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logprobs(self, batch: TokenBatch, model=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Score every response under this policy: ``(logprobs [M, T], mask [M, T])`` on CPU, float32.
 
-        Micro-batched by ``micro_batch_tokens``; no gradient.
+        Micro-batched by ``micro_batch_tokens``; no gradient. ``model`` scores with another
+        module sharing this tokenizer (the frozen reference of :meth:`init_reference`).
         """
         T = batch.max_response_len
         out = torch.zeros(len(batch), T)
         for rows in self._micro_batches(batch):
-            lp = self._forward(batch.select(rows)).cpu()
+            lp = self._forward(batch.select(rows), model).cpu()
             out[rows, : lp.shape[1]] = lp
         return out, batch.response_mask()
+
+    def init_reference(self) -> None:
+        """Load the frozen KL reference: ``config.reference_model`` if set (a resumed run's original
+        model), else a copy of the weights as loaded (call before any update)."""
+        import copy
+
+        if getattr(self, "reference", None) is not None:
+            return
+        if self.config.reference_model:
+            path, gguf = self._resolve(self.config.reference_model, self.config.reference_gguf_file)
+            ref = self._load_model(path if path.exists() else self.config.reference_model, gguf).to(self.config.device)
+        else:
+            ref = copy.deepcopy(self.model)
+        self.reference = ref.eval().requires_grad_(False)
+
+    def reference_logprobs(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`token_logprobs` under the frozen reference (:meth:`init_reference` first)."""
+        if getattr(self, "reference", None) is None:
+            raise PolicyError(f"policy {self.name!r}: no reference model; call init_reference() before training")
+        return self.token_logprobs(batch, self.reference)
 
     def score_texts(self, problems: Sequence[str], responses: Sequence[str], finished: Sequence[bool] | None = None):
         """Convenience: :meth:`encode_texts` then :meth:`token_logprobs`."""
