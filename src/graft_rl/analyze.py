@@ -22,7 +22,7 @@ from pathlib import Path
 from graft_rl.report import read_metrics, read_validation
 from graft_rl.store import RecordStore
 
-__all__ = ["AnalysisError", "analyze"]
+__all__ = ["AnalysisError", "analyze", "compatibility_stats"]
 
 PHASES = ("time_generate", "time_reward", "time_score", "time_update")
 
@@ -34,6 +34,37 @@ class AnalysisError(ValueError):
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
+
+
+def compatibility_stats(rows: list[dict], delta: float = 0.8) -> dict:
+    """How the two compatibility normalisations distribute over one direction's grafted peer responses.
+
+    ``admitted``: the run's own rule (weight > 0); ``pass_token`` / ``pass_char``: the fraction
+    each score would admit at ``delta`` (Section 4.2 gate, token-mean vs per-character);
+    ``admitted_correct`` / ``admitted_wrong``: admission among rewarded and unrewarded responses.
+    """
+    rows = [r for r in rows if r["compat_token"] is not None and r["compat_char"] is not None]
+    if not rows:
+        return {"n": 0}
+
+    def q(xs, f):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(f * len(xs)))]
+
+    tok, chr_ = [r["compat_token"] for r in rows], [r["compat_char"] for r in rows]
+    good, bad = [r for r in rows if r["reward"] > 0], [r for r in rows if r["reward"] <= 0]
+    return {
+        "n": len(rows),
+        "admitted": sum(r["weight"] > 0 for r in rows) / len(rows),
+        "pass_token": sum(x > delta for x in tok) / len(rows),
+        "pass_char": sum(x > delta for x in chr_) / len(rows),
+        "median_token": statistics.median(tok),
+        "median_char": statistics.median(chr_),
+        "p10_token": q(tok, 0.1), "p90_token": q(tok, 0.9),
+        "p10_char": q(chr_, 0.1), "p90_char": q(chr_, 0.9),
+        "admitted_correct": sum(r["weight"] > 0 for r in good) / len(good) if good else None,
+        "admitted_wrong": sum(r["weight"] > 0 for r in bad) / len(bad) if bad else None,
+    }
 
 
 def complementarity(store: RecordStore) -> dict[str, list[tuple[int, float | None]]]:
@@ -52,6 +83,16 @@ def complementarity(store: RecordStore) -> dict[str, list[tuple[int, float | Non
             series.append((step, solved / len(fails) if fails else None))
         out[r] = series
     return out
+
+
+def _run_delta(run: Path) -> float:
+    """The run's gate threshold δ from its resolved config (0.8, the paper's, if unreadable)."""
+    try:
+        import yaml
+
+        return float(((yaml.safe_load((run / "config.yaml").read_text()) or {}).get("method") or {}).get("delta", 0.8))
+    except (OSError, ValueError, AttributeError):
+        return 0.8
 
 
 def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str | Path | None = None, cases: int = 3) -> dict:
@@ -130,21 +171,26 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
         for r in ex:
             if not r["auxiliary"]:
                 dirs[(r["source"], r["receiver"])].append(r)
-        report += ["| direction | peer responses | admitted (w>0) | mean weight | median s (token) | median s (char) |",
-                   "|---|---:|---:|---:|---:|---:|"]
+        delta = _run_delta(run)
+        report += [f"| direction | peer responses | admitted (w>0) | mean weight | s (token) median [p10, p90] | "
+                   f"s (char) median [p10, p90] | s_token > {delta} | s_char > {delta} | admitted: correct / wrong |",
+                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
         for (src, recv), rows in dirs.items():
+            st = compatibility_stats(rows, delta)
             s_tok = [r["compat_token"] for r in rows if r["compat_token"] is not None]
             s_chr = [r["compat_char"] for r in rows if r["compat_char"] is not None]
             adm = sum(1 for r in rows if r["weight"] > 0) / len(rows)
             axes[0].hist([min(x, 3) for x in s_tok], bins=40, alpha=0.5, label=f"{src}→{recv}")
             axes[1].hist([min(x, 3) for x in s_chr], bins=40, alpha=0.5, label=f"{src}→{recv}")
-            report.append(
-                f"| {src}→{recv} | {len(rows)} | {100 * adm:.1f}% | {_mean(r['weight'] for r in rows):.3f} | "
-                f"{statistics.median(s_tok) if s_tok else float('nan'):.3f} | {statistics.median(s_chr) if s_chr else float('nan'):.3f} |"
-            )
+            cells = "- | - | - | - | -" if not st["n"] else (
+                f"{st['median_token']:.3f} [{st['p10_token']:.2f}, {st['p90_token']:.2f}] | "
+                f"{st['median_char']:.3f} [{st['p10_char']:.2f}, {st['p90_char']:.2f}] | {pct(st['pass_token'])} | "
+                f"{pct(st['pass_char'])} | {pct(st['admitted_correct'])} / {pct(st['admitted_wrong'])}")
+            report.append(f"| {src}→{recv} | {len(rows)} | {100 * adm:.1f}% | {_mean(r['weight'] for r in rows):.3f} | {cells} |")
             summary["policies"].setdefault(recv, {})["admitted_frac"] = adm
         for a, title in zip(axes, ("token-mean s (paper)", "per-character s"), strict=True):
-            a.axvline(0.8, color="k", linestyle=":", label="δ = 0.8")
+            a.axvline(delta, color="k", linestyle=":", label=f"δ = {delta}")
             a.set_title(title)
             a.set_xlabel("compatibility score (capped at 3)")
             a.legend(fontsize=8)

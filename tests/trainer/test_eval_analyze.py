@@ -92,3 +92,21 @@ def test_analyze_bad_input_is_one_line(tmp_path, capsys):
     assert err.startswith("graft analyze:") and "no trajectory records" in err and "\n" not in err
     with pytest.raises(AnalysisError, match="not a directory"):
         analyze(tmp_path / "nope")
+
+
+def test_compatibility_stats_compare_both_normalisations():
+    from graft_rl.analyze import compatibility_stats
+
+    rows = [
+        {"compat_token": 0.9, "compat_char": 0.7, "weight": 0.9, "reward": 1.0},
+        {"compat_token": 0.5, "compat_char": 0.85, "weight": 0.0, "reward": 1.0},
+        {"compat_token": 0.85, "compat_char": 0.95, "weight": 0.85, "reward": 0.0},
+        {"compat_token": 0.2, "compat_char": 0.3, "weight": 0.0, "reward": 0.0},
+        {"compat_token": None, "compat_char": None, "weight": 1.0, "reward": 1.0},  # not scored: left out
+    ]
+    st = compatibility_stats(rows, delta=0.8)
+    assert st["n"] == 4 and st["admitted"] == 0.5
+    assert st["pass_token"] == 0.5 and st["pass_char"] == 0.5
+    assert st["median_token"] == (0.5 + 0.85) / 2 and st["median_char"] == (0.7 + 0.85) / 2
+    assert st["admitted_correct"] == 0.5 and st["admitted_wrong"] == 0.5
+    assert compatibility_stats([], 0.8) == {"n": 0}
