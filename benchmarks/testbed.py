@@ -146,6 +146,42 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _plot(out, curves, rows)
+    compatibility_summary(out, [m for m in ("graft", "graft_per_char") if m in methods], done_seeds)
+
+
+def compatibility_summary(out: Path, methods: list[str], done_seeds: dict) -> None:
+    """Token-mean vs per-character compatibility over every grafted peer response (mean over seeds)."""
+    from graft_rl.analyze import compatibility_stats
+    from graft_rl.store import RecordStore
+
+    lines = [
+        "| method (gate uses) | direction | peer responses / seed | s_token median [p10, p90] | s_char median [p10, p90] | "
+        "s_token > 0.8 | s_char > 0.8 | admitted | admitted: correct / wrong |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method in methods:
+        per_dir: dict = {}
+        for seed in done_seeds[method]:
+            rows = [r for r in RecordStore(out / "runs" / f"{method}_s{seed}").read_exchange() if not r["auxiliary"]]
+            for d in sorted({(r["source"], r["receiver"]) for r in rows}):
+                st = compatibility_stats([r for r in rows if (r["source"], r["receiver"]) == d])
+                if st["n"]:
+                    per_dir.setdefault(d, []).append(st)
+        for (src, recv), sts in per_dir.items():
+            def m(k, sts=sts):
+                vals = [x[k] for x in sts if x[k] is not None]
+                return statistics.fmean(vals) if vals else float("nan")
+
+            rule = "per-char" if method == "graft_per_char" else "token-mean"
+            lines.append(
+                f"| {method} ({rule}) | {src}→{recv} | {m('n'):.0f} | {m('median_token'):.3f} [{m('p10_token'):.2f}, "
+                f"{m('p90_token'):.2f}] | {m('median_char'):.3f} [{m('p10_char'):.2f}, {m('p90_char'):.2f}] | "
+                f"{100 * m('pass_token'):.0f}% | {100 * m('pass_char'):.0f}% | {100 * m('admitted'):.0f}% | "
+                f"{100 * m('admitted_correct'):.0f}% / {100 * m('admitted_wrong'):.0f}% |"
+            )
+    if len(lines) > 2:
+        (out / "compatibility.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
 
 
 def _plot(out: Path, curves: dict, rows) -> None:
