@@ -90,7 +90,7 @@ def _logs(run_dir: Path, name: str) -> tuple[list[dict], list[dict], Path]:
     return [m for m in metrics if m["policy"] == name], [v for v in val if v["policy"] == name], d
 
 
-def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "") -> None:
+def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "", epoch_steps: int = 8) -> None:
     from graft_rl.analyze import PHASES
     from graft_rl.store import RecordStore
 
@@ -99,7 +99,7 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
     methods = [m for m in methods if done_seeds[m]]
     for method in methods:
         for name in ("A", "B"):
-            finals, covs, walls, rolls = [], [], [], []
+            finals, covs, walls, rolls, pool_r = [], [], [], [], []
             for seed in done_seeds[method]:
                 m, v, d = _logs(out / "runs" / f"{method}_s{seed}", name)
                 finals.append(v[-1]["val/score"])
@@ -113,6 +113,10 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
                 covs.append(len(solved) / max(len(seen), 1))
                 walls.append(sum(x.get(k) or 0 for x in m for k in PHASES))
                 rolls.append(sum(x["rollouts"] for x in m))
+                # on-policy pool pass@1 over the last pass through the pool (own samples, T=1); not
+                # comparable with dynamic sampling, whose logged batch is the filtered one
+                if not METHODS[method].get("method", {}).get("dynamic_sampling"):
+                    pool_r.append(statistics.fmean(x["reward_mean"] for x in m[-epoch_steps:]))
                 cum, wall_at = 0.0, {0: 0.0}
                 for x in m:
                     cum += sum(x.get(k) or 0 for k in PHASES)
@@ -120,7 +124,7 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
                 curves.setdefault((method, name), []).append(
                     [(x["step"], x["val/score"], wall_at.get(x["step"], cum)) for x in v]
                 )
-            rows.append((method, name, finals, covs, walls, rolls))
+            rows.append((method, name, finals, covs, walls, rolls, pool_r))
     base = {name: statistics.fmean(f) for meth, name, f, *_ in rows if meth == "grpo_n8"}
     start = {}
     for meth, name, *_ in rows:
@@ -132,15 +136,17 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
         f"Held-out pass@1 (T=1; seeds per method: {', '.join(f'{m} {done_seeds[m]}' for m in methods)}); start: "
         + ", ".join(f"{n} {100 * s:.1f}%" for n, s in start.items()),
         "",
-        "| method | model | held-out pass@1 (mean ± std) | Δ vs GRPO n=8 | pool coverage | rollouts | train s |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| method | model | held-out pass@1 (mean ± std) | Δ vs GRPO n=8 | pool pass@1, last epoch | pool coverage | "
+        "rollouts | train s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for method, name, finals, covs, walls, rolls in rows:
+    for method, name, finals, covs, walls, rolls, pool_r in rows:
         mean = statistics.fmean(finals)
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
         delta = f"{100 * (mean - base[name]):+.1f}" if name in base else "-"
         lines.append(
-            f"| {method} | {name} | {100 * mean:.1f} ± {100 * std:.1f} | {delta} | {100 * statistics.fmean(covs):.1f}% | "
+            f"| {method} | {name} | {100 * mean:.1f} ± {100 * std:.1f} | {delta} | "
+            f"{f'{100 * statistics.fmean(pool_r):.1f}%' if pool_r else '-'} | {100 * statistics.fmean(covs):.1f}% | "
             f"{statistics.fmean(rolls):.0f} | {statistics.fmean(walls):.0f} |"
         )
     (out / "results.md").write_text("\n".join(lines) + "\n")
@@ -259,7 +265,7 @@ def main() -> None:
     settings = (f"{args.steps} steps of 32 prompts x n (8 unless named) on a pool of {args.pool or 'all'} training prompts "
                 f"({args.steps * 32 / (args.pool or 1000):.1f} epochs); held-out: {args.eval_prompts} prompts x "
                 f"{args.eval_samples} samples every {args.every} steps; {args.jobs} run(s) at a time.")
-    summarize(out, args.methods, args.seeds, settings)
+    summarize(out, args.methods, args.seeds, settings, epoch_steps=-(-(args.pool or 1000) // 32))
 
 
 def run_all(tb, out: Path, args) -> None:
