@@ -110,7 +110,8 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
                         seen.add(g.prompt_id)
                         if any(r > 0 for r in g.rewards):
                             solved.add(g.prompt_id)
-                covs.append(len(solved) / max(len(seen), 1))
+                if not METHODS[method].get("method", {}).get("dynamic_sampling"):  # its records hold only kept groups
+                    covs.append(len(solved) / max(len(seen), 1))
                 walls.append(sum(x.get(k) or 0 for x in m for k in PHASES))
                 rolls.append(sum(x["rollouts"] for x in m))
                 # on-policy pool pass@1 over the last pass through the pool (own samples, T=1); not
@@ -146,7 +147,8 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
         delta = f"{100 * (mean - base[name]):+.1f}" if name in base else "-"
         lines.append(
             f"| {method} | {name} | {100 * mean:.1f} ± {100 * std:.1f} | {delta} | "
-            f"{f'{100 * statistics.fmean(pool_r):.1f}%' if pool_r else '-'} | {100 * statistics.fmean(covs):.1f}% | "
+            f"{f'{100 * statistics.fmean(pool_r):.1f}%' if pool_r else '-'} | "
+            f"{f'{100 * statistics.fmean(covs):.1f}%' if covs else '-'} | "
             f"{statistics.fmean(rolls):.0f} | {statistics.fmean(walls):.0f} |"
         )
     (out / "results.md").write_text("\n".join(lines) + "\n")
