@@ -199,15 +199,19 @@ def _plot(out: Path, curves: dict, rows) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey="row")
+    methods = list(dict.fromkeys(m for m, _ in curves))
+    cmap = plt.get_cmap("tab20")
+    color = {m: cmap(i % 20) for i, m in enumerate(methods)}
     for col, name in enumerate(("A", "B")):
         for (method, n), runs in curves.items():
             if n != name:
                 continue
+            style = {"color": color[method], "linestyle": "--" if method.startswith("grpo") else "-"}
             steps = [s for s, _, _ in runs[0]]
             means = [statistics.fmean(r[i][1] for r in runs) for i in range(len(steps))]
             walls = [statistics.fmean(r[i][2] for r in runs) for i in range(len(steps))]
-            axes[0, col].plot(steps, [100 * m for m in means], marker="o", label=method)
-            axes[1, col].plot(walls, [100 * m for m in means], marker="o", label=method)
+            axes[0, col].plot(steps, [100 * m for m in means], marker="o", label=method, **style)
+            axes[1, col].plot(walls, [100 * m for m in means], marker="o", label=method, **style)
         axes[0, col].set_title(f"model {name}: held-out pass@1 vs step")
         axes[0, col].set_xlabel("training step")
         axes[1, col].set_title(f"model {name}: held-out pass@1 vs training wall time")
