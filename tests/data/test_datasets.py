@@ -109,3 +109,14 @@ def test_score_responses_dispatch():
     assert score_responses([r"\boxed{2}"], ["2"], "gsm8k")[0] == [1.0]
     with pytest.raises(ValueError, match="unknown verifier"):
         score_responses(["x"], ["1"], "code")
+
+
+def test_gzipped_jsonl_loads_and_errors_name_file_and_line(tmp_path):
+    import gzip
+
+    path = tmp_path / "d.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write('{"id": "a", "problem": "1+1", "answer": "2"}\n{"id": "b", "problem": "x"}\n')
+    assert [p.id for p in load_dataset(str(path), limit=1)] == ["a"]
+    with pytest.raises(DatasetError, match=r"d\.jsonl\.gz:2: .*answer"):
+        load_dataset(str(path))

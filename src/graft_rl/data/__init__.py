@@ -10,6 +10,7 @@ loaded by path; ``reasoning_gym:NAME`` builds a procedural task (:class:`Reasoni
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ _FILES = Path(__file__).resolve().parent / "files"
 
 #: name -> (file, verifier kind)
 BUILTIN: dict[str, tuple[str, str]] = {
-    "math_train": ("math_train.jsonl", "math"),
+    "math_train": ("math_train.jsonl.gz", "math"),  # gzip: 7.1 MB of JSONL
     "math500": ("math500.jsonl", "math"),
     "aime24": ("aime24.jsonl", "math"),
     "aime25": ("aime25.jsonl", "math"),
@@ -97,13 +98,15 @@ def _row(obj: object, where: str) -> Problem:
 
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> list[Problem]:
-    """Read a JSONL problem file; a malformed row raises one :class:`DatasetError` naming file and line."""
+    """Read a JSONL problem file (``.jsonl`` or gzipped ``.jsonl.gz``); a malformed row raises one
+    :class:`DatasetError` naming file and line."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
     rows: list[Problem] = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -135,11 +138,11 @@ def load_dataset(name_or_path: str, limit: int | None = None) -> list[Problem]:
         rows = ReasoningGymTask(parts[1], size=size, seed=seed).problems()
         return rows[:limit] if limit is not None else rows
     path = Path(name_or_path).expanduser()
-    if path.suffix == ".jsonl" or path.exists():
+    if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz") or path.exists():
         return load_jsonl(path, limit)
     raise DatasetError(
         f"unknown dataset {name_or_path!r}; built-in: {', '.join(BUILTIN)}; "
-        "or a path to a .jsonl file, or reasoning_gym:NAME[:SIZE[:SEED]]"
+        "or a path to a .jsonl(.gz) file, or reasoning_gym:NAME[:SIZE[:SEED]]"
     )
 
 
