@@ -31,6 +31,18 @@ class AnalysisError(ValueError):
     pass
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -136,9 +148,7 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     ax.grid(alpha=0.3)
     if comp:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "complementarity.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "complementarity.png")
 
     # 2. exchange volume
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -156,9 +166,7 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     ax.set_ylabel("prompt groups")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "exchange_volume.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "exchange_volume.png")
 
     # 3. compatibility and admission
     ex = store.read_exchange()
@@ -175,7 +183,6 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
         report += [f"| direction | peer responses | admitted (w>0) | mean weight | s (token) median [p10, p90] | "
                    f"s (char) median [p10, p90] | s_token > {delta} | s_char > {delta} | admitted: correct / wrong |",
                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
         for (src, recv), rows in dirs.items():
             st = compatibility_stats(rows, delta)
             s_tok = [r["compat_token"] for r in rows if r["compat_token"] is not None]
@@ -185,8 +192,8 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
             axes[1].hist([min(x, 3) for x in s_chr], bins=40, alpha=0.5, label=f"{src}→{recv}")
             cells = "- | - | - | - | -" if not st["n"] else (
                 f"{st['median_token']:.3f} [{st['p10_token']:.2f}, {st['p90_token']:.2f}] | "
-                f"{st['median_char']:.3f} [{st['p10_char']:.2f}, {st['p90_char']:.2f}] | {pct(st['pass_token'])} | "
-                f"{pct(st['pass_char'])} | {pct(st['admitted_correct'])} / {pct(st['admitted_wrong'])}")
+                f"{st['median_char']:.3f} [{st['p10_char']:.2f}, {st['p90_char']:.2f}] | {_pct(st['pass_token'])} | "
+                f"{_pct(st['pass_char'])} | {_pct(st['admitted_correct'])} / {_pct(st['admitted_wrong'])}")
             report.append(f"| {src}→{recv} | {len(rows)} | {100 * adm:.1f}% | {_mean(r['weight'] for r in rows):.3f} | {cells} |")
             summary["policies"].setdefault(recv, {})["admitted_frac"] = adm
         for a, title in zip(axes, ("token-mean s (paper)", "per-character s"), strict=True):
@@ -194,9 +201,7 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
             a.set_title(title)
             a.set_xlabel("compatibility score (capped at 3)")
             a.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "compatibility.png", dpi=110)
-        plt.close(fig)
+        _save(fig, out / "compatibility.png")
 
     # 4. clipping: self vs peer tokens
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -216,9 +221,7 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     ax.set_ylabel("clipped fraction")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "clipping.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "clipping.png")
 
     # 5. reward and validation curves, with comparisons
     runs = [run] + [Path(c) for c in (compare or [])]
@@ -246,9 +249,7 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "curves.png")
 
     # 6. case studies (Appendix I)
     report += ["", "## Case studies (Appendix I)", ""]

@@ -175,7 +175,8 @@ class PolicyWorker:
         stats["clip_frac_self"] = ssum("clipped_tokens_self") / max(ssum("tokens_self"), 1.0)
         stats["clip_frac_peer"] = ssum("clipped_tokens_peer") / max(ssum("tokens_peer"), 1.0) if ssum("tokens_peer") else None
         if ref is not None:
-            stats["kl_ref"] = statistics.fmean(u["kl_ref"] for u in upd if "kl_ref" in u) if upd else None
+            kls = [u["kl_ref"] for u in upd if "kl_ref" in u]  # none when every update was skipped
+            stats["kl_ref"] = statistics.fmean(kls) if kls else None
         good = [u for u in upd if not u["skipped"]]
         stats["loss"] = statistics.fmean(u["loss"] for u in good) if good else None
         stats["grad_norm"] = statistics.fmean(u["grad_norm"] for u in good) if good else None

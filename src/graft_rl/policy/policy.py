@@ -154,12 +154,11 @@ class Policy:
             betas=tuple(config.betas),
             weight_decay=config.weight_decay,
         )
-        self.micro_batch_tokens = config.micro_batch_tokens or auto_micro_batch_tokens(
-            self.model.get_output_embeddings().weight.shape[0]
-            if self.model.get_output_embeddings() is not None
-            else len(self.tokenizer)
-        )
+        head = self.model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else len(self.tokenizer)
+        self.micro_batch_tokens = config.micro_batch_tokens or auto_micro_batch_tokens(vocab)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.reference = None  # the frozen KL reference, once init_reference() ran
         self.backend = make_backend(config.backend, self)
 
     def _resolve(self, model: str, gguf: str | None) -> tuple[Path, str | None]:
@@ -345,7 +344,7 @@ class Policy:
         model), else a copy of the weights as loaded (call before any update)."""
         import copy
 
-        if getattr(self, "reference", None) is not None:
+        if self.reference is not None:
             return
         if self.config.reference_model:
             path, gguf = self._resolve(self.config.reference_model, self.config.reference_gguf_file)
@@ -356,7 +355,7 @@ class Policy:
 
     def reference_logprobs(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`token_logprobs` under the frozen reference (:meth:`init_reference` first)."""
-        if getattr(self, "reference", None) is None:
+        if self.reference is None:
             raise PolicyError(f"policy {self.name!r}: no reference model; call init_reference() before training")
         return self.token_logprobs(batch, self.reference)
 
