@@ -11,7 +11,7 @@ same number of steps and seeds, evaluates both models on held-out prompts (T=1, 
   prompts that the other solves at least once;
 - ``OUT/runs/...``: every run directory (records, metrics, validation).
 
-Reproduce (every method, 3 seeds, 5 epochs over a 256-prompt pool; about 90 minutes on 2 cores
+Reproduce (every method, 3 seeds, 5 epochs over a 256-prompt pool; 83 minutes measured on 2 cores
 with two runs at a time, one thread each):
     python benchmarks/testbed.py --jobs 2
 Methods available: see METHODS below (``--methods`` picks some). Finished runs are cached by
@@ -100,6 +100,7 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
     for method in methods:
         for name in ("A", "B"):
             finals, covs, walls, rolls, pool_r = [], [], [], [], []
+            dynamic = METHODS[method].get("method", {}).get("dynamic_sampling", False)
             for seed in done_seeds[method]:
                 m, v, d = _logs(out / "runs" / f"{method}_s{seed}", name)
                 finals.append(v[-1]["val/score"])
@@ -110,13 +111,13 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
                         seen.add(g.prompt_id)
                         if any(r > 0 for r in g.rewards):
                             solved.add(g.prompt_id)
-                if not METHODS[method].get("method", {}).get("dynamic_sampling"):  # its records hold only kept groups
+                if not dynamic:  # its records hold only kept groups
                     covs.append(len(solved) / max(len(seen), 1))
                 walls.append(sum(x.get(k) or 0 for x in m for k in PHASES))
                 rolls.append(sum(x["rollouts"] for x in m))
                 # on-policy pool pass@1 over the last pass through the pool (own samples, T=1); not
                 # comparable with dynamic sampling, whose logged batch is the filtered one
-                if not METHODS[method].get("method", {}).get("dynamic_sampling"):
+                if not dynamic:
                     pool_r.append(statistics.fmean(x["reward_mean"] for x in m[-epoch_steps:]))
                 cum, wall_at = 0.0, {0: 0.0}
                 for x in m:
@@ -127,15 +128,14 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
                 )
             rows.append((method, name, finals, covs, walls, rolls, pool_r))
     base = {name: statistics.fmean(f) for meth, name, f, *_ in rows if meth == "grpo_n8"}
-    start = {}
-    for meth, name, *_ in rows:
-        _, v, _ = _logs(out / "runs" / f"{meth}_s{done_seeds[meth][0]}", name)
-        start.setdefault(name, v[0]["val/score"])
+    # before training, every method of a seed validates the same weights with the same sampling seed
+    start = {name: statistics.fmean(curves[(methods[0], name)][i][0][1] for i in range(len(done_seeds[methods[0]])))
+             for name in ("A", "B")}
     lines = [
         settings,
         "",
         f"Held-out pass@1 (T=1; seeds per method: {', '.join(f'{m} {done_seeds[m]}' for m in methods)}); start: "
-        + ", ".join(f"{n} {100 * s:.1f}%" for n, s in start.items()),
+        + ", ".join(f"{n} {100 * s:.1f}%" for n, s in start.items()) + " (mean over seeds)",
         "",
         "| method | model | held-out pass@1 (mean ± std) | Δ vs GRPO n=8 | pool pass@1, last epoch | pool coverage | "
         "rollouts | train s |",
@@ -270,7 +270,7 @@ def main() -> None:
         run_all(tb, out, args)
     settings = (f"{args.steps} steps of 32 prompts x n (8 unless named) on a pool of {args.pool or 'all'} training prompts "
                 f"({args.steps * 32 / (args.pool or 1000):.1f} epochs); held-out: {args.eval_prompts} prompts x "
-                f"{args.eval_samples} samples every {args.every} steps; {args.jobs} run(s) at a time.")
+                f"{args.eval_samples} samples every {args.every} steps.")
     summarize(out, args.methods, args.seeds, settings, epoch_steps=-(-(args.pool or 1000) // 32))
 
 
@@ -291,8 +291,7 @@ def run_all(tb, out: Path, args) -> None:
     ready = [(m, s) for m in order for s in args.seeds if not METHODS[m].get("stored")]
     with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex, \
             tqdm(total=len(waiting) + len(ready), desc="testbed runs", unit="run") as bar:
-        started = {ex.submit(run_one, tb, out, m, s, *common): (m, s, time.perf_counter()) for m, s in ready}
-        running = dict(started)
+        running = {ex.submit(run_one, tb, out, m, s, *common): (m, s, time.perf_counter()) for m, s in ready}
         while running:
             done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
             for fut in done:
