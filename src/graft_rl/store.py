@@ -57,6 +57,15 @@ class RecordError(ValueError):
     """Records that cannot be replayed; the message names the run, policy, step or prompt."""
 
 
+def _write_atomic(table: pa.Table, out: Path) -> Path:
+    """Write a Parquet file under a temporary name and rename it: a crash never leaves half a file (SPEC §5)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".parquet.tmp{os.getpid()}")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, out)
+    return out
+
+
 class RecordStore:
     def __init__(self, run_dir: str | Path):
         self.root = Path(run_dir) / "records"
@@ -85,25 +94,15 @@ class RecordStore:
                 cols["gen_logprobs"].append(g.gen_logprobs[i])
                 cols["reward"].append(rewards[i])
                 cols["finish_reason"].append(g.finish_reasons[i])
-        table = pa.table(cols, schema=SCHEMA)
-        out = self.path(policy, step)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".parquet.tmp{os.getpid()}")
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, out)
-        return out
+        return _write_atomic(pa.table(cols, schema=SCHEMA), self.path(policy, step))
 
     def write_exchange(self, step: int, receiver: str, rows: list[dict]) -> Path | None:
         """What a receiver took from its peers at a step (``exchange/<receiver>/step_N.parquet``)."""
         if not rows:
             return None
         out = self.root.parent / "exchange" / receiver / f"step_{step:06d}.parquet"
-        out.parent.mkdir(parents=True, exist_ok=True)
         table = pa.Table.from_pylist([{"step": step, "receiver": receiver, **r} for r in rows], schema=EXCHANGE_SCHEMA)
-        tmp = out.with_suffix(f".parquet.tmp{os.getpid()}")
-        pq.write_table(table, tmp)
-        os.replace(tmp, out)
-        return out
+        return _write_atomic(table, out)
 
     def read_exchange(self, receiver: str | None = None) -> list[dict]:
         root = self.root.parent / "exchange"
