@@ -177,6 +177,9 @@ class TrainConfig:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.execution not in ("local", "ray"):
             raise ConfigError(f"execution: must be local or ray, got {self.execution!r}")
+        for i, pc in enumerate(self.policies):
+            if pc.world_size > 1 and self.execution != "ray":
+                raise ConfigError(f"policies.{i}.world_size={pc.world_size} (FSDP2 over {pc.world_size} ranks) needs execution: ray")
         if self.nonfinite_loss not in ("skip", "stop"):
             raise ConfigError(f"nonfinite_loss: must be skip or stop, got {self.nonfinite_loss!r}")
 

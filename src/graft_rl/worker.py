@@ -35,7 +35,14 @@ class PolicyWorker:
     ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        self.policy = policy if isinstance(policy, Policy) else Policy(policy)
+        if isinstance(policy, Policy):
+            self.policy = policy
+        elif policy.world_size > 1:  # one rank of a sharded policy (torch.distributed is initialised)
+            from graft_rl.policy.fsdp import ShardedPolicy
+
+            self.policy = ShardedPolicy(policy)
+        else:
+            self.policy = Policy(policy)
         self.method = method
         self.minibatch = minibatch
         self.nonfinite_loss = nonfinite_loss
@@ -66,7 +73,7 @@ class PolicyWorker:
 
     def state_digest(self) -> list[float]:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
-        return [float(p.detach().double().sum()) for p in self.policy.model.parameters()]
+        return self.policy.param_digest()
 
     # ------------------------------------------------------------------ receiver step
     def _encode(self, batch: ReceiverBatch) -> TokenBatch:

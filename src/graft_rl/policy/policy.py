@@ -8,6 +8,7 @@ in ``save_pretrained`` format (so transformers and vLLM load checkpoints directl
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -19,10 +20,14 @@ import torch
 
 from graft_rl.data import PROMPT_SUFFIX, make_prompt
 from graft_rl.policy import zoo
+from graft_rl.policy.heads import logprob_head
 from graft_rl.policy.rollout import make_backend
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
-__all__ = ["Policy", "PolicyConfig", "PolicyError", "PromptTooLongError", "auto_micro_batch_tokens", "token_logprobs_from_logits"]
+__all__ = [
+    "Policy", "PolicyConfig", "PolicyError", "PromptTooLongError", "auto_micro_batch_tokens", "disable_dropout",
+    "token_logprobs_from_logits",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +48,18 @@ class PolicyConfig:
     model: str  # a save_pretrained directory, or a GGUF file / directory with gguf_file
     gguf_file: str | None = None  # GGUF file name inside `model` (or None)
     tokenizer: str | None = None  # tokenizer directory if not beside the model
-    dtype: str = "float32"  # float32 | bfloat16
+    # compute dtype (forward/backward matmuls). Trainable weights and AdamW state stay in
+    # `master_dtype`, float32 by default, as verl/FSDP mixed precision does (SPEC §2 Precision).
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # float32 (default). Setting it equal to a low-precision `dtype` is pure low-precision training,
+    # an explicit opt-in: at the paper's lr 1e-6 most bf16 weights never change (Adam steps below
+    # half an ulp), see docs/paper_scale.md.
+    master_dtype: str = "float32"
+    # recompute each decoder layer's activations in backward (transformers' gradient checkpointing):
+    # activation memory ~ one layer instead of all layers; on in the paper presets
+    gradient_checkpointing: bool = False
+    # GPUs (ranks) this policy is sharded over with FSDP2 (execution: ray); 1 = one process
+    world_size: int = 1
     device: str = "cpu"
     prompt_format: str = "auto"  # auto (chat if the tokenizer has a template) | chat | plain
     plain_template: str = "{prompt}\n"  # used by `plain`; {prompt} is the problem + suffix
@@ -57,7 +73,10 @@ class PolicyConfig:
     # padded (sequences x length) tokens per forward pass; None = from the vocabulary size, so the
     # logits of one pass stay near LOGITS_BUDGET_BYTES (16384 for small vocabularies, ~1k for Gemma's 262k)
     micro_batch_tokens: int | None = None
-    logprob_chunk: int = 512  # positions per log-softmax chunk (bounds memory with large vocabularies)
+    # tokens per LM-head chunk when scoring: log-probs of the sampled tokens are computed from
+    # `logprob_chunk` hidden states at a time (checkpointed), never from [tokens x vocab] logits
+    logprob_chunk: int = 512
+    fused_logprobs: bool = True  # the chunked LM head above; false = logits_to_keep + chunked log-softmax
     gen_batch_size: int = 64
     # the KL reference (method.kl_coef > 0): None = the weights this policy starts from; a resumed
     # run points it at the original model so the reference stays the initial policy
@@ -69,6 +88,15 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise PolicyError(f"policy {self.name!r}: dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.master_dtype not in ("float32", self.dtype):
+            raise PolicyError(
+                f"policy {self.name!r}: master_dtype must be float32 (mixed precision) or equal to dtype "
+                f"{self.dtype!r} (pure low precision, opt-in), got {self.master_dtype!r}"
+            )
+        if self.world_size < 1:
+            raise PolicyError(f"policy {self.name!r}: world_size must be >= 1, got {self.world_size}")
+        if self.logprob_chunk < 1:
+            raise PolicyError(f"policy {self.name!r}: logprob_chunk must be >= 1, got {self.logprob_chunk}")
         if self.prompt_format not in ("auto", "chat", "plain"):
             raise PolicyError(f"policy {self.name!r}: prompt_format must be auto, chat or plain, got {self.prompt_format!r}")
         if "{prompt}" not in self.plain_template:
@@ -103,6 +131,23 @@ def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, chun
         tgt = targets[:, s : s + chunk]
         out.append(part.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - part.logsumexp(-1))
     return torch.cat(out, dim=1) if out else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout: ``nn.Dropout`` modules and the float ``*dropout*`` attributes that
+    attention layers read in train mode (so train mode, needed by gradient checkpointing, computes
+    exactly what eval mode does)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for attr, val in list(vars(module).items()):
+            if "dropout" in attr and isinstance(val, float):
+                setattr(module, attr, 0.0)
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        for attr in list(vars(cfg)):
+            if ("dropout" in attr or attr.endswith("pdrop")) and isinstance(getattr(cfg, attr), float):
+                setattr(cfg, attr, 0.0)
 
 
 def _is_hub_id(name: str) -> bool:
@@ -143,9 +188,21 @@ class Policy:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if config.prompt_format == "chat" and not self.tokenizer.chat_template:
             raise PolicyError(f"policy {config.name!r}: prompt_format 'chat' but the tokenizer at {tok_path} has no chat template")
+        self.compute_dtype = _DTYPES[config.dtype]
+        self.master_dtype = _DTYPES[config.master_dtype]
         self.model = self._load_model(path, gguf)
         self.model.to(config.device)
-        self.model.eval()  # no dropout: log-probs must be deterministic functions of the weights
+        # no dropout anywhere: log-probs must be deterministic functions of the weights, in eval
+        # mode and in the train mode that gradient checkpointing needs
+        disable_dropout(self.model)
+        self.model.eval()
+        if config.gradient_checkpointing:
+            if not getattr(self.model, "supports_gradient_checkpointing", False):
+                raise PolicyError(f"policy {config.name!r}: {type(self.model).__name__} does not support gradient_checkpointing")
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.use_chat = config.prompt_format == "chat" or (config.prompt_format == "auto" and bool(self.tokenizer.chat_template))
         self.eos_token_ids = self._eos_ids()
         self.optimizer = torch.optim.AdamW(
@@ -159,7 +216,41 @@ class Policy:
         self.micro_batch_tokens = config.micro_batch_tokens or auto_micro_batch_tokens(vocab)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.reference = None  # the frozen KL reference, once init_reference() ran
+        self.weights_version, self._synced_version = 0, 0  # optimiser steps taken / pushed to the rollout engine
+        self._setup_parallel()
+        self.fused_head = config.fused_logprobs and self._keeps_logits and self._fused_head_matches()
         self.backend = make_backend(config.backend, self)
+
+    def _setup_parallel(self) -> None:
+        """Hook for sharded subclasses (FSDP2): called after the model is built, before any forward."""
+        if self.config.world_size > 1:
+            raise PolicyError(
+                f"policy {self.name!r}: world_size={self.config.world_size} needs execution: ray "
+                "(each rank a Ray actor; see README 'Paper scale')"
+            )
+
+    def compute_context(self):
+        """Autocast to the compute dtype when the master weights are float32 (mixed precision)."""
+        if self.compute_dtype == self.master_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(self.config.device).type, dtype=self.compute_dtype)
+
+    @torch.no_grad()
+    def _fused_head_matches(self) -> bool:
+        """Self-check of the chunked LM head on a fixed input: equal to the model's own logits?
+
+        False for models that transform logits after the head (e.g. final soft-capping); those
+        score through ``logits_to_keep`` and a chunked log-softmax instead.
+        """
+        vocab = self.model.get_output_embeddings().weight.shape[0] if self.model.get_output_embeddings() is not None else 0
+        if not isinstance(self.model.get_output_embeddings(), torch.nn.Linear) or vocab < 2:
+            return False
+        ids = torch.arange(1, 9).remainder(vocab)[None].to(self.config.device)
+        batch = TokenBatch([ids[0, :3].tolist()], [ids[0, 3:].tolist()])
+        naive = self._forward(batch, fused=False)
+        fused = self._forward(batch, fused=True)
+        tol = 1e-4 if self.compute_dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(naive, fused, atol=tol, rtol=0))
 
     def _resolve(self, model: str, gguf: str | None) -> tuple[Path, str | None]:
         """``(directory, gguf file or None)`` of a model path, GGUF file, ``zoo:`` name or hub id."""
@@ -177,7 +268,7 @@ class Policy:
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=_DTYPES[self.config.dtype])
+            model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=_DTYPES[self.config.master_dtype])
         except Exception as exc:
             raise PolicyError(f"policy {self.name!r}: cannot load model from {path}: {type(exc).__name__}: {exc}") from None
         if gguf:  # a dequantised GGUF model: drop the quantizer marker so save_pretrained works
@@ -227,6 +318,7 @@ class Policy:
     ) -> list[RolloutGroup]:
         """Sample ``sampling.n`` responses for each ``(prompt_id, problem)``."""
         ids = [self.prompt_token_ids(p, pid) for pid, p in prompts]
+        self.sync_rollout_weights()  # one weight push per step, not one per minibatch update
         samples = self.backend.generate(ids, sampling, seed)
         groups = []
         for (pid, problem), group in zip(prompts, samples, strict=True):
@@ -296,9 +388,14 @@ class Policy:
             out.append(cur)
         return out
 
-    def _forward(self, batch: TokenBatch, model=None) -> torch.Tensor:
-        """Response-token log-probs ``[M, T]`` (float32) for a batch that fits one forward pass."""
+    def _forward(self, batch: TokenBatch, model=None, fused: bool | None = None) -> torch.Tensor:
+        """Response-token log-probs ``[M, T]`` (float32) for a batch that fits one forward pass.
+
+        ``fused`` (default: :attr:`fused_head`) scores through the chunked LM head
+        (:mod:`graft_rl.policy.heads`); otherwise the logits of the response positions are built.
+        """
         model = self.model if model is None else model
+        fused = self.fused_head if fused is None else fused
         device = self.config.device
         seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
         L = max(len(s) for s in seqs)
@@ -313,12 +410,18 @@ class Policy:
         # prompt-only positions' logits (with long prompts they dominate the [B, L, V] tensor)
         starts = [len(p) - 1 for p in batch.prompt_ids]
         first = min(starts)
-        if self._keeps_logits:
-            logits = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits
-        else:
-            logits = model(input_ids=inp, attention_mask=attn, use_cache=False).logits[:, first:]
-        # logits[:, k] is position first + k and predicts token first + k + 1
-        lp_all = token_logprobs_from_logits(logits[:, :-1], inp[:, first + 1 :], self.config.logprob_chunk)
+        targets = inp[:, first + 1 :]
+        with self.compute_context():
+            if fused:  # hidden state k (position first + k) predicts token first + k + 1
+                with logprob_head(model, targets, self.config.logprob_chunk):
+                    lp_all = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits[..., 0]
+            else:
+                if self._keeps_logits:
+                    logits = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits
+                else:
+                    logits = model(input_ids=inp, attention_mask=attn, use_cache=False).logits[:, first:]
+                # logits[:, k] is position first + k and predicts token first + k + 1
+                lp_all = token_logprobs_from_logits(logits[:, :-1], targets, self.config.logprob_chunk)
         T = batch.max_response_len
         rel = torch.tensor(starts, device=device) - first
         idx = (rel[:, None] + torch.arange(T, device=device)[None, :]).clamp(max=max(L - 2 - first, 0))
@@ -378,8 +481,27 @@ class Policy:
         norm skips the step (``skipped = 1``) and leaves the weights untouched.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        if self.config.gradient_checkpointing:
+            self.model.train()  # transformers checkpoints layers only in train mode (dropout is off)
+        try:
+            total_loss, stats_sum, n_micro, bad = self._accumulate(batch, loss_fn, self._micro_batches(batch))
+        finally:
+            self.model.eval()
+        grad_norm = self._clip_grad_norm()
+        if bad or not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"loss": float("nan"), "grad_norm": grad_norm, "skipped": 1.0}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.weights_version += 1
+        out = {k: v / max(n_micro, 1) for k, v in stats_sum.items()}
+        out.update(loss=total_loss, grad_norm=grad_norm, skipped=0.0)
+        return out
+
+    def _accumulate(self, batch: TokenBatch, loss_fn, micro_batches: list[list[int]]):
+        """Forward + backward of each micro-batch; ``(loss, stats sums, micro-batches, non-finite?)``."""
         total_loss, stats_sum, n_micro, bad = 0.0, {}, 0, False
-        for rows in self._micro_batches(batch):
+        for rows in micro_batches:
             sub = batch.select(rows)
             lp = self._forward(sub)
             loss, stats = loss_fn(lp, sub.response_mask().to(lp.device), rows)
@@ -391,17 +513,21 @@ class Policy:
             n_micro += 1
             for k, v in stats.items():
                 stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+        return total_loss, stats_sum, n_micro, bad
+
+    def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)) if params else 0.0
-        if bad or not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return {"loss": float("nan"), "grad_norm": grad_norm, "skipped": 1.0}
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backend.sync_weights()
-        out = {k: v / max(n_micro, 1) for k, v in stats_sum.items()}
-        out.update(loss=total_loss, grad_norm=grad_norm, skipped=0.0)
-        return out
+        return float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)) if params else 0.0
+
+    def sync_rollout_weights(self) -> None:
+        """Push the current weights to the rollout engine, once per step and only if they changed."""
+        if self._synced_version != self.weights_version:
+            self.backend.sync_weights()
+            self._synced_version = self.weights_version
+
+    def param_digest(self) -> list[float]:
+        """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
+        return [float(p.detach().double().sum()) for p in self.model.parameters()]
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, out_dir: str | Path) -> Path:

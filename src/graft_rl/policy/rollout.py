@@ -16,6 +16,7 @@ pushed from the trainer's model into the engine after each step without a restar
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -71,8 +72,9 @@ def _cache_of(res):
 class HFBackend:
     """KV-cached ancestral sampling with a transformers model (the trainer's own module)."""
 
-    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, batch_size: int = 64):
+    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, batch_size: int = 64, compute_context=None):
         self.model = model
+        self.compute_context = compute_context or contextlib.nullcontext  # autocast under mixed precision
         self.eos = torch.tensor(sorted(set(eos_token_ids)))
         self.pad = pad_token_id
         self.batch_size = batch_size
@@ -89,8 +91,9 @@ class HFBackend:
         gen = torch.Generator(device=device).manual_seed(seed)
         rows = [p for p in prompt_ids for _ in range(sampling.n)]
         out: list[Sample] = []
-        for s in range(0, len(rows), self.batch_size):
-            out.extend(self._generate_batch(rows[s : s + self.batch_size], sampling, gen, device))
+        with self.compute_context():
+            for s in range(0, len(rows), self.batch_size):
+                out.extend(self._generate_batch(rows[s : s + self.batch_size], sampling, gen, device))
         n = sampling.n
         return [out[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
@@ -207,7 +210,10 @@ class VLLMBackend:
 def make_backend(kind: str, policy) -> RolloutBackend:
     """``hf`` or ``vllm`` for a :class:`~graft_rl.policy.Policy`."""
     if kind == "hf":
-        return HFBackend(policy.model, policy.eos_token_ids, policy.tokenizer.pad_token_id, policy.config.gen_batch_size)
+        # a sharded policy samples from its unsharded rollout copy (FSDP2, rank 0)
+        model = getattr(policy, "rollout_model", None) or policy.model
+        return HFBackend(model, policy.eos_token_ids, policy.tokenizer.pad_token_id, policy.config.gen_batch_size,
+                         policy.compute_context)
     if kind == "vllm":
         return VLLMBackend(policy.model, policy.model_dir, dtype=policy.config.dtype, **policy.config.vllm_kwargs)
     raise ValueError(f"unknown rollout backend {kind!r}; use 'hf' or 'vllm'")

@@ -1,0 +1,254 @@
+"""One policy sharded over several processes with PyTorch FSDP2 (SPEC §4 layer 3; issue 11).
+
+Each rank (one GPU, or one CPU process with gloo) runs a :class:`ShardedPolicy` over the same
+``torch.distributed`` process group; to the worker and the driver it is an ordinary
+:class:`~graft_rl.policy.Policy`. What changes under the hood:
+
+- **Sharding and precision.** Every decoder layer and then the whole model are wrapped with
+  ``fully_shard`` and ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)``: the
+  sharded master weights and AdamW state are float32, forward/backward run in the compute dtype,
+  gradients are reduced in float32 (verl's FSDP recipe).
+- **Data parallel scoring and updates.** Every rank holds the whole receiver batch; each scores
+  and trains on rows ``rank, rank + W, ...``. The objective normalises by the *global* token count
+  of the minibatch (every rank knows it, since every rank holds the batch), and gradients are
+  *summed* over ranks (each rank's loss scaled by W under FSDP's average), so the update equals the single-process one: the loss is
+  still the token mean over the whole minibatch, weights and peer-last order unchanged.
+  Ranks run the same number of forward/backward passes (padding with zero-weight passes), as
+  FSDP's collectives require.
+- **Rollouts.** ``hf``: rank 0 keeps an unsharded copy of the weights, refreshed once per step
+  from the shards, and generates for the whole group (exactly what a single process samples);
+  ``vllm``: every rank's engine generates its share of the prompts (vLLM seeds per request).
+  The groups are broadcast, so every rank returns the same result.
+- **Checkpoints.** Rank 0 writes the full weights in ``save_pretrained`` format (transformers and
+  vLLM load them); every rank writes its optimiser shard (``policy_state.rank{r}.pt``). Resuming
+  needs the same ``world_size``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from graft_rl.policy.policy import Policy, PolicyError
+from graft_rl.policy.types import TokenBatch
+
+__all__ = ["ShardedPolicy", "shard_model"]
+
+
+def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root; fp32 reduction, ``compute_dtype`` params."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layers = [m for m in model.modules() if type(m).__name__ in _layer_classes(model)]
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def _layer_classes(model) -> set[str]:
+    """Names of the model's repeated blocks: transformers' ``_no_split_modules`` (the decoder layer)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise PolicyError(f"{type(model).__name__}: no _no_split_modules to shard by; cannot use world_size > 1")
+    return names
+
+
+class ShardedPolicy(Policy):
+    """A :class:`Policy` whose model is sharded over the current process group with FSDP2."""
+
+    def _setup_parallel(self) -> None:
+        if not dist.is_initialized():
+            raise PolicyError(f"policy {self.name!r}: world_size={self.config.world_size} needs torch.distributed initialised")
+        if dist.get_world_size() != self.config.world_size:
+            raise PolicyError(
+                f"policy {self.name!r}: world_size={self.config.world_size} but the process group has {dist.get_world_size()} ranks"
+            )
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # rank 0's unsharded rollout copy for the hf backend (vLLM engines hold their own copy)
+        self.rollout_model = copy.deepcopy(self.model).eval() if self.config.backend == "hf" and self.rank == 0 else None
+        self.model = shard_model(self.model, self.compute_dtype)
+        self.optimizer = torch.optim.AdamW(
+            list(self.model.parameters()), lr=self.config.lr, betas=tuple(self.config.betas), weight_decay=self.config.weight_decay
+        )
+
+    def compute_context(self):
+        import contextlib
+
+        return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts parameters; no autocast
+
+    # ------------------------------------------------------------------ helpers
+    def _local(self, n: int) -> list[int]:
+        return list(range(self.rank, n, self.world))
+
+    def _max_over_ranks(self, x: int) -> int:
+        t = torch.tensor([x], dtype=torch.long, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _comm_device(self) -> torch.device:
+        return torch.device(self.config.device) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _fused_head_matches(self) -> bool:
+        ok = super()._fused_head_matches()
+        return self._max_over_ranks(0 if ok else 1) == 0  # one decision for the whole group
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def token_logprobs(self, batch: TokenBatch, model=None) -> tuple[torch.Tensor, torch.Tensor]:
+        local = self._local(len(batch))
+        micro = [[local[i] for i in rows] for rows in self._micro_batches(batch.select(local))] if local else []
+        n = self._max_over_ranks(len(micro))
+        T = batch.max_response_len
+        out = torch.zeros(len(batch), T)
+        for i in range(n):
+            rows = micro[i] if i < len(micro) else [0]  # a padding pass: FSDP needs every rank to run it
+            lp = self._forward(batch.select(rows), model).cpu()
+            if i < len(micro):
+                out[rows, : lp.shape[1]] = lp
+        # each rank filled its own rows; the others are zero: a sum gathers the whole matrix
+        out = out.to(self._comm_device())
+        dist.all_reduce(out)
+        return out.cpu(), batch.response_mask()
+
+    # ------------------------------------------------------------------ optimisation
+    def _accumulate(self, batch: TokenBatch, loss_fn, micro_batches: list[list[int]]):
+        local = self._local(len(batch))
+        micro = [[local[i] for i in rows] for rows in self._micro_batches(batch.select(local))] if local else []
+        n = self._max_over_ranks(len(micro))
+        total, stats_sum, n_micro, bad = 0.0, {}, 0, False
+        for i in range(n):
+            real = i < len(micro)
+            rows = micro[i] if real else [0]
+            sub = batch.select(rows)
+            lp = self._forward(sub)
+            if real:
+                loss, stats = loss_fn(lp, sub.response_mask().to(lp.device), rows)
+            if not real or bad or not torch.isfinite(loss):
+                bad = bad or real  # keep the collectives in step; the whole update is skipped below
+                (lp.sum() * 0.0).backward()
+                continue
+            # FSDP averages gradients over ranks; the loss is already the global token mean, so
+            # scaling by W makes the reduction a sum (gloo has no PREMUL_SUM for a divide factor of 1)
+            (loss * self.world).backward()
+            total += float(loss.detach())
+            n_micro += 1
+            for k, v in stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+        keys = sorted(stats_sum)
+        t = torch.tensor([total, float(n_micro), float(bad)] + [stats_sum[k] for k in keys], dtype=torch.float64,
+                         device=self._comm_device())
+        dist.all_reduce(t)
+        total, n_micro, bad = float(t[0]), int(t[1]), bool(t[2] > 0)
+        stats_sum = {k: float(v) for k, v in zip(keys, t[3:].tolist(), strict=True)}
+        return total, stats_sum, n_micro, bad
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return float(norm)
+
+    # ------------------------------------------------------------------ weights
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """All ranks call; rank 0 gets the full (unsharded, CPU, float32) weights, others ``{}``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def sync_rollout_weights(self) -> None:
+        if self._synced_version == self.weights_version:
+            return
+        sd = self.full_state_dict() if self.config.backend == "hf" else None
+        if self.rollout_model is not None:
+            device = next(self.rollout_model.parameters()).device
+            self.rollout_model.load_state_dict({k: v.to(device) for k, v in sd.items()})
+        if self.config.backend != "hf":
+            self.backend.sync_weights()
+        self._synced_version = self.weights_version
+
+    def generate(self, prompts, sampling, seed: int = 0):
+        self.sync_rollout_weights()
+        if self.config.backend == "hf":
+            groups = super().generate(prompts, sampling, seed) if self.rank == 0 else None
+        else:  # every rank's engine takes a share of the prompts
+            mine = super().generate([prompts[i] for i in self._local(len(prompts))], sampling, seed)
+            parts: list = [None] * self.world
+            dist.all_gather_object(parts, mine)
+            by_id = {g.prompt_id: g for part in parts for g in part}
+            groups = [by_id[pid] for pid, _ in prompts] if self.rank == 0 else None
+        box = [groups]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def param_digest(self) -> list[float]:
+        sums = torch.tensor([float(p.detach().to_local().double().sum()) for p in self.model.parameters()],
+                            dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(sums)
+        return sums.tolist()
+
+    # ------------------------------------------------------------------ reference (KL)
+    def init_reference(self) -> None:
+        if self.reference is not None:
+            return
+        path, gguf = self._resolve(self.config.reference_model or self.config.model,
+                                   self.config.reference_gguf_file if self.config.reference_model else self.config.gguf_file)
+        ref = self._load_model(path, gguf).to(self.config.device).eval().requires_grad_(False)
+        self.reference = shard_model(ref, self.compute_dtype)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, out_dir: str | Path) -> Path:
+        out = Path(out_dir)
+        sd = self.full_state_dict()  # collective
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out, state_dict=sd)
+            self.tokenizer.save_pretrained(out)
+        dist.barrier()
+        state = {"optimizer": _to_local(self.optimizer.state_dict()), "torch_rng": torch.get_rng_state(),
+                 "world_size": self.world}
+        tmp = out / f"policy_state.rank{self.rank}.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, out / f"policy_state.rank{self.rank}.pt")
+        dist.barrier()
+        return out
+
+    def load_state(self, ckpt_dir: str | Path) -> None:
+        path = Path(ckpt_dir) / f"policy_state.rank{self.rank}.pt"
+        if not path.is_file():
+            raise PolicyError(f"policy {self.name!r}: {path} is missing; resume with the world_size the run was saved with")
+        state = torch.load(path, weights_only=False)
+        if state.get("world_size") != self.world:
+            raise PolicyError(f"policy {self.name!r}: checkpoint saved with world_size={state.get('world_size')}, now {self.world}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        params = list(self.model.parameters())
+        for p in params:  # back to DTensors laid out like their parameter
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    self.optimizer.state[p][k] = _like(p, v)
+        torch.set_rng_state(state["torch_rng"])
+
+
+def _to_local(sd: dict) -> dict:
+    def conv(x):
+        if hasattr(x, "to_local"):
+            return x.to_local().cpu()
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+
+    return conv(sd)
+
+
+def _like(param, local: torch.Tensor):
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.to(param.to_local().device), param.device_mesh, param.placements,
+                              shape=param.shape, stride=param.stride())

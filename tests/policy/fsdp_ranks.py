@@ -1,0 +1,56 @@
+"""One rank of the FSDP2 parity test (run by tests/policy/test_fsdp.py under torchrun, gloo, CPU).
+
+Builds a ShardedPolicy over the process group, scores a batch, takes two minibatch updates
+(micro-batched, rows split over ranks), generates, saves a checkpoint, reloads the optimiser
+shard, and writes what it saw to OUT (rank 0) for the test to compare with one process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from graft_rl.algo import policy_loss
+from graft_rl.policy import PolicyConfig, SamplingParams
+from graft_rl.policy.fsdp import ShardedPolicy
+
+TEXTS = ["3+4=7. \\boxed{7}", "no idea", "6*7=42 so \\boxed{42}", "x y z", "a", "12 \\boxed{12}"]
+ADV = [1.0, -1.0, 0.5, -0.5, 0.25, -0.25]
+
+
+def loss_fn(old, adv, total_tokens):
+    def fn(lp, mask, rows):
+        loss, st = policy_loss(lp, old[rows, : lp.shape[1]], adv[rows], mask)
+        return loss * (float(mask.sum()) / total_tokens), {"tokens": float(mask.sum())}
+
+    return fn
+
+
+def run(model: str, out: str, dtype: str, ckpt: str) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    pol = ShardedPolicy(PolicyConfig("A", model, lr=1e-3, dtype=dtype, micro_batch_tokens=60, world_size=2,
+                                     gradient_checkpointing=True))
+    batch = pol.encode_texts(["Q"] * len(TEXTS), TEXTS, [True] * len(TEXTS))
+    old, mask = pol.token_logprobs(batch)
+    adv = torch.tensor(ADV)
+    stats = [pol.update(batch, loss_fn(old, adv, float(mask.sum()))) for _ in range(2)]
+    new, _ = pol.token_logprobs(batch)
+    groups = pol.generate([("p1", "What is 2+3?"), ("p2", "Q: 6*7=?")], SamplingParams(n=3, max_new_tokens=6), seed=5)
+    digest = pol.param_digest()
+    pol.save(ckpt)
+    pol.load_state(ckpt)
+    result = {"old": old.tolist(), "new": new.tolist(), "stats": stats, "digest": digest,
+              "texts": [g.texts for g in groups], "lps": [g.gen_logprobs for g in groups], "fused": pol.fused_head}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    run(*sys.argv[1:5])

