@@ -43,18 +43,24 @@ PAIRS = {
 }
 
 PAPER_BASE_HEADER = """\
-# Paper scale (Table 3 hyperparameters), GPU recipe: one H100/H200-class GPU per policy with vLLM
-# rollouts (the paper: 4 GPUs for a pair, verl + FSDP + vLLM). Model names are Hugging Face ids,
-# fetched by transformers/vLLM where the machine has network access, or local paths.
+# Paper scale (Table 3 hyperparameters), GPU recipe as the paper ran it: 4 H200s for a pair
+# (verl + FSDP + vLLM). Here each policy is a Ray actor group of world_size=2 GPUs trained with
+# FSDP2 (fp32 master weights and AdamW state, bf16 compute, gradient checkpointing), each rank
+# with a vLLM engine that sleeps during updates. `graft plan` shows memory per GPU; on one
+# 8-GPU node set policies.N.world_size=4. Model names are Hugging Face ids, fetched by
+# transformers/vLLM where the machine has network access, or local paths.
 # HACPO rows use its recipe's KL loss to the initial policy (method.kl_coef 1e-3, k3 estimator).
 """
 
 
 def paper_base(a: str, b: str) -> dict:
-    pol = {"dtype": "bfloat16", "device": "cuda", "backend": "vllm", "lr": 1e-6, "max_prompt_tokens": 2048,
-           "micro_batch_tokens": 32768, "vllm_kwargs": {"gpu_memory_utilization": 0.35, "max_model_len": 6144}}
+    pol = {"dtype": "bfloat16", "device": "cuda", "backend": "vllm", "world_size": 2, "gradient_checkpointing": True,
+           "lr": 1e-6, "max_prompt_tokens": 2048, "micro_batch_tokens": 32768,
+           "vllm_kwargs": {"gpu_memory_utilization": 0.5, "max_model_len": 6144, "sleep": True}}
     return {
         "run_dir": "runs/paper",
+        "execution": "ray",
+        "ray": {"num_gpus": 1, "num_cpus": 8},
         "epochs": 3,
         "prompt_batch": 128,
         "minibatch": 32,

@@ -25,6 +25,7 @@ LAYERS: dict[str, float] = {
     "exchange": 4,
     "objectives": 4,
     "evaluation": 4,
+    "plan": 4,
     "worker": 5,
     "distributed": 5,
     "trainer": 5,

@@ -1,4 +1,4 @@
-"""``graft`` command line: ``graft train | eval | analyze``."""
+"""``graft`` command line: ``graft train | eval | analyze | plan``."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default=None)
     e.add_argument("--backend", default=None, choices=["hf", "vllm"])
     e.add_argument("--prompt-format", default=None, choices=["auto", "chat", "plain"])
+    pl = sub.add_parser("plan", help="memory per GPU and GPUs per policy for a config (nothing is loaded)")
+    pl.add_argument("config", help="YAML config")
+    pl.add_argument("overrides", nargs="*", help="key=value overrides, e.g. policies.0.world_size=4")
+    pl.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU (default 141, an H200)")
     a = sub.add_parser("analyze", help="the paper's diagnostics and plots from a run's records and metrics")
     a.add_argument("run_dir")
     a.add_argument("--compare", nargs="*", default=[], metavar="RUN_DIR", help="runs to overlay on the curves")
@@ -114,6 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         return _train(ns)
     if ns.command == "eval":
         return _eval(ns)
+    if ns.command == "plan":
+        from graft_rl.config import ConfigError, load_config
+        from graft_rl.plan import format_plan, plan
+
+        try:
+            print(format_plan(plan(load_config(ns.config, ns.overrides)), ns.gpu_memory))
+        except ConfigError as exc:
+            print(f"graft plan: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if ns.command == "analyze":
         from graft_rl.analyze import AnalysisError, analyze, print_summary
 

@@ -35,6 +35,10 @@ def start_actors(cfg, policy_configs) -> dict:
 
     if not ray.is_initialized():
         ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=True, ignore_reinit_error=True)
+    need = sum((cfg.ray.num_gpus or 0) * pc.world_size for pc in policy_configs)
+    have = ray.cluster_resources().get("GPU", 0)
+    if need > have:
+        raise ActorDied(f"the policies need {need:g} GPUs (ray.num_gpus x world_size), the Ray cluster has {have:g}")
     remote_cls = ray.remote(PolicyWorker)
     actors = {}
     for pc in policy_configs:

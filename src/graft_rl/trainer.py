@@ -35,6 +35,7 @@ from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.data import Problem, load_dataset, verifier_for
 from graft_rl.exchange import ReceiverBatch, build_exchange
 from graft_rl.objectives import build_objective
+from graft_rl.plan import check_resources
 from graft_rl.policy import Policy, PolicyConfig, RolloutGroup, SamplingParams
 from graft_rl.rewards import score_responses
 from graft_rl.store import RecordStore
@@ -56,6 +57,7 @@ class Trainer:
     """Co-train the configured policies with the configured method."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, show_progress: bool = True):
+        check_resources(cfg)  # one line, before any model or data is touched, if e.g. no GPU is there
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.show_progress = show_progress

@@ -54,7 +54,23 @@ def test_vllm_weight_sync_without_restart(vllm_policy):
     with torch.no_grad():
         for p in vllm_policy.model.parameters():
             p.zero_()
-    vllm_policy.backend.sync_weights()
+    vllm_policy.weights_version += 1  # as an optimiser step does: the next generation pushes the weights
     groups = vllm_policy.generate([("p1", "What is 2+3?")], SamplingParams(n=2, max_new_tokens=6), seed=0)
     uniform = -torch.log(torch.tensor(float(vllm_policy.model.config.vocab_size)))
     assert torch.allclose(torch.tensor(groups[0].gen_logprobs[0]), uniform, atol=1e-4)
+
+
+def test_vllm_weights_pushed_once_per_step_before_generation(vllm_policy, monkeypatch):
+    """Updates do not touch the engine; the next generation pushes the weights once (issue 11)."""
+    calls = []
+    real = vllm_policy.backend.sync_weights
+    monkeypatch.setattr(vllm_policy.backend, "sync_weights", lambda: (calls.append(1), real())[1])
+    batch = vllm_policy.encode_texts(["Q", "Q"], ["a", "b"], [True, True])
+    for _ in range(3):  # three minibatch updates
+        vllm_policy.update(batch, lambda lp, mask, rows: (-(lp * mask).sum() / mask.sum(), {}))
+    assert calls == []
+    vllm_policy.generate([("p1", "What is 2+3?")], SamplingParams(n=2, max_new_tokens=4), seed=0)
+    vllm_policy.generate([("p1", "What is 2+3?")], SamplingParams(n=2, max_new_tokens=4), seed=1)
+    assert calls == [1]  # no update between the two generations: no second push
+    if vllm_policy.backend.sleep:  # on a GPU the engine sleeps between generations
+        assert vllm_policy.backend.sleeping == {"weights", "kv_cache"}

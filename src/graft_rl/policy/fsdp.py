@@ -163,6 +163,12 @@ class ShardedPolicy(Policy):
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    def rollout_weights(self):
+        """``(name, full tensor)`` one parameter at a time (an all-gather each; every rank calls):
+        what a rank's vLLM engine loads, without ever holding all full weights at once."""
+        for name, t in self.model.state_dict().items():
+            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
     def sync_rollout_weights(self) -> None:
         if self._synced_version == self.weights_version:
             return

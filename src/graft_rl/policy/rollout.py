@@ -11,7 +11,8 @@ behaviour policy the compatibility score divides by (paper Section 4.2, :math:`\
 ``vllm``: vLLM's engine, imported only when chosen. vLLM reports ``logprobs`` of the raw
 model distribution unless ``logprobs_mode="processed_logprobs"`` is set, which we set so
 that the log-probs match what was sampled (after temperature and top-p/top-k). Weights are
-pushed from the trainer's model into the engine after each step without a restart.
+pushed from the trainer's model into the engine once per step, before generation, without a
+restart; on a GPU the engine sleeps between generations (vLLM sleep mode).
 """
 
 from __future__ import annotations
@@ -146,43 +147,90 @@ class HFBackend:
         return samples
 
 
+#: vLLM versions whose APIs the backend uses (``logprobs_mode``, ``reload_weights`` with a weights
+#: iterator, sleep/wake_up with tags); the ``vllm`` extra pins the same range.
+VLLM_VERSIONS = ((0, 32), (0, 34))
+
+
+def _check_vllm_version(version: str) -> None:
+    parts = tuple(int(x) for x in version.split("+")[0].split(".")[:2] if x.isdigit())
+    lo, hi = VLLM_VERSIONS
+    if not lo <= parts < hi:
+        raise ImportError(
+            f"rollout backend 'vllm' needs vLLM >={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]} (logprobs_mode, reload_weights, "
+            f"sleep mode); found {version}: pip install 'graft-rl[vllm]'"
+        )
+
+
 class VLLMBackend:
-    """vLLM engine for one policy, sharing the trainer's weights by in-place reload.
+    """vLLM engine for one policy (or one rank of a sharded policy), beside the trainer.
 
     Needs the ``vllm`` extra (``pip install graft-rl[vllm]``) and a ``save_pretrained``
     model directory (vLLM does not load GGUF here). ``gpu_memory_utilization`` bounds the
-    engine's share of the GPU so the trainer's model fits beside it.
+    engine's share of the GPU while it is awake. With ``sleep`` (default on a GPU) the engine
+    sleeps (vLLM sleep mode, level 1: weights to CPU, KV cache freed) from the end of each
+    generation until the next one, so scoring and updates have the GPU to themselves; weights are
+    pushed into it once per step, before generation (:meth:`Policy.sync_rollout_weights`).
+    Extra keys of ``vllm_kwargs`` go to ``vllm.LLM``, e.g. ``tensor_parallel_size``.
     """
 
-    def __init__(self, model, model_dir: str, dtype: str = "float32", gpu_memory_utilization: float = 0.4, **engine_kwargs):
+    def __init__(self, model, model_dir: str, dtype: str = "float32", gpu_memory_utilization: float = 0.4,
+                 sleep: bool | None = None, weights_fn=None, **engine_kwargs):
         # One engine per policy, in this process: no spawned engine (so no __main__ guard is
         # needed) and weight reloads pass tensors directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
+            import vllm
             from vllm import LLM
         except ImportError as exc:
             raise ImportError("rollout backend 'vllm' needs vLLM: pip install 'graft-rl[vllm]'") from exc
+        _check_vllm_version(vllm.__version__)
         self.model = model
+        # the weights to push: the trainer's state dict (a sharded policy gathers its full weights)
+        self.weights_fn = weights_fn or (lambda: [(name, p.detach()) for name, p in model.state_dict().items()])
+        self.sleep = torch.cuda.is_available() if sleep is None else sleep
+        self.sleeping: set[str] = set()  # memory tags vLLM has put to sleep: weights, kv_cache
         self.llm = LLM(
             model=str(model_dir),
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            enable_sleep_mode=self.sleep,
             **engine_kwargs,
         )
+        self._fall_asleep()
+
+    def _fall_asleep(self) -> None:
+        if self.sleep and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = {"weights", "kv_cache"}
+
+    def _wake(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        todo = [t for t in tags if t in self.sleeping]  # never wake a tag twice
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self.sleeping -= set(todo)
 
     def sync_weights(self) -> None:
         """Reload the trainer's weights into the engine in place (vLLM's ``reload_weights``).
 
         The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by
-        :class:`VLLMBackend`), so the tensors are handed over without serialisation.
+        :class:`VLLMBackend`), so the tensors are handed over without serialisation. A sleeping
+        engine wakes its weights only; the KV cache is allocated at generation.
         """
-        weights = [(name, p.detach()) for name, p in self.model.state_dict().items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self._wake(("weights",))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.weights_fn(), "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[Sample]]:
+        try:
+            self._wake()
+            return self._generate(prompt_ids, sampling, seed)
+        finally:
+            self._fall_asleep()
+
+    def _generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[Sample]]:
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
@@ -215,5 +263,7 @@ def make_backend(kind: str, policy) -> RolloutBackend:
         return HFBackend(model, policy.eos_token_ids, policy.tokenizer.pad_token_id, policy.config.gen_batch_size,
                          policy.compute_context)
     if kind == "vllm":
-        return VLLMBackend(policy.model, policy.model_dir, dtype=policy.config.dtype, **policy.config.vllm_kwargs)
+        weights_fn = getattr(policy, "rollout_weights", None)  # a sharded policy's gathered full weights
+        return VLLMBackend(policy.model, policy.model_dir, dtype=policy.config.dtype, weights_fn=weights_fn,
+                           **policy.config.vllm_kwargs)
     raise ValueError(f"unknown rollout backend {kind!r}; use 'hf' or 'vllm'")

@@ -1,0 +1,77 @@
+"""`graft plan` (issue 11): memory formulas, the paper presets' plans, and one-line resource errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graft_rl.cli import main
+from graft_rl.config import ConfigError, load_config
+from graft_rl.plan import GiB, KNOWN_SHAPES, check_resources, model_shape, plan, plan_policy
+from graft_rl.policy import PolicyConfig
+
+
+@pytest.mark.parametrize("name, billions", [("HuggingFaceTB/SmolLM3-3B-Base", 3.08), ("Qwen/Qwen3-1.7B-Base", 1.72),
+                                            ("OctoThinker/OctoThinker-3B-Hybrid-Base", 3.21)])
+def test_parameter_counts_of_the_papers_models_match_their_model_cards(name, billions):
+    assert KNOWN_SHAPES[name].params / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_parameter_count_from_a_local_config_equals_the_models(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0])  # Llama: the formula's shape family
+    real = sum(p.numel() for p in model.parameters())
+    assert model_shape(PolicyConfig("A", str(tiny_pair[0]))).params == real
+
+
+def _cfg(execution="local", **pol):
+    return load_config({"policies": [{"name": "A", "model": "Qwen/Qwen3-1.7B-Base", "dtype": "bfloat16", **pol}],
+                        "method": {"name": "grpo"}, "max_new_tokens": 4096, "execution": execution})
+
+
+def test_sharded_state_is_16_bytes_per_parameter_over_world_size():
+    one, four = plan_policy(_cfg().policies[0], _cfg()), plan_policy(_cfg(world_size=4, execution="ray").policies[0], _cfg())
+    assert one.sharded_state == 16 * KNOWN_SHAPES["Qwen/Qwen3-1.7B-Base"].params
+    assert four.sharded_state == pytest.approx(one.sharded_state / 4)
+
+
+def test_checkpointing_and_the_chunked_head_bound_memory():
+    cfg = _cfg(micro_batch_tokens=32768, gradient_checkpointing=True)
+    p = plan_policy(cfg.policies[0], cfg)
+    assert p.activations < p.activations_no_ckpt / 10
+    assert p.logits_chunk < p.naive_logits / 50
+    # naive logits of one 32k-token micro-batch: 32768 x 151936 x (2 + 4 + 4) bytes = 46.4 GiB
+    assert p.naive_logits / GiB == pytest.approx(46.4, abs=0.1)
+    assert p.train_peak == p.sharded_state + p.compute_copy + p.activations + p.logits_chunk
+
+
+def test_paper_pair1_plan_fits_four_h200s(capsys):
+    """The paper trains a pair on 4 H200s; the preset's layout (2 GPUs per policy) fits with headroom."""
+    assert main(["plan", "configs/paper/pair1/graft.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "GPUs: 4 in all" in out and "| NO |" not in out
+    plans = plan(load_config("configs/paper/pair1/graft.yaml"))
+    assert [p.world_size for p in plans] == [2, 2]
+    assert all(max(p.train_peak, p.generate_peak(141 * GiB)) < 0.9 * 141 * GiB for p in plans)
+
+
+def test_without_checkpointing_on_one_gpu_the_3b_policy_does_not_fit(capsys):
+    assert main(["plan", "configs/paper/pair1/graft.yaml", "policies.0.world_size=1", "policies.0.gradient_checkpointing=false"]) == 0
+    assert "| SmolLM3-3B-Base | 3.08 B | 1 |" in capsys.readouterr().out.split("NO")[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_paper_preset_without_a_gpu_fails_in_one_line(capsys):
+    assert main(["train", "configs/paper/pair1/graft.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "need device cuda" in err and "no CUDA GPU" in err
+
+
+def test_world_size_above_one_needs_ray_execution():
+    with pytest.raises(ConfigError, match=r"policies.0.world_size=2 .* needs execution: ray"):
+        _cfg(world_size=2)
+
+
+def test_cpu_configs_pass_the_resource_check():
+    check_resources(load_config({"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}}))
