@@ -29,22 +29,26 @@ def loss_fn(old, adv, total_tokens):
     return fn
 
 
-def run(model: str, out: str, dtype: str, ckpt: str) -> dict:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    pol = ShardedPolicy(PolicyConfig("A", model, lr=1e-3, dtype=dtype, micro_batch_tokens=60, world_size=2,
-                                     gradient_checkpointing=True))
+def exercise(pol) -> dict:
+    """Score, two minibatch updates, score again, generate: what the test compares across layouts."""
     batch = pol.encode_texts(["Q"] * len(TEXTS), TEXTS, [True] * len(TEXTS))
     old, mask = pol.token_logprobs(batch)
     adv = torch.tensor(ADV)
     stats = [pol.update(batch, loss_fn(old, adv, float(mask.sum()))) for _ in range(2)]
     new, _ = pol.token_logprobs(batch)
     groups = pol.generate([("p1", "What is 2+3?"), ("p2", "Q: 6*7=?")], SamplingParams(n=3, max_new_tokens=6), seed=5)
-    digest = pol.param_digest()
+    return {"old": old.tolist(), "new": new.tolist(), "stats": stats, "texts": [g.texts for g in groups],
+            "digest": pol.param_digest(), "fused": pol.fused_head}
+
+
+def run(model: str, out: str, dtype: str, ckpt: str) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    pol = ShardedPolicy(PolicyConfig("A", model, lr=1e-3, dtype=dtype, micro_batch_tokens=60, world_size=2,
+                                     gradient_checkpointing=True))
+    result = exercise(pol)
     pol.save(ckpt)
     pol.load_state(ckpt)
-    result = {"old": old.tolist(), "new": new.tolist(), "stats": stats, "digest": digest,
-              "texts": [g.texts for g in groups], "lps": [g.gen_logprobs for g in groups], "fused": pol.fused_head}
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from graft_rl.policy import Policy, PolicyConfig, PolicyError, SamplingParams
+from graft_rl.policy import Policy, PolicyConfig, PolicyError
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from fsdp_ranks import ADV, TEXTS, loss_fn  # noqa: E402
+from fsdp_ranks import exercise  # noqa: E402
 
 
 def _torchrun(model, out, dtype, ckpt, port):
@@ -37,21 +37,16 @@ def test_two_fsdp_ranks_match_one_process(tiny_pair, tmp_path, arch):
     assert sharded["fused"]
 
     single = Policy(PolicyConfig("A", str(model), lr=1e-3, micro_batch_tokens=60, gradient_checkpointing=True))
-    batch = single.encode_texts(["Q"] * len(TEXTS), TEXTS, [True] * len(TEXTS))
-    old, mask = single.token_logprobs(batch)
-    adv = torch.tensor(ADV)
-    stats = [single.update(batch, loss_fn(old, adv, float(mask.sum()))) for _ in range(2)]
-    new, _ = single.token_logprobs(batch)
-    groups = single.generate([("p1", "What is 2+3?"), ("p2", "Q: 6*7=?")], SamplingParams(n=3, max_new_tokens=6), seed=5)
+    one = exercise(single)
 
-    torch.testing.assert_close(torch.tensor(sharded["old"]), old, rtol=0, atol=1e-5)
-    torch.testing.assert_close(torch.tensor(sharded["new"]), new, rtol=0, atol=1e-5)
-    for s, t in zip(sharded["stats"], stats, strict=True):
+    torch.testing.assert_close(torch.tensor(sharded["old"]), torch.tensor(one["old"]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(sharded["new"]), torch.tensor(one["new"]), rtol=0, atol=1e-5)
+    for s, t in zip(sharded["stats"], one["stats"], strict=True):
         assert s["loss"] == pytest.approx(t["loss"], rel=1e-5, abs=1e-7)
         assert s["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-5)
         assert s["tokens"] * 0 == 0 and s["skipped"] == t["skipped"] == 0
     # generation after the updates: the same samples as one process (rank 0's synced rollout copy)
-    assert sharded["texts"] == [g.texts for g in groups]
+    assert sharded["texts"] == one["texts"]
     # rank 0 wrote the full weights as an ordinary save_pretrained directory; each rank its optimiser shard
     assert (ckpt / "policy_state.rank0.pt").is_file() and (ckpt / "policy_state.rank1.pt").is_file()
     reloaded = Policy(PolicyConfig("A", str(ckpt)))

@@ -53,7 +53,7 @@ class PolicyConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     # float32 (default). Setting it equal to a low-precision `dtype` is pure low-precision training,
     # an explicit opt-in: at the paper's lr 1e-6 most bf16 weights never change (Adam steps below
-    # half an ulp), see docs/paper_scale.md.
+    # half an ulp), see docs/benchmarks.md "Paper-scale path".
     master_dtype: str = "float32"
     # recompute each decoder layer's activations in backward (transformers' gradient checkpointing):
     # activation memory ~ one layer instead of all layers; on in the paper presets
