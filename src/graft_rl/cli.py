@@ -76,7 +76,10 @@ def _train(ns) -> int:
             else:
                 cfg = load_config(config, overrides)
             trainer = Trainer(cfg, show_progress=not ns.no_progress)
-        trainer.run()
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
     except (ConfigError, DatasetError, PolicyError, RecordError, FloatingPointError) as exc:
         print(f"graft train: {exc}", file=sys.stderr)
         return 2

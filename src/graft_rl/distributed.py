@@ -146,6 +146,16 @@ class ActorGroup:
         get(GroupRef([a.setup.remote(addr, port, worker_args) for a in actors], name))
         return cls(name, actors, pg)
 
+    def shutdown(self) -> None:
+        """Kill the ranks and release the placement group's reserved resources."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            ray.kill(a)
+        remove_placement_group(self.placement_group)
+        self.actors = []
+
     def __getattr__(self, method: str) -> _GroupMethod:
         if method.startswith("_"):
             raise AttributeError(method)

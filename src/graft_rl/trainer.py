@@ -346,6 +346,21 @@ class Trainer:
             bar.close()
         return all_lines
 
+    def close(self) -> None:
+        """Release Ray actors and placement groups (in-process: nothing to do)."""
+        if self.cfg.execution != "ray":
+            return
+        import ray
+
+        from graft_rl.distributed import ActorGroup
+
+        for w in self.workers.values():
+            if isinstance(w, ActorGroup):
+                w.shutdown()
+            else:
+                ray.kill(w)
+        self.workers = {}
+
     def _write_metrics(self, lines: list[dict]) -> None:
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             for line in lines:

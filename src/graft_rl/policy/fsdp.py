@@ -73,8 +73,11 @@ class ShardedPolicy(Policy):
         # rank 0's unsharded rollout copy for the hf backend (vLLM engines hold their own copy)
         self.rollout_model = copy.deepcopy(self.model).eval() if self.config.backend == "hf" and self.rank == 0 else None
         self.model = shard_model(self.model, self.compute_dtype)
+        # the sharded (DTensor) parameters: after a forward, FSDP2 may leave the root's parameters
+        # registered unsharded on the module, so the optimiser, clipping and digests use these
+        self.sharded_params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(
-            list(self.model.parameters()), lr=self.config.lr, betas=tuple(self.config.betas), weight_decay=self.config.weight_decay
+            self.sharded_params, lr=self.config.lr, betas=tuple(self.config.betas), weight_decay=self.config.weight_decay
         )
 
     def compute_context(self):
@@ -149,7 +152,7 @@ class ShardedPolicy(Policy):
         return total, stats_sum, n_micro, bad
 
     def _clip_grad_norm(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.sharded_params if p.grad is not None]
         if not params:
             return 0.0
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
@@ -195,7 +198,7 @@ class ShardedPolicy(Policy):
         return box[0]
 
     def param_digest(self) -> list[float]:
-        sums = torch.tensor([float(p.detach().to_local().double().sum()) for p in self.model.parameters()],
+        sums = torch.tensor([float(p.detach().to_local().double().sum()) for p in self.sharded_params],
                             dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(sums)
         return sums.tolist()
@@ -234,8 +237,7 @@ class ShardedPolicy(Policy):
         if state.get("world_size") != self.world:
             raise PolicyError(f"policy {self.name!r}: checkpoint saved with world_size={state.get('world_size')}, now {self.world}")
         self.optimizer.load_state_dict(state["optimizer"])
-        params = list(self.model.parameters())
-        for p in params:  # back to DTensors laid out like their parameter
+        for p in self.sharded_params:  # back to DTensors laid out like their parameter
             for k, v in self.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     self.optimizer.state[p][k] = _like(p, v)
