@@ -31,13 +31,15 @@ def loss_fn(old, adv, total_tokens):
 
 def exercise(pol) -> dict:
     """Score, two minibatch updates, score again, generate: what the test compares across layouts."""
+    pol.init_reference()  # the KL reference (HACPO presets): the policy as built
     batch = pol.encode_texts(["Q"] * len(TEXTS), TEXTS, [True] * len(TEXTS))
     old, mask = pol.token_logprobs(batch)
     adv = torch.tensor(ADV)
     stats = [pol.update(batch, loss_fn(old, adv, float(mask.sum()))) for _ in range(2)]
     new, _ = pol.token_logprobs(batch)
+    ref, _ = pol.reference_logprobs(batch)
     groups = pol.generate([("p1", "What is 2+3?"), ("p2", "Q: 6*7=?")], SamplingParams(n=3, max_new_tokens=6), seed=5)
-    return {"old": old.tolist(), "new": new.tolist(), "stats": stats, "texts": [g.texts for g in groups],
+    return {"old": old.tolist(), "new": new.tolist(), "ref": ref.tolist(), "stats": stats, "texts": [g.texts for g in groups],
             "digest": pol.param_digest(), "fused": pol.fused_head}
 
 

@@ -41,6 +41,9 @@ def test_two_fsdp_ranks_match_one_process(tiny_pair, tmp_path, arch):
 
     torch.testing.assert_close(torch.tensor(sharded["old"]), torch.tensor(one["old"]), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(sharded["new"]), torch.tensor(one["new"]), rtol=0, atol=1e-5)
+    # the frozen reference (sharded too) still scores like the initial weights after the updates
+    torch.testing.assert_close(torch.tensor(sharded["ref"]), torch.tensor(one["old"]), rtol=0, atol=1e-5)
+    assert torch.tensor(sharded["new"]).ne(torch.tensor(sharded["ref"])).any()
     for s, t in zip(sharded["stats"], one["stats"], strict=True):
         assert s["loss"] == pytest.approx(t["loss"], rel=1e-5, abs=1e-7)
         assert s["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-5)
