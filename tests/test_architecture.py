@@ -22,6 +22,7 @@ LAYERS: dict[str, float] = {
     "policy": 3,
     "config": 3.5,
     "store": 3.5,
+    "rundir": 3.5,
     "exchange": 4,
     "objectives": 4,
     "evaluation": 4,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from graft_rl import __version__
@@ -20,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="co-train policies with GRAFT, a baseline or an ablation")
     t.add_argument("config", nargs="?", help="YAML config (default: the built-in CPU demo)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. method.delta=0.9 policies.0.lr=1e-5")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    t.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a run from its last complete checkpoint (overrides may raise steps/epochs)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     e = sub.add_parser("eval", help="pass@1 / pass@k on the paper's benchmarks (mean ± std over runs)")
     e.add_argument("target", help="a run directory (its best checkpoints) or a model (directory, GGUF, zoo:NAME, hub id)")
@@ -57,6 +59,7 @@ def _train(ns) -> int:
     from graft_rl.config import ConfigError, load_config
     from graft_rl.data import DatasetError
     from graft_rl.policy import PolicyError
+    from graft_rl.rundir import RunDirError
     from graft_rl.store import RecordError
     from graft_rl.trainer import Trainer
 
@@ -65,9 +68,12 @@ def _train(ns) -> int:
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides.insert(0, config)  # `graft train key=value` with the default config
         config = None
+    trainer = None
     try:
         if ns.resume:
-            trainer = Trainer.resume(ns.resume, show_progress=not ns.no_progress)
+            if config is not None:  # `graft train --resume RUN_DIR steps=200`: the first override landed in `config`
+                overrides.insert(0, config)
+            trainer = Trainer.resume(ns.resume, show_progress=not ns.no_progress, overrides=overrides)
         else:
             if config is None:
                 from graft_rl.defaults import default_config
@@ -76,20 +82,24 @@ def _train(ns) -> int:
             else:
                 cfg = load_config(config, overrides)
             trainer = Trainer(cfg, show_progress=not ns.no_progress)
-        try:
-            trainer.run()
-        finally:
-            trainer.close()
-    except (ConfigError, DatasetError, PolicyError, RecordError, FloatingPointError) as exc:
+        trainer.run()
+    except (ConfigError, DatasetError, PolicyError, RecordError, RunDirError, FloatingPointError) as exc:
         print(f"graft train: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # read-only run directory, disk full, ...
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"graft train: cannot write{where}: {exc.strerror}" if exc.strerror else f"graft train: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
         if type(exc).__name__ != "ActorDied":
             raise
         print(f"graft train: {exc}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return 128 + getattr(exc, "signum", signal.SIGINT)
+    finally:
+        if trainer is not None:
+            trainer.close()
     from graft_rl.report import print_run_summary
 
     print_run_summary(trainer.run_dir)
@@ -114,7 +124,12 @@ def _eval(ns) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides after an option (`graft train cfg.yaml --no-progress n=16`)
+        if ns.command in ("train", "plan") and all("=" in e and not e.startswith("-") for e in extra):
+            ns.overrides = [*ns.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command is None:
         ns = parser.parse_args(["train", *(argv or [])])
     if ns.command == "train":

@@ -31,6 +31,9 @@ class DataConfig:
     verifier: str = "auto"  # auto | math | gsm8k | gym
     limit: int | None = None  # use only the first N problems (a fixed pool)
     verify_timeout: float = 5.0  # seconds per answer, hard (worker killed after)
+    # seconds for one step's verification batch in all; answers still unchecked then score 0 and are
+    # counted (metrics: verify_over_budget), so pathological answers cannot stall a step for hours
+    verify_budget: float = 300.0
 
 
 @dataclass
@@ -172,9 +175,25 @@ class TrainConfig:
             raise ConfigError(f"method.name {self.method.name!r} needs at least two policies (or a peer from records)")
         if self.peers and (self.method.balance and self.method.name == "graft"):
             self.method.balance = False  # one direction only: balancing is inactive (Section 6.2)
-        for key in ("prompt_batch", "minibatch", "n", "max_new_tokens", "epochs", "checkpoint_every"):
+        for key in ("prompt_batch", "minibatch", "n", "max_new_tokens", "epochs", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"steps must be >= 1 (or null for `epochs` passes over the data), got {self.steps}")
+        if self.n < 2:
+            raise ConfigError(f"n must be >= 2: GRPO's group-relative advantage of a single response is 0, so n={self.n} trains nothing")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        v = self.validation
+        for key in ("every", "samples", "max_new_tokens"):
+            if getattr(v, key) < 1:
+                raise ConfigError(f"validation.{key} must be >= 1, got {getattr(v, key)}")
+        if not v.temperature > 0 or not 0 < v.top_p <= 1:
+            raise ConfigError(f"validation.temperature must be > 0 and validation.top_p in (0, 1], got {v.temperature}, {v.top_p}")
+        if not self.data.verify_timeout > 0 or not self.data.verify_budget > 0:
+            raise ConfigError(f"data.verify_timeout and data.verify_budget must be > 0, got {self.data.verify_timeout}, {self.data.verify_budget}")
         if self.execution not in ("local", "ray"):
             raise ConfigError(f"execution: must be local or ray, got {self.execution!r}")
         for i, pc in enumerate(self.policies):
@@ -258,19 +277,31 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
         parts = key.split(".")
         node = data
-        for i, part in enumerate(parts[:-1]):
+        for i, part in enumerate(parts):
+            where = ".".join(parts[:i])
+            last = i == len(parts) - 1
             if isinstance(node, list):
-                node = node[int(part)]
+                if not part.isdigit():
+                    raise ConfigError(f"override {item!r}: {where} is a list; index it with a number, not {part!r}")
+                if int(part) >= len(node):
+                    raise ConfigError(f"override {item!r}: {where} has {len(node)} entries (indices 0-{len(node) - 1})")
+                if last:
+                    node[int(part)] = value
+                else:
+                    node = node[int(part)]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    node = node.setdefault(part, [] if parts[i + 1].isdigit() else {})
             else:
-                node = node.setdefault(part, [] if parts[i + 1].isdigit() else {})
-        last = parts[-1]
-        if isinstance(node, list):
-            node[int(last)] = value
-        else:
-            node[last] = value
+                raise ConfigError(f"override {item!r}: {where} is a value ({node!r}), not a mapping or list")
     return data
 
 

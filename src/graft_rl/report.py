@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
+
+from graft_rl.rundir import read_log
 
 __all__ = ["read_metrics", "run_summary", "print_run_summary"]
 
@@ -13,7 +14,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a graft run directory?)")
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return read_log(path)[0]  # a torn last line (power loss mid-write) is ignored
 
 
 def _mean(xs):
@@ -22,8 +23,7 @@ def _mean(xs):
 
 
 def read_validation(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "validation.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    return read_log(Path(run_dir) / "validation.jsonl")[0]
 
 
 def run_summary(run_dir: str | Path) -> list[dict]:

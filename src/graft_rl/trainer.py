@@ -36,12 +36,23 @@ from graft_rl.data import Problem, load_dataset, verifier_for
 from graft_rl.exchange import ReceiverBatch, build_exchange
 from graft_rl.objectives import build_objective
 from graft_rl.plan import check_resources
+from graft_rl.rundir import (
+    HARMLESS_KEYS,
+    RunLock,
+    checkpoint_problem,
+    clean_stale,
+    config_changes,
+    read_log,
+    remove_dir,
+    replace_dir,
+    rewrite_log,
+)
 from graft_rl.policy import Policy, PolicyConfig, RolloutGroup, SamplingParams
 from graft_rl.rewards import score_responses
 from graft_rl.store import RecordStore
 from graft_rl.worker import PolicyWorker
 
-__all__ = ["Trainer", "derive_seed"]
+__all__ = ["Trainer", "RunInterrupted", "CheckpointError", "derive_seed"]
 
 
 def derive_seed(*parts: int) -> int:
@@ -61,6 +72,24 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.show_progress = show_progress
+        self.workers: dict = {}
+        self.lock = RunLock(self.run_dir)
+        if not resume:
+            _check_fresh_run_dir(self.run_dir)
+        created = not self.run_dir.exists()
+        self.lock.acquire()  # before anything is written: a second run on this directory stops here
+        try:
+            self._init(cfg, resume)
+        except BaseException:
+            self.close()
+            if not resume:  # bad input leaves nothing behind in a fresh run directory
+                for f in (self.run_dir / "config.yaml", self.run_dir / ".lock"):
+                    f.unlink(missing_ok=True)
+                if created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
+                    self.run_dir.rmdir()
+            raise
+
+    def _init(self, cfg: TrainConfig, resume: bool) -> None:
         self.store = RecordStore(self.run_dir)
         self.data: list[Problem] = load_dataset(cfg.data.train, cfg.data.limit)
         if len(self.data) < cfg.prompt_batch:
@@ -75,14 +104,17 @@ class Trainer:
         self.start_step = 1
         self._elapsed = {}
         self.success_history: dict[str, deque] = {}
-        ckpt = self._latest_checkpoint() if resume else None
-        if resume and ckpt is None:
-            raise ConfigError(f"{self.run_dir}: no checkpoint to resume from")
-        if not resume:
-            if (self.run_dir / "metrics.jsonl").exists():
-                raise ConfigError(f"run_dir {self.run_dir} already holds a run; use --resume or another run_dir")
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        ckpt = None
+        if resume:
+            for stale in clean_stale(self.run_dir):
+                print(f"graft train: removed {stale} (left by an interrupted write)")
+            ckpt = self._latest_checkpoint(announce=True)
+            if ckpt is not None:
+                self._check_config(ckpt)
+            else:  # killed before its first checkpoint: start again from step 1 with the saved config
+                print(f"graft train: {self.run_dir} has no checkpoint yet; starting the run from step 1")
+                self._restart_from_scratch()
+        _write_text_atomic(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
         pcs = []
         for pc in cfg.policies:
             if ckpt is not None:
@@ -92,7 +124,6 @@ class Trainer:
             pcs.append(pc)
         # in-process: the Policy objects live here (self.policies); with Ray each lives in its actor
         self.policies: dict[str, Policy] = {}
-        self.workers: dict = {}
         if cfg.execution == "ray":
             from graft_rl.distributed import start_actors
 
@@ -158,11 +189,12 @@ class Trainer:
             [p.source for p in probs],
             [p.id for p in probs],
             self.cfg.data.verify_timeout,
+            self.cfg.data.verify_budget,
         )
         it = iter(scores)
         for g in groups:
             g.rewards = [next(it) for _ in range(g.n)]
-        return {"verify_timeouts": st.timeout, "verify_errors": st.error + st.crash}
+        return {"verify_timeouts": st.timeout, "verify_errors": st.error + st.crash, "verify_over_budget": st.budget}
 
     # ------------------------------------------------------------------ generation
     def _generation_seed(self, name: str, step: int) -> int:
@@ -284,8 +316,13 @@ class Trainer:
             best = self.best.get(name)
             if best is None or line["val/score"] > best["score"]:
                 self.best[name] = {"step": step, "score": line["val/score"]}
-                self._call(name, "save", str(self.run_dir / "best" / name))
-                (self.run_dir / "best" / "best.json").write_text(json.dumps(self.best, indent=1))
+                # written under a temporary name and renamed: best/<policy> is always complete
+                tmp = self.run_dir / "best" / f".{name}.tmp"
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                self._call(name, "save", str(tmp))
+                replace_dir(tmp, self.run_dir / "best" / name)
+                _write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
             line["best_step"] = self.best[name]["step"]
             lines.append(line)
         with (self.run_dir / "validation.jsonl").open("a") as f:
@@ -295,29 +332,27 @@ class Trainer:
 
     def _best_from_log(self) -> dict[str, dict]:
         best: dict[str, dict] = {}
-        path = self.run_dir / "validation.jsonl"
-        if path.is_file():
-            for ln in path.read_text().splitlines():
-                if ln.strip():
-                    d = json.loads(ln)
-                    b = best.get(d["policy"])
-                    if b is None or d["val/score"] > b["score"]:
-                        best[d["policy"]] = {"step": d["step"], "score": d["val/score"]}
+        for d in read_log(self.run_dir / "validation.jsonl")[0]:
+            b = best.get(d["policy"])
+            if b is None or d["val/score"] > b["score"]:
+                best[d["policy"]] = {"step": d["step"], "score": d["val/score"]}
         return best
 
     # ------------------------------------------------------------------ run
     def run(self, max_steps: int | None = None) -> list[dict]:
-        """Train from ``start_step`` to the end (or ``max_steps`` steps, for tests); returns the metric lines."""
+        """Train from ``start_step`` to the end (or ``max_steps`` steps, for tests); returns the metric lines.
+
+        A first SIGINT/SIGTERM lets the current step finish (its metrics, due validation and a
+        checkpoint), then stops with :class:`RunInterrupted`: ``--resume`` continues exactly where it
+        stopped. A second signal stops at once (``KeyboardInterrupt``); ``--resume`` then continues
+        from the last checkpoint, dropping what came after it.
+        """
         end = self.total_steps if max_steps is None else min(self.total_steps, self.start_step + max_steps - 1)
         all_lines: list[dict] = []
-        done = self.start_step - 1
+        self.lock.acquire()
         bar = tqdm(range(self.start_step, end + 1), desc="graft train", unit="step", disable=not self.show_progress,
                    initial=self.start_step - 1, total=self.total_steps)
-        prev = signal.getsignal(signal.SIGTERM)
-        try:  # SIGTERM (e.g. a scheduler's kill) saves a checkpoint like Ctrl-C
-            signal.signal(signal.SIGTERM, _raise_interrupt)
-        except ValueError:  # not the main thread
-            pass
+        stop = _GracefulStop()
         try:
             if self.start_step == 1 and self.cfg.validation.at_start and self.val_sets:
                 self.validate(0)
@@ -325,29 +360,32 @@ class Trainer:
                 lines = self.step(step)
                 self._write_metrics(lines)
                 all_lines.extend(lines)
-                done = step
                 bar.set_postfix_str(_summary(lines))
                 if self.val_sets and (step % self.cfg.validation.every == 0 or step == self.total_steps):
                     self.validate(step)
-                if step % self.cfg.checkpoint_every == 0 or step == self.total_steps:
+                if step % self.cfg.checkpoint_every == 0 or step == self.total_steps or stop.signum:
                     self.save_checkpoint(step)
-        except KeyboardInterrupt:
-            self.store.truncate_after(done)  # an interrupted step leaves no records
-            if done >= self.start_step:
-                self.save_checkpoint(done)
-            bar.close()
-            print(f"graft train: interrupted; checkpoint at step {done} in {self.run_dir} (resume with --resume)")
+                if stop.signum:
+                    bar.close()
+                    print(f"graft train: stopped after step {step} ({signal.Signals(stop.signum).name}); "
+                          f"checkpoint in {self.run_dir} (resume with --resume)")
+                    raise RunInterrupted(stop.signum)
+        except KeyboardInterrupt as exc:
+            if not isinstance(exc, RunInterrupted):
+                bar.close()
+                last = self._latest_checkpoint()
+                print(f"graft train: stopped at once; --resume continues from "
+                      f"{'step ' + last.name.split('_')[1].lstrip('0') if last else 'the start'} in {self.run_dir}")
             raise
         finally:
-            try:
-                signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
-            except ValueError:
-                pass
+            stop.restore()
             bar.close()
+            self.lock.release()
         return all_lines
 
     def close(self) -> None:
-        """Release Ray actors and placement groups (in-process: nothing to do)."""
+        """Release the run-directory lock and any Ray actors and placement groups."""
+        self.lock.release()
         if self.cfg.execution != "ray":
             return
         import ray
@@ -381,27 +419,61 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, step: int) -> Path:
+        """Write ``checkpoints/step_N`` under a temporary name, rename it, then prune old ones."""
         root = self.run_dir / "checkpoints"
         final = root / f"step_{step:06d}"
         tmp = root / f".step_{step:06d}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        for name in self.policies:
-            self._call(name, "save", str(tmp / name))
-        state = {"step": step, "success_history": {k: list(v) for k, v in self.success_history.items()}}
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            for name in self.policies:
+                self._call(name, "save", str(tmp / name))
+            state = {"step": step, "success_history": {k: list(v) for k, v in self.success_history.items()},
+                     "config": to_dict(self.cfg)}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+            replace_dir(tmp, final)
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and not _is_write_error(exc):
+                raise
+            raise CheckpointError(f"cannot write checkpoint {final}: {_first_line(exc)}") from None
         kept = sorted(p for p in root.glob("step_*") if p.is_dir())
         for old in kept[: -self.cfg.keep_checkpoints]:
-            shutil.rmtree(old)
+            remove_dir(old)  # renamed away first: never a half-deleted step_N
         return final
 
-    def _latest_checkpoint(self) -> Path | None:
+    def _latest_checkpoint(self, announce: bool = False) -> Path | None:
+        """The newest checkpoint every file of which is there and readable (damaged ones are skipped)."""
         root = self.run_dir / "checkpoints"
-        done = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").is_file()) if root.is_dir() else []
-        return done[-1] if done else None
+        steps = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
+        names = [pc.name for pc in self.cfg.policies]
+        for ckpt in steps:
+            problem = checkpoint_problem(ckpt, names)
+            if problem is None:
+                return ckpt
+            if announce:
+                print(f"graft train: checkpoint {ckpt.name} is damaged ({problem}); trying the one before it")
+        return None
+
+    def _check_config(self, ckpt: Path) -> None:
+        """Refuse to resume with a config whose results would differ from the checkpointed run's."""
+        saved = json.loads((ckpt / "trainer_state.json").read_text()).get("config")
+        if saved is None:
+            return  # a checkpoint from before configs were recorded in it
+        changes = config_changes(saved, to_dict(self.cfg))
+        if changes:
+            key, before, now = changes[0]
+            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            raise ConfigError(
+                f"{self.run_dir}: config key {key} changed since checkpoint {ckpt.name} ({before!r} -> {now!r}){more}; "
+                f"a resumed run may change only {', '.join(HARMLESS_KEYS[1:])}"
+            )
+
+    def _restart_from_scratch(self) -> None:
+        """A run with no checkpoint: drop its logs, records, validation and best, as a fresh run would."""
+        for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl"):
+            log.unlink(missing_ok=True)
+        self.store.truncate_after(0)
+        remove_dir(self.run_dir / "best")
 
     def _restore(self, ckpt: Path) -> None:
         state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -414,24 +486,89 @@ class Trainer:
         self.start_step = step + 1
         # drop what the interrupted run wrote after the checkpoint: it is recomputed identically
         for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl"):
+            records, torn = read_log(log)
+            if torn:
+                print(f"graft train: {log.name}: dropped a torn last line (the machine stopped mid-write)")
             if log.exists():
-                kept = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-                tmp = log.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(ln + "\n" for ln in kept))
-                os.replace(tmp, log)
+                rewrite_log(log, [r for r in records if r["step"] <= step])
         self.store.truncate_after(step)
 
     @classmethod
-    def resume(cls, run_dir: str | Path, show_progress: bool = True) -> Trainer:
+    def resume(cls, run_dir: str | Path, show_progress: bool = True, overrides: list[str] | None = None) -> Trainer:
+        """Continue a run; ``overrides`` may change only :data:`~graft_rl.rundir.HARMLESS_KEYS` (e.g. ``steps=200``)."""
         cfg_path = Path(run_dir) / "config.yaml"
         if not cfg_path.is_file():
             raise ConfigError(f"{run_dir}: not a run directory (no config.yaml)")
-        cfg = load_config(cfg_path, [f"run_dir={run_dir}"])
+        cfg = load_config(cfg_path, [*(overrides or []), f"run_dir={run_dir}"])
         return cls(cfg, resume=True, show_progress=show_progress)
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+class RunInterrupted(KeyboardInterrupt):
+    """The run stopped cleanly at a step boundary after a signal (``graft train`` exits 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written (disk full, read-only directory, ...); the message says which."""
+
+
+class _GracefulStop:
+    """SIGINT/SIGTERM handlers: the first signal is remembered (the loop stops after the step),
+    a second one raises ``KeyboardInterrupt`` at once. Installed only on the main thread."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous: dict = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: signals keep their handlers
+                pass
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\ngraft train: {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              f"(send it again to stop at once)", flush=True)
+
+    def restore(self) -> None:
+        for sig, prev in self.previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self.previous = {}
+
+
+def _check_fresh_run_dir(run_dir: Path) -> None:
+    """A fresh run needs an absent or empty run directory (or one left by an immediately failed start)."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise ConfigError(f"run_dir {run_dir} exists and is not a directory")
+    held = sorted(p.name for p in run_dir.iterdir() if p.name != ".lock")
+    if held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise ConfigError(f"run_dir {run_dir} already holds a run ({shown}); use --resume {run_dir} or another run_dir")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _is_write_error(exc: BaseException) -> bool:
+    """torch.save reports a full disk as a RuntimeError from its zip writer."""
+    text = str(exc)
+    return any(k in text for k in ("PytorchStreamWriter", "enforce fail", "No space left", "file write failed"))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _finite(x):

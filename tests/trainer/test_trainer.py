@@ -235,26 +235,6 @@ def test_resume_reproduces_an_uninterrupted_run(make_cfg, fake_rewards, kl_coef)
             assert [(g.prompt_id, g.texts, g.rewards) for g in a] == [(g.prompt_id, g.texts, g.rewards) for g in b]
 
 
-def test_interrupt_saves_a_checkpoint_and_leaves_no_partial_step(make_cfg, fake_rewards, monkeypatch):
-    tr = Trainer(make_cfg({"name": "graft"}, steps=3, run="intr", checkpoint_every=10), show_progress=False)
-    real = tr._train_receiver
-
-    def boom(name, batch, step):
-        if step == 2 and name == "B":
-            raise KeyboardInterrupt
-        return real(name, batch, step)
-
-    monkeypatch.setattr(tr, "_train_receiver", boom)
-    with pytest.raises(KeyboardInterrupt):
-        tr.run()
-    assert (tr.run_dir / "checkpoints" / "step_000001" / "trainer_state.json").is_file()
-    assert RecordStore(tr.run_dir).steps("A") == [1]
-    resumed = Trainer.resume(tr.run_dir, show_progress=False)
-    assert resumed.start_step == 2
-    resumed.run()
-    assert RecordStore(tr.run_dir).steps("B") == [1, 2, 3]
-
-
 def test_nonfinite_loss_skips_the_update_and_is_logged(make_cfg, fake_rewards, monkeypatch):
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="nan"), show_progress=False)
     real = tr.objective.minibatch

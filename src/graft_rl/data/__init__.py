@@ -103,25 +103,34 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Problem]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            return _read_rows(f, path, limit)
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {exc.start} of a line); a dataset is JSONL, one object per line") from None
+    except (gzip.BadGzipFile, EOFError, OSError) as exc:
+        raise DatasetError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
+
+
+def _read_rows(f, path: Path, limit: int | None) -> list[Problem]:
     rows: list[Problem] = []
     seen: dict[str, int] = {}
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
-            row = _row(obj, where)
-            if row.id in seen:
-                raise DatasetError(f"{where}: duplicate id {row.id!r} (first on line {seen[row.id]})")
-            seen[row.id] = lineno
-            rows.append(row)
-            if limit is not None and len(rows) >= limit:
-                break
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
+        row = _row(obj, where)
+        if row.id in seen:
+            raise DatasetError(f"{where}: duplicate id {row.id!r} (first on line {seen[row.id]})")
+        seen[row.id] = lineno
+        rows.append(row)
+        if limit is not None and len(rows) >= limit:
+            break
     if not rows:
         raise DatasetError(f"{path}: no rows")
     return rows

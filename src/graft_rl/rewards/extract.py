@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["last_boxed", "normalize_answer", "parse_number"]
+__all__ = ["last_boxed", "normalize_answer", "parse_number", "parse_whole_number"]
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*(\{|\s)")
 
@@ -72,3 +72,49 @@ def parse_number(text: str) -> float | None:
         return float(digits)
     except ValueError:
         return None
+
+
+_NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
+_WHOLE_NUM_RE = re.compile(rf"([+-]?)\s*({_NUM})(?:\s*[A-Za-z][A-Za-z .]*)?")
+_FRAC_RE = re.compile(rf"([+-]?)\s*\\[dt]?frac\s*\{{\s*({_NUM})\s*\}}\s*\{{\s*({_NUM})\s*\}}")
+_FRAC_SHORT_RE = re.compile(r"([+-]?)\s*\\[dt]?frac(\d)(\d)")
+_SLASH_RE = re.compile(rf"([+-]?)\s*({_NUM})\s*/\s*({_NUM})")
+_UNIT_TEXT_RE = re.compile(r"\\(?:text|mbox|mathrm)\s*\{([^{}]*)\}")
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def parse_whole_number(text: str) -> float | None:
+    r"""The value of ``text`` if the *whole* text is one number, else ``None`` (issue 14).
+
+    Accepted: a sign, thousands separators (``1,200``), decimals, ``$``/``%`` and LaTeX spacing,
+    a trailing unit in words (``18 dollars``, ``5\text{ cm}``), and simple fractions
+    (``\frac{1}{2}``, ``\frac12``, ``3/4``) as numbers. Anything with a second number or an
+    operator is not one number: ``12-5``, ``3 or 4 or 5``, ``1,2``, ``2^3``.
+
+    Example:
+        >>> [parse_whole_number(t) for t in ["1,200", r"-\frac{1}{2}", "3/4", r"\$18.50", "7 apples"]]
+        [1200.0, -0.5, 0.75, 18.5, 7.0]
+        >>> [parse_whole_number(t) for t in ["12-5", "3 or 4 or 5", "1/2 + 1", "1,2", "", "x"]]
+        [None, None, None, None, None, None]
+    """
+    s = text.replace("\u2212", "-").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\ ", " ")
+    s = _UNIT_TEXT_RE.sub(lambda m: " " + m.group(1) + " ", s)
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
+    if len(s) > 200:
+        return None
+    for rx in (_FRAC_RE, _FRAC_SHORT_RE, _SLASH_RE):
+        m = rx.fullmatch(s)
+        if m:
+            den = _num(m.group(3))
+            if den == 0:
+                return None
+            value = _num(m.group(2)) / den
+            return -value if m.group(1) == "-" else value
+    m = _WHOLE_NUM_RE.fullmatch(s)
+    if not m:
+        return None
+    value = _num(m.group(2))
+    return -value if m.group(1) == "-" else value

@@ -50,6 +50,7 @@ class VerifyStats:
     error: int = 0
     crash: int = 0
     skipped: int = 0  # decided without a worker (no boxed answer, exact match)
+    budget: int = 0  # not checked: the batch's wall-clock budget ran out first (scored 0)
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -168,18 +169,28 @@ class VerifierPool:
         return [w.proc.pid for w in self._workers]
 
     # -------------------------------------------------------------- work
-    def map(self, fn: str, arg_list: Sequence[Sequence], timeout: float = 5.0) -> list[Outcome]:
-        """Run ``fn(*args)`` for each ``args``; each item gets at most ``timeout`` seconds."""
+    def map(self, fn: str, arg_list: Sequence[Sequence], timeout: float = 5.0, budget: float | None = None) -> list[Outcome]:
+        """Run ``fn(*args)`` for each ``args``; each item gets at most ``timeout`` seconds, and the
+        whole call at most ``budget`` seconds: items not finished by then score 0 (``budget``)."""
         if timeout <= 0:
             raise ValueError(f"VerifierPool.map: timeout must be > 0, got {timeout}")
         results: list[Outcome | None] = [None] * len(arg_list)
         if not arg_list:
             return []
+        end = time.monotonic() + budget if budget is not None else float("inf")
         with self._lock:
             self._ensure()
             pending = deque(range(len(arg_list)))
             busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (item, deadline)
             while pending or busy:
+                if time.monotonic() >= end:  # out of budget: what is left scores 0 and is counted
+                    for w in list(busy):
+                        i, _ = busy.pop(w)
+                        results[i] = Outcome(0.0, "budget", f"batch budget {budget:g}s spent")
+                        self._replace(w)
+                    while pending:
+                        results[pending.popleft()] = Outcome(0.0, "budget", f"batch budget {budget:g}s spent")
+                    break
                 for w in list(self._workers):
                     if not pending:
                         break
@@ -187,7 +198,7 @@ class VerifierPool:
                         continue
                     i = pending.popleft()
                     try:
-                        w.send(json.dumps({"fn": fn, "args": list(arg_list[i])}).encode() + b"\n")
+                        w.send(json.dumps({"id": i, "fn": fn, "args": list(arg_list[i])}).encode() + b"\n")
                         busy[w] = (i, time.monotonic() + timeout)
                     except (BrokenPipeError, OSError):
                         pending.appendleft(i)
@@ -197,7 +208,7 @@ class VerifierPool:
                     continue
                 now = time.monotonic()
                 deadlines = [busy[w][1] if w in busy else w.started + STARTUP_TIMEOUT for w in waiting]
-                readable, _, _ = select.select([w.fd for w in waiting], [], [], max(0.0, min(deadlines) - now))
+                readable, _, _ = select.select([w.fd for w in waiting], [], [], max(0.0, min(min(deadlines), end) - now))
                 by_fd = {w.fd: w for w in waiting}
                 for fd in readable:
                     w = by_fd[fd]
@@ -216,9 +227,18 @@ class VerifierPool:
                     if not w.ready:
                         w.ready = line.strip() == b"READY"
                         continue
+                    if w not in busy:  # a line nobody asked for: the worker is out of step, replace it
+                        self._replace(w)
+                        continue
                     i, _ = busy.pop(w)
-                    reply = json.loads(line)
-                    if "err" in reply:
+                    try:
+                        reply = json.loads(line)
+                    except json.JSONDecodeError:
+                        reply = {}
+                    if not isinstance(reply, dict) or reply.get("id") != i:  # never take another item's answer
+                        results[i] = Outcome(0.0, "error", "verifier protocol out of step; worker replaced")
+                        self._replace(w)
+                    elif "err" in reply:
                         results[i] = Outcome(0.0, "error", reply["err"])
                     else:
                         results[i] = Outcome(float(reply["r"]), "ok")

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from graft_rl.rewards.extract import _NUM_RE, last_boxed, normalize_answer, parse_number
+from graft_rl.rewards.extract import _NUM_RE, last_boxed, normalize_answer, parse_number, parse_whole_number
 from graft_rl.rewards.pool import Outcome, VerifierPool, VerifyStats
 
 __all__ = ["verify_math", "verify_math_detailed", "verify_gsm8k", "gym_scores", "score_responses", "default_pool"]
@@ -25,12 +25,18 @@ def default_pool() -> VerifierPool:
         return _default_pool
 
 
-def _finish(outcomes: list, todo: list[int], fn: str, args: list, timeout: float, pool, stats: VerifyStats, t0: float) -> None:
-    """Run the undecided items in the pool, fill their outcomes, and count everything."""
+def _finish(outcomes: list, todo: list[int], fn: str, args: list, timeout: float, pool, stats: VerifyStats, t0: float,
+            budget: float | None = None) -> None:
+    """Run the undecided items in the pool (each distinct argument tuple once), fill their outcomes,
+    and count everything."""
     if todo:
-        done = (pool or default_pool()).map(fn, args, timeout=timeout)
-        for i, o in zip(todo, done, strict=True):
-            outcomes[i] = o
+        keys = [json.dumps(a) for a in args]
+        unique = list(dict.fromkeys(keys))
+        first = {k: args[keys.index(k)] for k in unique}
+        done = dict(zip(unique, (pool or default_pool()).map(fn, [first[k] for k in unique], timeout=timeout, budget=budget),
+                        strict=True))
+        for i, k in zip(todo, keys, strict=True):
+            outcomes[i] = done[k]
     for o in outcomes:
         stats.add(o)
     stats.seconds = time.monotonic() - t0
@@ -46,8 +52,12 @@ def verify_math_detailed(
     answers: Sequence[str],
     timeout: float = 5.0,
     pool: VerifierPool | None = None,
+    budget: float | None = None,
 ) -> tuple[list[float], VerifyStats]:
-    """:func:`verify_math` plus counters (timeouts, errors, crashes, answers without a box)."""
+    """:func:`verify_math` plus counters (timeouts, errors, crashes, answers without a box, over budget).
+
+    Identical (answer, reference) pairs are checked once; ``budget`` bounds the whole batch's
+    wall-clock time (what is left then scores 0 and is counted as ``budget``)."""
     _check_lengths(responses, answers, "verify_math")
     t0 = time.monotonic()
     stats = VerifyStats()
@@ -63,7 +73,7 @@ def verify_math_detailed(
         else:
             todo.append(i)
             args.append((pred, gold))
-    _finish(outcomes, todo, "graft_rl.rewards.checks:math_equal", args, timeout, pool, stats, t0)
+    _finish(outcomes, todo, "graft_rl.rewards.checks:math_equal", args, timeout, pool, stats, t0, budget)
     return [o.score for o in outcomes], stats
 
 
@@ -85,27 +95,31 @@ def verify_math(responses: Sequence[str], answers: Sequence[str], timeout: float
 
 
 def verify_gsm8k(responses: Sequence[str], answers: Sequence[str], rel_tol: float = 1e-6) -> list[float]:
-    r"""Binary GSM8K rewards: the number in the last ``\boxed{}`` (else after the last ``####``,
-    else the last number in the response) equals the reference number.
+    r"""Binary GSM8K rewards: the last ``\boxed{}`` (else the line after the last ``####``) must be
+    *one* number equal to the reference (:func:`~graft_rl.rewards.extract.parse_whole_number`:
+    never "the first number" of ``12-5`` or ``3 or 4 or 5``); a response with neither is judged
+    by its last number.
 
     Pure string/float work with bounded cost, so it runs in-process.
 
     Example:
         >>> verify_gsm8k([r"\boxed{1,200}", "#### 18", "so it is 7 apples", "\\boxed{x}"], ["1200", "18", "7", "3"])
         [1.0, 1.0, 1.0, 0.0]
+        >>> verify_gsm8k([r"\boxed{1/2}", r"\boxed{12-5}", r"\boxed{3 or 4 or 5}", r"\boxed{\frac{1}{2}}"], ["1", "12", "3", "0.5"])
+        [0.0, 0.0, 0.0, 1.0]
     """
     _check_lengths(responses, answers, "verify_gsm8k")
     out = []
     for resp, gold in zip(responses, answers, strict=True):
         boxed = last_boxed(resp)
         if boxed is not None:
-            cand = boxed
+            pred = parse_whole_number(boxed)
         elif "####" in resp:
-            cand = resp.rsplit("####", 1)[1]
+            pred = parse_whole_number(resp.rsplit("####", 1)[1].strip().split("\n", 1)[0])
         else:
             nums = list(_iter_numbers(resp))
-            cand = nums[-1] if nums else ""
-        pred, ref = parse_number(cand), parse_number(gold)
+            pred = parse_number(nums[-1]) if nums else None
+        ref = parse_number(gold)
         ok = pred is not None and ref is not None and abs(pred - ref) <= rel_tol * max(1.0, abs(ref))
         out.append(1.0 if ok else 0.0)
     return out
@@ -122,6 +136,7 @@ def gym_scores(
     timeout: float = 5.0,
     binary: bool = True,
     pool: VerifierPool | None = None,
+    budget: float | None = None,
 ) -> tuple[list[float], VerifyStats]:
     r"""Score responses with a reasoning-gym dataset's own ``score_answer``.
 
@@ -148,7 +163,7 @@ def gym_scores(
         else:
             todo.append(i)
             args.append((name, int(size), int(seed), config_json, int(idx), pred))
-    _finish(outcomes, todo, "graft_rl.rewards.checks:gym_score", args, timeout, pool, stats, t0)
+    _finish(outcomes, todo, "graft_rl.rewards.checks:gym_score", args, timeout, pool, stats, t0, budget)
     scores = [o.score for o in outcomes]
     if binary:
         scores = [1.0 if s >= 1.0 else 0.0 for s in scores]
@@ -162,14 +177,16 @@ def score_responses(
     sources: Sequence[str | None] | None = None,
     ids: Sequence[str] | None = None,
     timeout: float = 5.0,
+    budget: float | None = None,
 ) -> tuple[list[float], VerifyStats]:
-    """Binary rewards with the named verifier (``math``, ``gsm8k`` or ``gym``) and counters.
+    """Binary rewards with the named verifier (``math``, ``gsm8k`` or ``gym``) and counters;
+    ``budget`` bounds the wall-clock time of the whole batch.
 
     ``gym`` needs each row's ``source`` and ``id`` (as written by ``ReasoningGymTask``).
     """
     _check_lengths(responses, answers, "score_responses")
     if verifier == "math":
-        return verify_math_detailed(responses, answers, timeout)
+        return verify_math_detailed(responses, answers, timeout, budget=budget)
     if verifier == "gsm8k":
         t0 = time.monotonic()
         scores = verify_gsm8k(responses, answers)
@@ -180,12 +197,15 @@ def score_responses(
             raise ValueError("score_responses: verifier 'gym' needs sources and ids")
         scores = [0.0] * len(responses)
         total = VerifyStats()
+        t_end = time.monotonic() + budget if budget is not None else None
         for src in dict.fromkeys(sources):
             rows = [i for i, s in enumerate(sources) if s == src]
-            got, st = gym_scores([responses[i] for i in rows], src, [int(ids[i].rsplit("/", 1)[1]) for i in rows], timeout)
+            left = max(1e-3, t_end - time.monotonic()) if t_end is not None else None
+            got, st = gym_scores([responses[i] for i in rows], src, [int(ids[i].rsplit("/", 1)[1]) for i in rows], timeout,
+                                 budget=left)
             for i, s in zip(rows, got, strict=True):
                 scores[i] = s
-            for k in ("total", "ok", "timeout", "error", "crash", "skipped"):
+            for k in ("total", "ok", "timeout", "error", "crash", "skipped", "budget"):
                 setattr(total, k, getattr(total, k) + getattr(st, k))
             total.seconds += st.seconds
             total.errors.extend(st.errors[: 20 - len(total.errors)])

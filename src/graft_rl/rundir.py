@@ -1,0 +1,189 @@
+"""The run directory's integrity (SPEC §5, §6; issue 14): an exclusive lock, JSONL logs that survive
+a torn last line, directories replaced atomically, checkpoints checked before they are trusted,
+and the config check on resume.
+
+Guarantees (tested in ``tests/trainer/test_reliability.py``, summarised in docs/reliability.md):
+
+- one ``graft train`` per run directory at a time (``flock`` on ``RUN_DIR/.lock``, holder's pid in it);
+- a log line is either whole or, if the machine died while writing the last one, ignored;
+- ``best/<policy>`` and checkpoints appear under their final name only when complete;
+- resume uses the newest *complete* checkpoint and says so when it skips a damaged one;
+- resume refuses a config change that alters results, naming the key.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+__all__ = [
+    "RunDirError", "RunLock", "read_log", "rewrite_log", "replace_dir", "remove_dir", "checkpoint_problem",
+    "clean_stale", "config_changes", "HARMLESS_KEYS",
+]
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked; the message names the file or key."""
+
+
+class RunLock:
+    """An exclusive, non-blocking lock on ``RUN_DIR/.lock`` (released on close or process exit)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        if self.fd is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunDirError(f"run_dir {self.path.parent} is in use by another graft train (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def read_log(path: Path) -> tuple[list[dict], bool]:
+    """The records of a JSONL log and whether a torn last line (power loss mid-write) was dropped.
+
+    A line that does not parse anywhere but last is damage, not a torn write: one error line.
+    """
+    if not path.is_file():
+        return [], False
+    lines = path.read_bytes().split(b"\n")
+    out, torn = [], False
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            out.append(json.loads(raw))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if i == last:
+                torn = True
+                continue
+            raise RunDirError(f"{path}:{i + 1}: not valid JSON (a damaged log; remove or repair that line)") from None
+    return out, torn
+
+
+def rewrite_log(path: Path, records: list[dict]) -> None:
+    """Replace a JSONL log atomically (temporary name + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a directory so that an interruption never leaves it half-deleted under its name."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash_{path.name}")
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.replace(path, trash)
+    shutil.rmtree(trash)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished ``tmp`` directory to ``final``, replacing what was there: at every instant
+    ``final`` is either the old complete directory, absent, or the new complete one."""
+    if final.exists():
+        old = final.with_name(f".trash_{final.name}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
+def clean_stale(run_dir: Path) -> list[str]:
+    """Remove what interrupted writes leave behind (``.step_N.tmp``, ``.trash_*``, ``*.tmp``); returns the names."""
+    removed = []
+    for sub in (run_dir / "checkpoints", run_dir / "best"):
+        if not sub.is_dir():
+            continue
+        for p in sub.iterdir():
+            if p.name.startswith((".trash_", ".step_")) or p.name.endswith(".tmp"):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                removed.append(str(p.relative_to(run_dir)))
+    return removed
+
+
+def _loadable_torch_file(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0 and zipfile.is_zipfile(path)
+
+
+def checkpoint_problem(ckpt: Path, policies: list[str]) -> str | None:
+    """Why a checkpoint cannot be resumed from (a cheap check of every file resume reads), or None."""
+    state = ckpt / "trainer_state.json"
+    try:
+        step = json.loads(state.read_text())["step"]
+        int(step)
+    except (OSError, ValueError, KeyError, TypeError):
+        return "trainer_state.json is missing or damaged"
+    for name in policies:
+        d = ckpt / name
+        if not (d / "config.json").is_file():
+            return f"{name}/config.json is missing"
+        weights = list(d.glob("*.safetensors")) + list(d.glob("pytorch_model*.bin"))
+        if not weights or any(w.stat().st_size == 0 for w in weights):
+            return f"{name}'s weights are missing or empty"
+        states = sorted(d.glob("policy_state*.pt"))
+        if not states:
+            return f"{name}/policy_state.pt is missing"
+        for s in states:
+            if not _loadable_torch_file(s):
+                return f"{name}/{s.name} is empty or damaged"
+    return None
+
+
+#: Config keys a resumed run may change: they decide how long it runs, where and how it is
+#: observed or placed, never what a step computes.
+HARMLESS_KEYS = (
+    "run_dir", "steps", "epochs", "checkpoint_every", "keep_checkpoints", "tensorboard", "execution", "ray",
+    "validation.every", "validation.at_start",
+)
+
+
+def _flatten(d, prefix=""):
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    if isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
+        out = {}
+        for i, v in enumerate(d):
+            out.update(_flatten(v, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+    """``(key, before, now)`` for every key whose change would alter the run's results."""
+    a, b = _flatten(saved), _flatten(now)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == h or key.startswith(h + ".") for h in HARMLESS_KEYS):
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            out.append((key, a.get(key, "<absent>"), b.get(key, "<absent>")))
+    return out

@@ -1,0 +1,321 @@
+"""Nothing lost, nothing mixed (issue 14): signals at every phase, a forced stop, the run-directory
+lock, partial and damaged run directories, config changes on resume, torn logs, and one-line
+errors for bad input with nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from graft_rl import trainer as trainer_mod
+from graft_rl.cli import main
+from graft_rl.config import ConfigError
+from graft_rl.rundir import RunDirError, read_log
+from graft_rl.store import RecordStore
+from graft_rl.trainer import CheckpointError, RunInterrupted, Trainer
+
+
+@pytest.fixture
+def fake_eval(monkeypatch, fake_rewards):
+    """Validation scores that rise with the step and depend on the weights, so every validation
+    writes best/ and a resumed run with wrong weights or a wrong step would score differently."""
+    real_validate, real_call = Trainer.validate, Trainer._call
+
+    def validate(self, step):
+        self._val_step = step
+        return real_validate(self, step)
+
+    def call(self, name, method, *args):
+        if method == "evaluate":
+            digest = sum(abs(x) for x in self.policies[name].param_digest())
+            return {"pass@1": self._val_step / 100 + (digest % 1.0) / 1000}
+        return real_call(self, name, method, *args)
+
+    monkeypatch.setattr(Trainer, "validate", validate)
+    monkeypatch.setattr(Trainer, "_call", call)
+
+
+@pytest.fixture
+def cfg_for(make_cfg, tiny_data):
+    def make(run, **kw):
+        args = dict(steps=4, run=run, checkpoint_every=2, keep_checkpoints=2,
+                    validation={"data": [str(tiny_data)], "every": 2, "samples": 1, "max_new_tokens": 4})
+        args.update(kw)
+        return make_cfg({"name": "graft"}, **args)
+
+    return make
+
+
+def _snapshot(run_dir):
+    """Everything a run leaves that must not depend on interruptions (times stripped)."""
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+
+    store = RecordStore(run_dir)
+    records = {(n, s): [(g.prompt_id, g.texts, g.rewards) for g in store.read(n, s)] for n in ("A", "B") for s in store.steps(n)}
+    exchange = {n: [(r["step"], r["prompt_id"], r["group_index"], r["weight"]) for r in store.read_exchange(n)] for n in ("A", "B")}
+    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    weights = {n: [p.detach().clone() for p in _load(final / n)] for n in ("A", "B")}
+    best = {n: [p.detach().clone() for p in _load(run_dir / "best" / n)] for n in ("A", "B")}
+    return {"metrics": strip(read_log(run_dir / "metrics.jsonl")[0]), "validation": strip(read_log(run_dir / "validation.jsonl")[0]),
+            "records": records, "exchange": exchange, "final": final.name, "weights": weights, "best": best,
+            "best.json": json.loads((run_dir / "best" / "best.json").read_text())}
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return list(AutoModelForCausalLM.from_pretrained(path).parameters())
+
+
+def _same(a, b):
+    for key in ("metrics", "validation", "records", "exchange", "final", "best.json"):
+        assert a[key] == b[key], key
+    for key in ("weights", "best"):
+        for n in ("A", "B"):
+            assert all(torch.equal(x, y) for x, y in zip(a[key][n], b[key][n], strict=True)), (key, n)
+
+
+@pytest.fixture
+def baseline(cfg_for, fake_eval):
+    tr = Trainer(cfg_for("baseline"), show_progress=False)
+    tr.run()
+    return _snapshot(tr.run_dir)
+
+
+def _sigterm():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# phase -> (object, attribute, predicate on the call's arguments) at which step 2's signal is sent
+PHASES = {
+    "generate": (Trainer, "_generation_seed", lambda self, name, step: step == 2),
+    "update": (Trainer, "_train_receiver", lambda self, name, batch, step: step == 2 and name == "B"),
+    "validate": (Trainer, "validate", lambda self, step: step == 2),
+    "checkpoint": (Trainer, "save_checkpoint", lambda self, step: step == 2),
+    "best-write": (trainer_mod, "replace_dir", lambda tmp, final: final.parent.name == "best" and "step2" in str(os.environ.get("PHASE_STEP"))),
+    "prune": (trainer_mod, "remove_dir", lambda path: True),
+}
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_a_signal_at_any_phase_then_resume_equals_the_uninterrupted_run(phase, cfg_for, baseline, monkeypatch):
+    owner, attr, when = PHASES[phase]
+    real = getattr(owner, attr)
+    fired = []
+
+    def wrapped(*args, **kw):
+        if not fired and when(*args, **kw):
+            fired.append(1)
+            _sigterm()
+        return real(*args, **kw)
+
+    if phase == "best-write":  # the best/ write of step 2's validation
+        real_validate = Trainer.validate
+
+        def validate(self, step):
+            os.environ["PHASE_STEP"] = f"step{step}"
+            return real_validate(self, step)
+
+        monkeypatch.setattr(Trainer, "validate", validate)
+    monkeypatch.setattr(owner, attr, wrapped)
+    # pruning happens only when more than keep_checkpoints exist: checkpoint every step there
+    # (when checkpoints are written does not change what a step computes)
+    tr = Trainer(cfg_for(f"intr_{phase}", **({"checkpoint_every": 1} if phase == "prune" else {})), show_progress=False)
+    with pytest.raises(RunInterrupted) as info:
+        tr.run()
+    assert fired and info.value.signum == signal.SIGTERM
+    stopped = json.loads((sorted((tr.run_dir / "checkpoints").glob("step_*"))[-1] / "trainer_state.json").read_text())["step"]
+    monkeypatch.setattr(owner, attr, real)
+    resumed = Trainer.resume(tr.run_dir, show_progress=False)
+    assert resumed.start_step == stopped + 1  # the step in flight was finished, not lost
+    resumed.run()
+    _same(_snapshot(tr.run_dir), baseline)
+
+
+def test_a_second_signal_stops_at_once_and_resume_still_equals_the_uninterrupted_run(cfg_for, baseline, monkeypatch):
+    real = Trainer._train_receiver
+
+    def twice(self, name, batch, step):
+        if step == 3 and name == "A":
+            _sigterm()
+            _sigterm()  # the second one raises here, mid-step
+        return real(self, name, batch, step)
+
+    monkeypatch.setattr(Trainer, "_train_receiver", twice)
+    tr = Trainer(cfg_for("forced"), show_progress=False)
+    with pytest.raises(KeyboardInterrupt) as info:
+        tr.run()
+    assert not isinstance(info.value, RunInterrupted)
+    monkeypatch.setattr(Trainer, "_train_receiver", real)
+    resumed = Trainer.resume(tr.run_dir, show_progress=False)
+    assert resumed.start_step == 3  # from the step-2 checkpoint; step 3's partial work is dropped
+    resumed.run()
+    _same(_snapshot(tr.run_dir), baseline)
+
+
+def test_sigterm_exits_143_from_the_command_line(cfg_for, fake_eval, monkeypatch, tmp_path):
+    import yaml
+
+    from graft_rl.config import to_dict
+
+    cfg = cfg_for("cli_term")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    real = Trainer._train_receiver
+
+    def term(self, name, batch, step):
+        if step == 1 and name == "A":
+            _sigterm()
+        return real(self, name, batch, step)
+
+    monkeypatch.setattr(Trainer, "_train_receiver", term)
+    assert main(["train", str(path), "--no-progress"]) == 128 + signal.SIGTERM
+
+
+def test_a_second_run_on_the_same_directory_is_refused_naming_the_holder(cfg_for, fake_rewards):
+    first = Trainer(cfg_for("locked"), show_progress=False)  # holds the lock until its run ends
+    with pytest.raises(RunDirError, match=rf"in use by another graft train \(pid {os.getpid()}\)"):
+        Trainer.resume(first.run_dir, show_progress=False)
+    first.run(max_steps=1)
+    Trainer.resume(first.run_dir, show_progress=False).close()  # free again once the run has stopped
+
+
+def test_a_fresh_run_refuses_a_partial_directory_and_resume_restarts_it(cfg_for, fake_eval, monkeypatch):
+    tr = Trainer(cfg_for("partial"), show_progress=False)
+    real = Trainer._train_receiver
+
+    def killed(self, name, batch, step):  # killed during step 1: no checkpoint, a step-0 validation
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_train_receiver", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tr.run()
+    assert (tr.run_dir / "validation.jsonl").is_file() and not (tr.run_dir / "checkpoints").exists()
+    monkeypatch.setattr(Trainer, "_train_receiver", real)
+    with pytest.raises(ConfigError, match=r"already holds a run \(.*config.yaml.*\); use --resume"):
+        Trainer(cfg_for("partial"), show_progress=False)
+    resumed = Trainer.resume(tr.run_dir, show_progress=False)
+    assert resumed.start_step == 1
+    resumed.run()
+    steps0 = [r for r in read_log(tr.run_dir / "validation.jsonl")[0] if r["step"] == 0]
+    assert len(steps0) == 2  # one line per policy, not a second set
+
+
+def test_resume_refuses_a_config_change_that_alters_results(cfg_for, fake_rewards):
+    import yaml
+
+    tr = Trainer(cfg_for("cfgcheck"), show_progress=False)
+    tr.run(max_steps=2)
+    path = tr.run_dir / "config.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["method"]["name"] = "grpo"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"config key method.name changed since checkpoint step_000002 \('graft' -> 'grpo'\)"):
+        Trainer.resume(tr.run_dir, show_progress=False)
+    data["method"]["name"] = "graft"
+    path.write_text(yaml.safe_dump(data))
+    longer = Trainer.resume(tr.run_dir, show_progress=False, overrides=["steps=5"])  # harmless: more steps
+    assert longer.total_steps == 5
+    longer.close()
+
+
+def test_resume_falls_back_to_the_previous_checkpoint_when_the_newest_is_damaged(cfg_for, baseline, capsys):
+    tr = Trainer(cfg_for("damaged"), show_progress=False)
+    tr.run()
+    newest = sorted((tr.run_dir / "checkpoints").glob("step_*"))[-1]
+    (newest / "A" / "policy_state.pt").write_bytes(b"")  # the 0-byte file of a crash mid-write
+    resumed = Trainer.resume(tr.run_dir, show_progress=False)
+    assert "checkpoint step_000004 is damaged (A/policy_state.pt is empty or damaged)" in capsys.readouterr().out
+    assert resumed.start_step == 3
+    resumed.run()
+    _same(_snapshot(tr.run_dir), baseline)
+
+
+def test_a_torn_last_metrics_line_neither_breaks_resume_nor_analysis(cfg_for, fake_rewards):
+    from graft_rl.report import run_summary
+
+    tr = Trainer(cfg_for("torn", validation={"data": []}), show_progress=False)
+    tr.run(max_steps=2)
+    with (tr.run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "policy": "A", "rew')  # power lost mid-line
+    assert len(run_summary(tr.run_dir)) == 2
+    resumed = Trainer.resume(tr.run_dir, show_progress=False)
+    resumed.run()
+    assert [r["step"] for r in read_log(tr.run_dir / "metrics.jsonl")[0]] == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_interrupted_writes_are_cleaned_up_on_resume(cfg_for, fake_rewards, capsys):
+    tr = Trainer(cfg_for("stale", validation={"data": []}), show_progress=False)
+    tr.run(max_steps=2)
+    (tr.run_dir / "checkpoints" / ".step_000003.tmp" / "A").mkdir(parents=True)
+    (tr.run_dir / "checkpoints" / ".trash_step_000001").mkdir()
+    Trainer.resume(tr.run_dir, show_progress=False).close()
+    out = capsys.readouterr().out
+    assert "removed checkpoints/.step_000003.tmp" in out and "removed checkpoints/.trash_step_000001" in out
+    assert sorted(p.name for p in (tr.run_dir / "checkpoints").iterdir()) == ["step_000002"]
+
+
+def test_a_full_disk_at_checkpoint_time_is_one_line(cfg_for, fake_rewards, monkeypatch):
+    def full(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0: "
+                           "file write failed")
+
+    monkeypatch.setattr(torch, "save", full)
+    tr = Trainer(cfg_for("full", validation={"data": []}), show_progress=False)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*step_000002: RuntimeError: \[enforce fail"):
+        tr.run()
+
+
+BAD = [
+    (["policies.5.lr=1"], "policies has 2 entries"),
+    (["policies.x.lr=1"], "policies is a list; index it with a number"),
+    (["steps.x=1"], "steps is a value"),
+    (["temperature=-1"], "temperature must be > 0"),
+    (["validation.every=0"], "validation.every must be >= 1"),
+    (["steps=0"], "steps must be >= 1"),
+    (["steps=-1"], "steps must be >= 1"),
+    (["n=1"], "n must be >= 2"),
+    (["data.train=BINARY"], "not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD, ids=[b[0][0] for b in BAD])
+def test_bad_input_is_one_line_and_writes_nothing(overrides, message, cfg_for, tmp_path, capsys):
+    import yaml
+
+    from graft_rl.config import to_dict
+
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    cfg = to_dict(cfg_for("unused"))
+    run_dir = tmp_path / "bad_run"
+    cfg["run_dir"] = str(run_dir)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc = main(["train", str(path), "--no-progress", *[o.replace("BINARY", str(binary)) for o in overrides]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0], err
+    assert not run_dir.exists()
+
+
+def test_disk_full_while_logging_is_one_line(cfg_for, fake_rewards, monkeypatch, tmp_path, capsys):
+    import errno
+
+    import yaml
+
+    from graft_rl.config import to_dict
+
+    def enospc(self, lines):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.run_dir / "metrics.jsonl"))
+
+    monkeypatch.setattr(Trainer, "_write_metrics", enospc)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg_for("enospc", validation={"data": []}))))
+    assert main(["train", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("metrics.jsonl: No space left on device")
