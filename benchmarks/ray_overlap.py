@@ -18,11 +18,10 @@ import time
 
 def run(execution: str, steps: int, prompt_batch: int, threads: int) -> dict:
     from graft_rl.config import load_config
-    from graft_rl.defaults import cache_dir
-    from graft_rl.testbed import ensure_testbed
+    from graft_rl.testbed import shipped_testbed
     from graft_rl.trainer import Trainer
 
-    tb = ensure_testbed(cache_dir() / "testbed")
+    tb = shipped_testbed()  # the pair every machine shares
     base = tb.train_config(run_dir=tempfile.mkdtemp())
     base.update(steps=steps, prompt_batch=prompt_batch, checkpoint_every=10_000, validation={"data": []}, execution=execution,
                 ray={"num_cpus": 1, "torch_threads": threads})

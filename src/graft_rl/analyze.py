@@ -35,6 +35,24 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def _moving_mean(ys: list[float], k: int | None = None) -> list[float]:
+    """Trailing moving mean over ``k`` points (default: a tenth of the series, at least 3); NaNs skipped."""
+    import math
+
+    k = k or max(3, len(ys) // 10)
+    out = []
+    for i in range(len(ys)):
+        window = [y for y in ys[max(0, i - k + 1) : i + 1] if y is not None and not math.isnan(y)]
+        out.append(statistics.fmean(window) if window else float("nan"))
+    return out
+
+
+def _raw_and_smooth(ax, xs, ys, color, label, linestyle="-") -> None:
+    """A faint raw line under its moving mean, in one colour (spiky per-step series stay readable)."""
+    ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8, linestyle=linestyle)
+    ax.plot(xs, _moving_mean(ys), color=color, linewidth=1.8, linestyle=linestyle, label=label)
+
+
 def _save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -135,15 +153,16 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     comp = complementarity(store)
     fig, ax = plt.subplots(figsize=(7, 4))
     report += ["## Complementarity (Fig. 1)", "", "Fraction of a model's all-fail prompts on which a peer succeeds at least once.", ""]
-    for r, series in comp.items():
+    for i, (r, series) in enumerate(comp.items()):
         pts = [(s, v) for s, v in series if v is not None]
         if pts:
-            ax.plot([s for s, _ in pts], [v for _, v in pts], marker=".", label=f"{r}'s all-fail solved by peer")
+            _raw_and_smooth(ax, [s for s, _ in pts], [v for _, v in pts], f"C{i}", f"{r}'s all-fail prompts a peer solves")
         mean = _mean(v for _, v in series)
         summary["policies"].setdefault(r, {})["complementarity_mean"] = mean
         report.append(f"- {r}: mean {mean:.3f} over {len(pts)} steps" if mean is not None else f"- {r}: no all-fail prompts")
+    ax.set_title("complementarity (faint: per step; bold: moving mean)")
     ax.set_xlabel("step")
-    ax.set_ylabel("fraction")
+    ax.set_ylabel("fraction of the receiver's all-fail prompts")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     if comp:
@@ -154,16 +173,18 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     fig, ax = plt.subplots(figsize=(7, 4))
     report += ["", "## Exchange volume per direction", "", "| receiver | candidates (before balancing) | grafted (after) | steps with exchange |",
                "|---|---:|---:|---:|"]
-    for p in policies:
+    for i, p in enumerate(policies):
         steps = [m["step"] for m in by_pol[p]]
         cand = [m.get("candidates_in") or 0 for m in by_pol[p]]
         got = [m.get("exchanged_in") or 0 for m in by_pol[p]]
-        ax.plot(steps, cand, linestyle="--", label=f"into {p}: candidates")
-        ax.plot(steps, got, label=f"into {p}: grafted")
+        # one colour per receiver; candidates dashed and drawn on top, so equal counts stay visible
+        ax.plot(steps, _moving_mean(got), color=f"C{i}", linewidth=3, alpha=0.6, label=f"into {p}: grafted (after balancing)")
+        ax.plot(steps, _moving_mean(cand), color=f"C{i}", linewidth=1.5, linestyle="--", label=f"into {p}: candidates (before)")
         report.append(f"| {p} | {sum(cand):.0f} | {sum(got):.0f} | {sum(1 for g in got if g)} / {len(got)} |")
         summary["policies"].setdefault(p, {}).update(candidates=sum(cand), grafted=sum(got))
+    ax.set_title("exchange volume per step (moving mean)")
     ax.set_xlabel("step")
-    ax.set_ylabel("prompt groups")
+    ax.set_ylabel("peer prompt groups per step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, out / "exchange_volume.png")
@@ -180,6 +201,8 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
             if not r["auxiliary"]:
                 dirs[(r["source"], r["receiver"])].append(r)
         delta = _run_delta(run)
+        every = [x for rows in dirs.values() for r in rows for x in (r["compat_token"], r["compat_char"]) if x is not None]
+        cap = min(3.0, max(every + [delta * 1.5]))  # the axis ends at the largest score (values above 3 drawn at 3)
         report += [f"| direction | peer responses | admitted (w>0) | mean weight | s (token) median [p10, p90] | "
                    f"s (char) median [p10, p90] | s_token > {delta} | s_char > {delta} | admitted: correct / wrong |",
                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -188,8 +211,8 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
             s_tok = [r["compat_token"] for r in rows if r["compat_token"] is not None]
             s_chr = [r["compat_char"] for r in rows if r["compat_char"] is not None]
             adm = sum(1 for r in rows if r["weight"] > 0) / len(rows)
-            axes[0].hist([min(x, 3) for x in s_tok], bins=40, alpha=0.5, label=f"{src}→{recv}")
-            axes[1].hist([min(x, 3) for x in s_chr], bins=40, alpha=0.5, label=f"{src}→{recv}")
+            axes[0].hist([min(x, cap) for x in s_tok], bins=40, range=(0, cap), alpha=0.5, label=f"{src}→{recv}")
+            axes[1].hist([min(x, cap) for x in s_chr], bins=40, range=(0, cap), alpha=0.5, label=f"{src}→{recv}")
             cells = "- | - | - | - | -" if not st["n"] else (
                 f"{st['median_token']:.3f} [{st['p10_token']:.2f}, {st['p90_token']:.2f}] | "
                 f"{st['median_char']:.3f} [{st['p10_char']:.2f}, {st['p90_char']:.2f}] | {_pct(st['pass_token'])} | "
@@ -199,7 +222,9 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
         for a, title in zip(axes, ("token-mean s (paper)", "per-character s"), strict=True):
             a.axvline(delta, color="k", linestyle=":", label=f"δ = {delta}")
             a.set_title(title)
-            a.set_xlabel("compatibility score (capped at 3)")
+            a.set_xlabel("compatibility score s" + (" (scores above 3 drawn at 3)" if cap == 3.0 else ""))
+            a.set_ylabel("peer responses")
+            a.set_xlim(0, cap)
             a.legend(fontsize=8)
         _save(fig, out / "compatibility.png")
 
@@ -207,18 +232,20 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     fig, ax = plt.subplots(figsize=(7, 4))
     report += ["", "## Clipped-token fraction (Table 9)", "", "| policy | self tokens | peer tokens | steps with peer tokens | of which zero peer clipping |",
                "|---|---:|---:|---:|---:|"]
-    for p in policies:
+    for i, p in enumerate(policies):
         steps = [m["step"] for m in by_pol[p]]
         cs = [m.get("clip_frac_self") for m in by_pol[p]]
         cp = [m.get("clip_frac_peer") for m in by_pol[p]]
-        ax.plot(steps, [c or 0 for c in cs], label=f"{p} self")
-        ax.plot(steps, [c if c is not None else float("nan") for c in cp], label=f"{p} peer", linestyle="--")
+        _raw_and_smooth(ax, steps, [c or 0 for c in cs], f"C{i}", f"{p}: own tokens")
+        _raw_and_smooth(ax, steps, [c if c is not None else float("nan") for c in cp], f"C{i}", f"{p}: peer tokens",
+                        linestyle="--")
         with_peer = [c for c in cp if c is not None]
         zero = sum(1 for c in with_peer if c == 0)
         report.append(f"| {p} | {100 * (_mean(cs) or 0):.2f}% | {100 * (_mean(with_peer) or 0):.2f}% | {len(with_peer)} | {zero} |")
         summary["policies"].setdefault(p, {}).update(clip_self=_mean(cs), clip_peer=_mean(with_peer), zero_peer_clip_steps=zero)
+    ax.set_title("clipped-token fraction (faint: per step; bold: moving mean)")
     ax.set_xlabel("step")
-    ax.set_ylabel("clipped fraction")
+    ax.set_ylabel("fraction of tokens clipped")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, out / "clipping.png")
@@ -236,14 +263,14 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
             mine = [m for m in ms if m["policy"] == p]
             xs = [m["step"] for m in mine]
             ys = [m["reward_mean"] for m in mine]
-            k = max(1, len(ys) // 20)
-            smooth = [statistics.fmean(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
-            axes[0].plot(xs, smooth, label=f"{rdir.name}:{p}")
+            axes[0].plot(xs, _moving_mean(ys), label=f"{rdir.name}:{p}")
             vv = [v for v in vs if v["policy"] == p]
             if vv:
                 axes[1].plot([v["step"] for v in vv], [v["val/score"] for v in vv], marker="o", label=f"{rdir.name}:{p}")
     axes[0].set_title("training reward (moving mean)")
+    axes[0].set_ylabel("pass rate of the step's rollouts")
     axes[1].set_title("validation score")
+    axes[1].set_ylabel("held-out pass@1")
     for a in axes:
         a.set_xlabel("step")
         a.grid(alpha=0.3)
@@ -254,11 +281,16 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     # 6. case studies (Appendix I)
     report += ["", "## Case studies (Appendix I)", ""]
     shown = 0
+    seen_texts: set = set()
     for r in ex:
         if shown >= cases:
             break
         if r["auxiliary"] or r["reward"] <= 0 or r["weight"] <= 0:
             continue
+        key = (r["source"], r["receiver"], r["prompt_id"])
+        if key in seen_texts:  # one case per prompt and direction (a group often repeats one response)
+            continue
+        seen_texts.add(key)
         try:
             own = {g.prompt_id: g for g in store.read(r["receiver"], r["step"])}.get(r["prompt_id"])
             peer = {g.prompt_id: g for g in store.read(r["source"], r["step"])}.get(r["prompt_id"])
@@ -319,12 +351,15 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
 
 
 def print_summary(summary: dict) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"graft analyze {summary['run']}")
-    for c in ("policy", "complementarity", "candidates", "grafted", "admitted", "clip self", "clip peer", "best step", "train s"):
-        t.add_column(c)
+    # fits an 80-column terminal (SIMPLE_HEAD, one space between columns); report.md has the full tables
+    t = Table(title=f"graft analyze {summary['run']}", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
+              title_justify="left")
+    for c in ("policy", "compl.", "candidates", "grafted", "admitted", "clip own", "clip peer", "best@", "s"):
+        t.add_column(c, justify="left" if c == "policy" else "right", no_wrap=True)
 
     def f(v, pct=False):
         if v is None:
@@ -335,5 +370,9 @@ def print_summary(summary: dict) -> None:
         t.add_row(p, f(s.get("complementarity_mean"), True), f(s.get("candidates")), f(s.get("grafted")),
                   f(s.get("admitted_frac"), True), f(s.get("clip_self"), True), f(s.get("clip_peer"), True),
                   f(s.get("best_step")), f(s.get("seconds")))
-    Console(width=max(Console().width, 120)).print(t)
-    print(f"report and plots: {summary['out']}")
+    console = Console()
+    console.print(t)
+    console.print("compl.: fraction of the policy's all-fail prompts a peer solves; candidates / grafted: peer groups before / "
+          "after balancing; admitted: grafted peer responses with weight > 0 (pooled); clip: clipped token fractions; "
+          "best@: best validation step; s: training seconds.")
+    console.print(f"report and plots: {summary['out']}", soft_wrap=True)

@@ -24,16 +24,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a run from its last complete checkpoint (overrides may raise steps/epochs)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    e = sub.add_parser("eval", help="pass@1 / pass@k on the paper's benchmarks (mean ± std over runs)")
+    e = sub.add_parser(
+        "eval", help="pass@1 / pass@k on the paper's benchmarks or a run's own task (mean ± std over runs)",
+        description="Settings not given come from a run directory's validation settings (its held-out task, sampling and "
+                    "lengths; the five benchmarks for math runs), else the paper's protocol: math500, aime24, aime25, "
+                    "amc23, minerva; 8 samples x 5 runs; T 0.6, top-p 0.95; 4096 new tokens.",
+    )
     e.add_argument("target", help="a run directory (its best checkpoints) or a model (directory, GGUF, zoo:NAME, hub id)")
-    e.add_argument("--benchmarks", default="math500,aime24,aime25,amc23,minerva",
-                   help="comma-separated built-in names or .jsonl paths")
-    e.add_argument("--samples", type=int, default=8, help="responses per problem (default 8)")
-    e.add_argument("--runs", type=int, default=5, help="independent runs with different seeds (default 5)")
-    e.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
-    e.add_argument("--temperature", type=float, default=0.6)
-    e.add_argument("--top-p", type=float, default=0.95)
-    e.add_argument("--max-new-tokens", type=int, default=4096)
+    e.add_argument("--benchmarks", default=None, help="comma-separated built-in names or .jsonl paths (default: see above)")
+    e.add_argument("--samples", type=int, default=None, help="responses per problem (default: 8)")
+    e.add_argument("--runs", type=int, default=None, help="independent runs with different seeds (default: 5)")
+    e.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark (default: all)")
+    e.add_argument("--temperature", type=float, default=None, help="default: the run's, else 0.6")
+    e.add_argument("--top-p", type=float, default=None, help="default: the run's, else 0.95")
+    e.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the run's, else 4096; clamped to each model's context")
     e.add_argument("--policy", default=None, help="only this policy of a run directory")
     e.add_argument("--out", default=None, help="output directory (default RUN_DIR/eval or ./eval_results)")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -114,7 +119,8 @@ def _eval(ns) -> int:
     overrides = {k: v for k, v in (("dtype", ns.dtype), ("device", ns.device), ("backend", ns.backend),
                                    ("prompt_format", ns.prompt_format)) if v is not None}
     try:
-        run_eval(ns.target, [b.strip() for b in ns.benchmarks.split(",") if b.strip()], ns.samples, ns.runs, ns.limit,
+        benchmarks = [b.strip() for b in ns.benchmarks.split(",") if b.strip()] if ns.benchmarks else None
+        run_eval(ns.target, benchmarks, ns.samples, ns.runs, ns.limit,
                  ns.temperature, ns.top_p, ns.max_new_tokens, ns.policy, ns.out, overrides)
     except (DatasetError, PolicyError, ValueError) as exc:
         print(f"graft eval: {exc}", file=sys.stderr)
@@ -122,7 +128,18 @@ def _eval(ns) -> int:
     return 0
 
 
+#: libgomp (torch's OpenMP on Linux) spins 300,000 iterations by default before a worker thread
+#: sleeps. With two jobs on the same cores the spinning threads steal each other's time: on 2 cores,
+#: two default runs took 13.6 s/step each instead of 1.4 (docs/benchmarks.md, "Two jobs at once").
+#: 5,000 keeps a lone run's speed and makes two concurrent runs 2.4x slower instead of ~10x. Set
+#: before torch is imported; a value in the environment wins.
+GOMP_SPINCOUNT = "5000"
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides after an option (`graft train cfg.yaml --no-progress n=16`)

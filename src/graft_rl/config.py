@@ -156,6 +156,9 @@ class TrainConfig:
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
     nonfinite_loss: str = "skip"  # skip (log, keep going) | stop
     tensorboard: bool = False
+    # torch CPU threads of this process (in-process policies); null = torch's default, the cores it may use.
+    # Two runs sharing cores: give each half (`torch_threads=1` on 2 cores). Ray actors: ray.torch_threads.
+    torch_threads: int | None = None
     execution: str = "local"  # local (one process) | ray (one actor per policy)
     ray: RayConfig = field(default_factory=RayConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -194,6 +197,8 @@ class TrainConfig:
             raise ConfigError(f"validation.temperature must be > 0 and validation.top_p in (0, 1], got {v.temperature}, {v.top_p}")
         if not self.data.verify_timeout > 0 or not self.data.verify_budget > 0:
             raise ConfigError(f"data.verify_timeout and data.verify_budget must be > 0, got {self.data.verify_timeout}, {self.data.verify_budget}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError(f"torch_threads must be >= 1 (or null for all cores), got {self.torch_threads}")
         if self.execution not in ("local", "ray"):
             raise ConfigError(f"execution: must be local or ray, got {self.execution!r}")
         for i, pc in enumerate(self.policies):

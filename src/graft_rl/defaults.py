@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from graft_rl.config import TrainConfig, load_config
+from graft_rl.policy.zoo import cache_dir
 
 __all__ = ["default_config", "cache_dir"]
 
 
-def cache_dir() -> Path:
-    import os
-
-    return Path(os.environ.get("GRAFT_RL_CACHE", Path.home() / ".cache" / "graft_rl"))
-
-
 def default_config(overrides: list[str] | None = None) -> TrainConfig:
-    """Two tiny heterogeneous models (built once, cached) co-trained with GRAFT on procedural arithmetic."""
-    from graft_rl.testbed import ensure_testbed
+    """The shipped testbed pair (two tiny heterogeneous models) co-trained with GRAFT on procedural
+    arithmetic; nothing is built or downloaded."""
+    from graft_rl.testbed import shipped_testbed
 
-    tb = ensure_testbed(cache_dir() / "testbed")
-    base = tb.train_config()
-    return load_config(base, overrides or [])
+    return load_config(shipped_testbed().train_config(), overrides or [])

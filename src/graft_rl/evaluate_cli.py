@@ -17,7 +17,7 @@ from graft_rl.data import BENCHMARKS, BUILTIN, DatasetError, load_dataset, verif
 from graft_rl.evaluation import evaluate_policy, pass_at_k
 from graft_rl.policy import Policy, PolicyConfig
 
-__all__ = ["resolve_targets", "run_eval"]
+__all__ = ["resolve_targets", "run_eval", "eval_defaults", "PAPER"]
 
 
 def resolve_targets(target: str, policy: str | None = None, **overrides) -> list[PolicyConfig]:
@@ -53,35 +53,88 @@ def _benchmarks(names: list[str]) -> dict[str, str]:
     return out
 
 
+#: The paper's evaluation protocol (Section 5.1 / Appendix B): what `graft eval MODEL` uses.
+PAPER = {"benchmarks": list(BENCHMARKS), "samples": 8, "runs": 5, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096}
+
+
+def eval_defaults(target: str) -> tuple[dict, str]:
+    """Settings `graft eval` uses when not given: a run directory's own validation task and lengths
+    (its held-out set, sampling and ``max_new_tokens``; the paper's five benchmarks for math runs),
+    else the paper's protocol. Returns ``(settings, where they came from)``."""
+    cfg_file = Path(target).expanduser() / "config.yaml"
+    if not cfg_file.is_file():
+        return dict(PAPER), "the paper's protocol"
+    from graft_rl.config import load_config
+
+    v = load_config(cfg_file, [f"run_dir={Path(target)}"]).validation
+    out = dict(PAPER)
+    if v.data:
+        out.update(benchmarks=list(v.data), temperature=v.temperature, top_p=v.top_p, max_new_tokens=v.max_new_tokens)
+    return out, f"the run's validation settings ({cfg_file})"
+
+
+def _context_length(pol: Policy) -> int | None:
+    c = getattr(getattr(pol, "model", None), "config", None)
+    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+
 def run_eval(
     target: str,
-    benchmarks: Sequence[str] = BENCHMARKS,
-    samples: int = 8,
-    runs: int = 5,
+    benchmarks: Sequence[str] | None = None,
+    samples: int | None = None,
+    runs: int | None = None,
     limit: int | None = None,
-    temperature: float = 0.6,
-    top_p: float = 0.95,
-    max_new_tokens: int = 4096,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    max_new_tokens: int | None = None,
     policy: str | None = None,
     out_dir: str | None = None,
     policy_overrides: dict | None = None,
     show: bool = True,
 ) -> dict:
-    """Evaluate every target policy; write ``eval.json`` and ``eval.md``; return the results."""
+    """Evaluate every target policy; write ``eval.json`` and ``eval.md``; return the results.
+
+    Settings left ``None`` come from :func:`eval_defaults`. A ``max_new_tokens`` beyond a model's
+    context is clamped to what its longest prompt leaves, with one line saying so.
+    """
+    from tqdm.auto import tqdm
+
+    defaults, source = eval_defaults(target)
+    benchmarks = list(benchmarks) if benchmarks else defaults["benchmarks"]
+    samples = samples or defaults["samples"]
+    runs = runs or defaults["runs"]
+    temperature = defaults["temperature"] if temperature is None else temperature
+    top_p = defaults["top_p"] if top_p is None else top_p
+    max_new_tokens = max_new_tokens or defaults["max_new_tokens"]
+    if show:
+        print(f"graft eval: {', '.join(benchmarks)}; {samples} samples x {runs} runs, T={temperature}, top-p={top_p}, "
+              f"max_new_tokens={max_new_tokens}" + (f", first {limit} problems" if limit else "") + f" (defaults: {source})")
     bench = _benchmarks(benchmarks)
     data = {label: load_dataset(name, limit) for label, name in bench.items()}
     targets = resolve_targets(target, policy, **(policy_overrides or {}))
     results: dict = {"target": target, "samples": samples, "runs": runs, "temperature": temperature, "top_p": top_p,
-                     "limit": limit, "policies": {}}
+                     "limit": limit, "max_new_tokens": max_new_tokens, "policies": {}}
     for pc in targets:
         pol = Policy(pc)
         per: dict = {}
+        bar = tqdm(total=len(data) * runs, desc=f"graft eval {pc.name}", unit="run", disable=not show)
         for label, problems in data.items():
             name = bench[label]
+            budget = max_new_tokens
+            ctx = _context_length(pol)
+            if ctx is not None:
+                longest = max(len(pol.prompt_token_ids(p.problem, p.id)) for p in problems)
+                if longest + max_new_tokens > ctx:
+                    budget = ctx - longest
+                    if budget < 1:
+                        raise ValueError(f"{pc.name}: {label} has a {longest}-token prompt, over the model's {ctx}-token context")
+                    bar.write(f"graft eval: {pc.name} has a {ctx}-token context: max_new_tokens {max_new_tokens} -> {budget} "
+                              f"on {label} (longest prompt {longest} tokens)")
             run_scores, pooled = [], [0] * len(problems)
             for r in range(runs):
                 res = evaluate_policy(pol, problems, verifier_for(name, problems[0]), samples, temperature, top_p,
-                                      max_new_tokens, seed=1000 * r)
+                                      budget, seed=1000 * r)
+                bar.update(1)
                 run_scores.append(res["pass@1"])
                 pooled = [a + b for a, b in zip(pooled, res["correct"], strict=True)]
             total = samples * runs
@@ -93,6 +146,7 @@ def run_eval(
                 "pass@k": {k: statistics.fmean(pass_at_k(total, c, k) for c in pooled) for k in ks},
                 "problems": len(problems),
             }
+        bar.close()
         means = [v["pass@1_mean"] for v in per.values()]
         agg_runs = [statistics.fmean(v["pass@1_runs"][r] for v in per.values()) for r in range(runs)]
         results["policies"][pc.name] = {
@@ -147,4 +201,4 @@ def _print(res: dict, labels: list[str]) -> None:
             *[f"{100 * p['benchmarks'][b]['pass@1_mean']:.2f} ± {100 * p['benchmarks'][b]['pass@1_std']:.2f}" for b in labels],
             f"{100 * p['average']:.2f} ± {100 * p['average_std']:.2f}",
         )
-    Console(width=max(Console().width, 120)).print(t)
+    Console().print(t)

@@ -43,13 +43,14 @@ def evaluate_policy(
     seed: int = 0,
     timeout: float = 5.0,
     batch_prompts: int = 64,
+    top_k: int = 0,
 ) -> dict:
     """Sample ``samples`` responses per problem and verify them.
 
     Returns ``{"pass@1", "pass@k": {k: value}, "correct": [c per problem], "samples", "n_problems",
     "truncated_frac"}``; pass@k for every power of two up to ``samples`` and ``samples`` itself.
     """
-    sp = SamplingParams(samples, temperature, top_p, 0, max_new_tokens)
+    sp = SamplingParams(samples, temperature, top_p, top_k, max_new_tokens)  # top_k 1: greedy
     correct: list[int] = []
     truncated = total = 0
     for s in range(0, len(problems), batch_prompts):

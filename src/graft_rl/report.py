@@ -41,7 +41,7 @@ def run_summary(run_dir: str | Path) -> list[dict]:
                 "reward_first": _mean(ln["reward_mean"] for ln in mine[:k]),
                 "reward_last": _mean(ln["reward_mean"] for ln in mine[-k:]),
                 "exchanged_in": sum(ln.get("exchanged_in") or 0 for ln in mine),
-                "admitted_frac": _mean(ln.get("admitted_frac") for ln in mine),
+                "admitted_frac": _pooled_admitted(mine),
                 "clip_frac_self": _mean(ln.get("clip_frac_self") for ln in mine),
                 "clip_frac_peer": _mean(ln.get("clip_frac_peer") for ln in mine),
                 "rollouts": sum(ln.get("rollouts") or 0 for ln in mine),
@@ -56,33 +56,49 @@ def run_summary(run_dir: str | Path) -> list[dict]:
     return out
 
 
-def _fmt(v, pct=False):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{100 * v:.1f}%" if pct else f"{v:.3f}"
-    return str(v)
+def _pooled_admitted(lines: list[dict]) -> float | None:
+    """Admitted fraction pooled over the run: peer responses with weight > 0 / all grafted peer
+    responses (the definition `graft analyze` uses; a step with many grafted responses counts more)."""
+    n = adm = 0.0
+    for ln in lines:
+        k = len(ln.get("compat_token") or [])
+        if k and ln.get("admitted_frac") is not None:
+            n += k
+            adm += ln["admitted_frac"] * k
+    return adm / n if n else None
 
 
-def print_run_summary(run_dir: str | Path) -> None:
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
+
+
+def print_run_summary(run_dir: str | Path, width: int | None = None) -> None:
+    """The end-of-run table, narrow enough for an 80-column terminal, and what each column means."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     rows = run_summary(run_dir)
-    table = Table(title=f"graft run {run_dir}")
-    cols = [("policy", False), ("steps", False), ("reward first¼", True), ("reward last¼", True),
-            ("val before", True), ("val after", True), ("val best (step)", True),
-            ("groups in", False), ("admitted", True), ("clip self", True), ("clip peer", True), ("train s", False)]
-    for c, _ in cols:
-        table.add_column(c)
+    table = Table(title=f"graft run {run_dir}", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
+                  title_justify="left")
+    for c, just in (("policy", "left"), ("reward %", "right"), ("held-out %", "right"), ("best %@step", "right"),
+                    ("grafted", "right"), ("admitted %", "right"), ("clip %", "right"), ("s", "right")):
+        table.add_column(c, justify=just, no_wrap=True)
     for r in rows:
         table.add_row(
-            r["policy"], str(r["steps"]), _fmt(r["reward_first"], True), _fmt(r["reward_last"], True),
-            _fmt(r["val_before"], True), _fmt(r["val_after"], True),
-            f"{_fmt(r['val_best'], True)} ({r['best_step']})" if r["val_best"] is not None else "-",
-            str(int(r["exchanged_in"])), _fmt(r["admitted_frac"], True), _fmt(r["clip_frac_self"], True),
-            _fmt(r["clip_frac_peer"], True), f"{r['seconds']:.0f}",
+            r["policy"],
+            f"{_pct(r['reward_first'])}→{_pct(r['reward_last'])}",
+            f"{_pct(r['val_before'])}→{_pct(r['val_after'])}",
+            f"{_pct(r['val_best'])}@{r['best_step']}" if r["val_best"] is not None else "-",
+            str(int(r["exchanged_in"])),
+            _pct(r["admitted_frac"]),
+            f"{_pct(r['clip_frac_self'])}/{_pct(r['clip_frac_peer'])}",
+            f"{r['seconds']:.0f}",
         )
-    Console(width=max(Console().width, 150)).print(table)
-    print("reward: training-batch pass rate; val: held-out pass@1 (validation.jsonl); groups in: peer groups grafted "
-          "into this policy; admitted: peer responses passing the compatibility gate.")
+    console = Console(width=width) if width else Console()
+    console.print(table)
+    console.print(
+        "reward: training-batch pass rate, first → last quarter of the steps. held-out: validation pass@1 before → "
+        "after training (best: highest validation, at that step). grafted: peer groups that replaced this policy's "
+        "failed groups. admitted: grafted peer responses passing the compatibility gate (weight > 0), pooled over the "
+        "run. clip: clipped token fraction of own/peer tokens. s: training seconds.", soft_wrap=False, width=min(console.width, 100))

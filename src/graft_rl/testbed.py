@@ -11,8 +11,10 @@ The pair differs the way the paper's pairs do:
   task text, "pretrained" mostly on products.
 
 "Pretraining" is a short supervised warm-up on each model's own mixture (different seeds),
-so their successes are complementary. Everything is built from a seed on first use, cached,
-and saved as ordinary ``save_pretrained`` directories.
+so their successes are complementary. The pair is built once from a seed by
+``scripts/build_testbed.py`` and ships in the package (``graft_rl/testbed_files``: floating-point
+differences between CPUs compound over the warm-up, so building it on each machine would give each
+user different models); :func:`ensure_testbed` still builds one anywhere, e.g. with other settings.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TASKS", "make_problem", "make_split", "Testbed", "ensure_testbed", "warm_up", "PLAIN_TEMPLATE"]
+__all__ = ["TASKS", "make_problem", "make_split", "Testbed", "ensure_testbed", "shipped_testbed", "warm_up", "PLAIN_TEMPLATE",
+           "SHIPPED_ROOT"]
+
+#: Where the shipped build lives inside the package (``scripts/build_testbed.py`` writes it).
+SHIPPED_ROOT = Path(__file__).resolve().parent / "testbed_files"
 
 #: Prompt format of both testbed models (plain text, no chat template).
 PLAIN_TEMPLATE = "Q: {prompt}\nA: "
@@ -135,7 +141,15 @@ def warm_up(model_dir: Path, rows: list[dict], steps: int, seed: int, lr: float 
 
 @dataclass
 class Testbed:
+    """A built testbed: two model directories and two JSONL files under ``root``.
+
+    ``shipped``: the build that ships inside the package (``graft_rl/testbed_files``, see
+    :func:`shipped_testbed`); configs then name it ``zoo:testbed-a`` / ``zoo:testbed-b`` /
+    ``testbed_train`` / ``testbed_heldout`` instead of paths, so they work on any machine.
+    """
+
     root: Path
+    shipped: bool = False
 
     @property
     def model_a(self) -> Path:
@@ -153,9 +167,16 @@ class Testbed:
     def eval_file(self) -> Path:
         return self.root / "heldout.jsonl"
 
+    def refs(self) -> dict[str, str]:
+        """How a config names this build's models and data."""
+        if self.shipped:
+            return {"A": "zoo:testbed-a", "B": "zoo:testbed-b", "train": "testbed_train", "heldout": "testbed_heldout"}
+        return {"A": str(self.model_a), "B": str(self.model_b), "train": str(self.train_file), "heldout": str(self.eval_file)}
+
     def policy_dicts(self, lr: float = 1e-4) -> list[dict]:
         common = {"prompt_format": "plain", "plain_template": PLAIN_TEMPLATE, "prompt_suffix": None, "lr": lr}
-        return [{"name": "A", "model": str(self.model_a), **common}, {"name": "B", "model": str(self.model_b), **common}]
+        refs = self.refs()
+        return [{"name": "A", "model": refs["A"], **common}, {"name": "B", "model": refs["B"], **common}]
 
     def train_config(self, run_dir: str = "runs/demo", method: str = "graft") -> dict:
         """The embedded default of ``graft train``: GRAFT on this pair, a few minutes on 2 cores."""
@@ -168,8 +189,8 @@ class Testbed:
             "n": 8,
             "max_new_tokens": 40,
             "checkpoint_every": 30,
-            "data": {"train": str(self.train_file), "verifier": "gsm8k"},
-            "validation": {"data": str(self.eval_file), "every": 30, "samples": 4, "limit": 256, "temperature": 1.0,
+            "data": {"train": self.refs()["train"], "verifier": "gsm8k"},
+            "validation": {"data": self.refs()["heldout"], "every": 30, "samples": 4, "limit": 256, "temperature": 1.0,
                            "top_p": 1.0, "max_new_tokens": 40},
             "method": {"name": method},
             "policies": self.policy_dicts(),
@@ -225,4 +246,14 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int
             print(f"testbed: warming up model {name} ({steps} steps, about {steps // 15} s on 2 cores)...", flush=True)
         info[name] = warm_up(path, rows, steps, s)
     done.write_text(json.dumps({"build": build, "warmup": info, "heldout_rows": len(held)}, indent=1))
+    return tb
+
+
+def shipped_testbed() -> Testbed:
+    """The testbed pair that ships with graft-rl (built once by ``scripts/build_testbed.py``, sha256
+    and held-out accuracy recorded in ``testbed_files/testbed.json``): the same weights on every
+    machine, nothing to build."""
+    tb = Testbed(SHIPPED_ROOT, shipped=True)
+    if not (tb.root / "testbed.json").is_file():
+        raise FileNotFoundError(f"{tb.root}: the shipped testbed is missing; reinstall graft-rl or run scripts/build_testbed.py")
     return tb

@@ -90,6 +90,8 @@ class Trainer:
             raise
 
     def _init(self, cfg: TrainConfig, resume: bool) -> None:
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
         self.store = RecordStore(self.run_dir)
         self.data: list[Problem] = load_dataset(cfg.data.train, cfg.data.limit)
         if len(self.data) < cfg.prompt_batch:
@@ -594,5 +596,5 @@ def _summary(lines: list[dict]) -> str:
     parts = []
     for ln in lines:
         ex = ln.get("exchanged_in", 0)
-        parts.append(f"{ln['policy']}: r={ln['reward_mean']:.2f} in={int(ex)}")
+        parts.append(f"{ln['policy']} reward {ln['reward_mean']:.2f} grafted {int(ex)}")
     return " | ".join(parts)

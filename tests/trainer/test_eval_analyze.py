@@ -110,3 +110,28 @@ def test_compatibility_stats_compare_both_normalisations():
     assert st["median_token"] == (0.5 + 0.85) / 2 and st["median_char"] == (0.7 + 0.85) / 2
     assert st["admitted_correct"] == 0.5 and st["admitted_wrong"] == 0.5
     assert compatibility_stats([], 0.8) == {"n": 0}
+
+
+def test_eval_of_a_run_defaults_to_its_own_task_and_lengths(make_cfg, fake_rewards, tiny_data, tmp_path, capsys):
+    """Issue 15: `graft eval RUN_DIR` uses the run's validation set, sampling and max_new_tokens (a
+    testbed run: its held-out set and 40 tokens), not the paper's math benchmarks and 4,096 tokens."""
+    tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="evrun", validation={"data": [str(tiny_data)], "every": 1,
+                 "samples": 1, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0}), show_progress=False)
+    tr.run()
+    defaults, source = ev.eval_defaults(str(tr.run_dir))
+    assert defaults["benchmarks"] == [str(tiny_data)] and defaults["max_new_tokens"] == 6 and "validation" in source
+    assert main(["eval", str(tr.run_dir), "--limit", "2", "--samples", "1", "--runs", "1"]) == 0
+    res = json.loads((tr.run_dir / "eval" / "eval.json").read_text())
+    assert res["max_new_tokens"] == 6 and list(res["policies"]["A"]["benchmarks"]) == [tiny_data.stem]
+
+
+def test_eval_clamps_max_new_tokens_to_the_models_context(tmp_path, tiny_data, capsys):
+    """A 512-position GPT-2 asked for 4,096 new tokens: clamped with one line, not an IndexError."""
+    from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "short", "gpt2", bpe_tokenizer(), max_positions=64, seed=3)
+    res = ev.run_eval(str(model), [str(tiny_data)], samples=1, runs=1, limit=1, max_new_tokens=4096,
+                      out_dir=str(tmp_path / "out"))
+    out = capsys.readouterr()
+    assert "64-token context: max_new_tokens 4096 ->" in out.out + out.err
+    assert res["max_new_tokens"] == 4096 and res["policies"]["short"]["benchmarks"][tiny_data.stem]["problems"] == 1

