@@ -33,7 +33,15 @@ ROWS: dict[str, dict] = {
     "luffy": {"method": {"name": "luffy"}},
     "hacpo_graft_which": {"method": {"name": "hacpo", "selection": "graft", "kl_coef": 1e-3}, "minibatch": 64},
     "sgt_graft_which": {"method": {"name": "sgt", "selection": "graft"}},
-    "sgt_graft_how": {"method": {"name": "graft", "selection": "sgt", "balance": False}},
+    # The paper (Appendix G): "The reported variant corresponds to GRAFT without balanced exchange": SGT's
+    # eligibility differs from GRAFT's only by k_peer = n groups, whose source advantages are all zero.
+    # `selection: sgt` with `balance: false` is the literal rule (those groups then also replace the
+    # failed group and count in the token denominator); the preset is the reported variant.
+    "sgt_graft_how": {"method": {"name": "graft", "balance": False}},
+    # Appendix F: compatibility threshold sweep around the paper's delta = 0.8 (graft.yaml)
+    "graft_delta_0.6": {"method": {"name": "graft", "delta": 0.6}},
+    "graft_delta_0.7": {"method": {"name": "graft", "delta": 0.7}},
+    "graft_delta_0.9": {"method": {"name": "graft", "delta": 0.9}},
 }
 
 PAIRS = {
@@ -50,6 +58,12 @@ PAPER_BASE_HEADER = """\
 # 8-GPU node set policies.N.world_size=4. Model names are Hugging Face ids, fetched by
 # transformers/vLLM where the machine has network access, or local paths.
 # HACPO rows use its recipe's KL loss to the initial policy (method.kl_coef 1e-3, k3 estimator).
+# Prompts: each model's chat template with the problem as a single user message, as the paper does
+# (prompt_format: auto); a tokenizer without a chat template (possibly OctoThinker's base
+# tokenizer) gets the plain template instead: the problem, a newline, the paper's suffix, a newline.
+# Validation: 8 samples per problem. The standard error of the five-benchmark average is then about
+# 1 point (AIME's 30 problems dominate; logged as val/score_se); ~0.3 would need ~64-100 samples on
+# AIME/AMC, 8-12x the validation cost. Step 0 is validated but never chosen as best.
 """
 
 
@@ -70,7 +84,7 @@ def paper_base(a: str, b: str) -> dict:
         "max_new_tokens": 4096,
         "checkpoint_every": 5,
         "data": {"train": "math_train", "verifier": "math"},
-        "validation": {"data": ["math500", "aime24", "aime25", "amc23", "minerva"], "every": 5, "samples": 1,
+        "validation": {"data": ["math500", "aime24", "aime25", "amc23", "minerva"], "every": 5, "samples": 8,
                        "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096},
         "method": {"name": "graft"},
         "policies": [{"name": a.split("/")[-1], "model": a, **pol}, {"name": b.split("/")[-1], "model": b, **pol}],
@@ -85,14 +99,17 @@ def main() -> None:
         for row, over in ROWS.items():
             body = {"base": "base.yaml", "run_dir": f"runs/paper/{pair}/{row}", **over}
             (d / f"{row}.yaml").write_text(f"# {pair}: {a} <-> {b}; row: {row}\n" + yaml.safe_dump(body, sort_keys=False))
-        stored = {"base": "base.yaml", "run_dir": f"runs/paper/{pair}/graft_stored_{a.split('/')[-1]}",
-                  "method": {"name": "graft"},
-                  "policies": [paper_base(a, b)["policies"][0]],
-                  "peers": [{"records": f"runs/paper/{pair}/grpo_n8", "policy": b.split("/")[-1]}]}
-        (d / "graft_stored.yaml").write_text(
-            f"# {pair}: GRAFT w/ stored trajectories (Section 6.2): {a} learns from {b}'s grpo_n8 records\n"
-            + yaml.safe_dump(stored, sort_keys=False)
-        )
+        (d / "graft_stored.yaml").unlink(missing_ok=True)  # replaced by one preset per direction
+        pols = paper_base(a, b)["policies"]
+        for recv, src in ((0, 1), (1, 0)):  # Table 6: both receivers of every pair
+            rname, sname = pols[recv]["name"], pols[src]["name"]
+            stored = {"base": "base.yaml", "run_dir": f"runs/paper/{pair}/graft_stored_{rname}",
+                      "method": {"name": "graft"}, "policies": [pols[recv]],
+                      "peers": [{"records": f"runs/paper/{pair}/grpo_n8", "policy": sname}]}
+            (d / f"graft_stored_{rname}.yaml").write_text(
+                f"# {pair}: GRAFT w/ stored trajectories (Section 6.2): {rname} learns from {sname}'s grpo_n8 records\n"
+                + yaml.safe_dump(stored, sort_keys=False)
+            )
     d = ROOT / "testbed"
     d.mkdir(parents=True, exist_ok=True)
     (d / "base.yaml").write_text(

@@ -117,7 +117,11 @@ class ValidationConfig:
     temperature: float = 0.6
     top_p: float = 0.95
     max_new_tokens: int = 4096
-    at_start: bool = True
+    at_start: bool = True  # validate the initial weights too (a baseline in validation.jsonl)
+    # step 0 (the initial weights) as a best-checkpoint candidate: off, so "best" is always a trained
+    # checkpoint; each validation line also carries val/score_se, the sampling standard error of the
+    # selection score, to show how much of a difference between checkpoints is noise
+    select_initial: bool = False
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from graft_rl.data import BENCHMARKS, BUILTIN, DatasetError, load_dataset, verifier_for
+from graft_rl.data import BENCHMARKS, BUILTIN, TESTBED_DATA, DatasetError, load_dataset, verifier_for
 from graft_rl.evaluation import evaluate_policy, pass_at_k
 from graft_rl.policy import Policy, PolicyConfig
 
@@ -45,11 +45,12 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
 
 def _benchmarks(names: list[str]) -> dict[str, str]:
     out = {}
+    named = {**BUILTIN, **TESTBED_DATA}
     for name in names:
-        if name in BUILTIN or Path(name).expanduser().suffix == ".jsonl" or name.startswith("reasoning_gym:"):
-            out[Path(name).stem if name not in BUILTIN else name] = name
+        if name in named or Path(name).expanduser().suffix == ".jsonl" or name.startswith("reasoning_gym:"):
+            out[Path(name).stem if name not in named else name] = name
         else:
-            raise DatasetError(f"unknown benchmark {name!r}; available: {', '.join(BUILTIN)}, or a path to a .jsonl file")
+            raise DatasetError(f"unknown benchmark {name!r}; available: {', '.join(named)}, or a path to a .jsonl file")
     return out
 
 

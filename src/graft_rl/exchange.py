@@ -113,7 +113,9 @@ class Selection:
     def pairwise(self, k_peer, k_recv, n, balanced_ok: bool, gen) -> torch.Tensor:
         raise NotImplementedError
 
-    def select(self, receiver, k: dict[str, torch.Tensor], n: int, live: set[str], gen) -> tuple[dict, dict]:
+    def select(self, receiver, k: dict[str, torch.Tensor], n: dict[str, int], live: set[str], gen) -> tuple[dict, dict]:
+        """``n``: each policy's own group size. Whether a *source* group is mixed (``1 <= k < n``)
+        uses the source's ``n`` (a replayed peer may have sampled another ``n`` than the receiver)."""
         k_recv = k[receiver]
         chosen: dict[str, torch.Tensor] = {}
         candidates: dict[str, int] = {}
@@ -122,8 +124,8 @@ class Selection:
                 continue
             # balancing needs both directions; a replayed peer is one-directional (Section 6.2)
             both_live = peer in live and receiver in live
-            chosen[peer] = self.pairwise(k_peer, k_recv, n, both_live, gen)
-            candidates[peer] = int(algo.complementary_mask(k_peer, k_recv, n).sum())
+            chosen[peer] = self.pairwise(k_peer, k_recv, n[peer], both_live, gen)
+            candidates[peer] = int(algo.complementary_mask(k_peer, k_recv, n[peer]).sum())
         return _resolve(chosen, k), candidates
 
 
@@ -221,7 +223,8 @@ class Exchange:
         own = groups[receiver]
         k = {name: _k(gs) for name, gs in groups.items()}
         adv = {name: algo.grpo_advantages(_rewards(gs), self.cfg.adv_eps) for name, gs in groups.items()}
-        chosen, candidates = (self.selection.select(receiver, k, n, live, gen) if len(groups) > 1 else ({}, {}))
+        group_n = {name: (gs[0].n if gs else n) for name, gs in groups.items()}
+        chosen, candidates = (self.selection.select(receiver, k, group_n, live, gen) if len(groups) > 1 else ({}, {}))
         from_peer = {}  # prompt index -> peer
         for peer, mask in chosen.items():
             for q in torch.nonzero(mask).flatten().tolist():
@@ -294,7 +297,9 @@ class HacpoExchange(Exchange):
             cap_peer,
             self.cfg.adv_eps,
         )
-        yield _rows_of(own_group, gi, False, a_own[0].tolist()) + _rows_of(pg, gi, True, a_peer[0].tolist()), True
+        # own and peer rollouts of a prompt form one pooled group in ordinary minibatch order, as in
+        # HACPO's recipe (no peer-last packing: that is GRAFT's "how")
+        yield _rows_of(own_group, gi, False, a_own[0].tolist()) + _rows_of(pg, gi, True, a_peer[0].tolist()), False
 
 
 class SGTExchange(Exchange):
@@ -313,7 +318,9 @@ class SGTExchange(Exchange):
             return
         aux = _rows_of(pg, gi, True, [0.0] * pg.n)[idx]
         aux.is_aux = True
-        yield own_rows + [aux], True
+        # the NLL target travels with its prompt's own group, in ordinary minibatch order: SGT is
+        # "GRPO + a supervised NLL term", not GRAFT's peer-last packing (Appendix B)
+        yield own_rows + [aux], False
 
 
 class NoExchange(Exchange):

@@ -57,8 +57,10 @@ class Objective:
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
 
-    def minibatch(self, t: RowTensors, mb_rows: list[int], step: int):
-        """A ``loss_fn(lp, mask, micro_rows)`` closure for :meth:`Policy.update`; ``micro_rows`` index ``mb_rows``."""
+    def minibatch(self, t: RowTensors, mb_rows: list[int], step: int, update_index: int = 0):
+        """A ``loss_fn(lp, mask, micro_rows)`` closure for :meth:`Policy.update`; ``micro_rows`` index ``mb_rows``.
+
+        ``update_index``: this minibatch's position among the step's updates (0, 1, ...)."""
         rl_tokens = float(t.rl_mask(mb_rows).sum())
         aux_tokens = float(t.aux_mask(mb_rows).sum())
         mb = torch.tensor(mb_rows)
@@ -102,11 +104,17 @@ class LuffyObjective(Objective):
 
 
 class HacpoObjective(Objective):
-    """HACPO's loss is a mean over responses: a micro-batch contributes ``rows_in_micro / rows_in_minibatch``."""
+    """HACPO's loss is a mean over responses: a micro-batch contributes ``rows_in_micro / rows_in_minibatch``.
 
-    def minibatch(self, t, mb_rows, step):
+    As in its released recipe (``recipe/hacpo/hacpo_workers.py``, ``hacpo_ppo_loss``): the peer
+    clip bound follows the minibatch update index within the step, and the KL loss covers the
+    learner's *own* responses only (token mean over own tokens).
+    """
+
+    def minibatch(self, t, mb_rows, step, update_index=0):
         n_rows = float(sum(1 for r in mb_rows if bool(t.include[r]) and not bool(t.is_aux[r])))
-        rl_tokens = float(t.rl_mask(mb_rows).sum())
+        own = ~t.is_peer
+        self_tokens = float((t.rl_mask(mb_rows) * own[mb_rows].float()[:, None]).sum())
         mb = torch.tensor(mb_rows)
         c = self.cfg
 
@@ -117,22 +125,31 @@ class HacpoObjective(Objective):
             valid = rl_mask.sum(dim=1) > 0
             if not bool(valid.any()):
                 return lp.sum() * 0.0, {}
-            loss, stats = algo.hacpo_policy_loss(
+            peer = t.is_peer[rows].to(lp.device)
+            loss, st = algo.hacpo_policy_loss(
                 lp[valid],
                 t.old[rows, :T].to(lp.device)[valid],
                 t.src_mean[rows].to(lp.device)[valid],
                 t.adv[rows].to(lp.device)[valid],
                 rl_mask[valid],
-                t.is_peer[rows].to(lp.device)[valid],
-                step,
+                peer[valid],
+                update_index,
                 t.kappa[rows].to(lp.device)[valid],
                 c.hacpo_self_clip_low,
                 c.hacpo_self_clip_high,
                 c.hacpo_peer_clip_start,
                 c.hacpo_peer_clip_increment,
             )
-            stats = {k: float(v) for k, v in stats.items()}
-            total = _with_kl(c, t, lp, rows, rl_mask, rl_tokens, loss * (float(valid.sum()) / max(n_rows, 1.0)), stats)
+            # self / peer clipped-token fractions (Table 9 diagnostics): a clipped sequence ratio clips all its tokens
+            tokens = rl_mask[valid].sum(1)
+            clipped = st.pop("clipped_seq").to(tokens.dtype)
+            stats = {k: float(v) for k, v in st.items()}
+            for name, sel in (("self", ~peer[valid]), ("peer", peer[valid])):
+                stats[f"clipped_tokens_{name}"] = float((clipped * tokens * sel.to(tokens.dtype)).sum())
+                stats[f"tokens_{name}"] = float((tokens * sel.to(tokens.dtype)).sum())
+            total = loss * (float(valid.sum()) / max(n_rows, 1.0))
+            own_mask = rl_mask * (~peer).to(rl_mask.dtype)[:, None]
+            total = _with_kl(c, t, lp, rows, own_mask, self_tokens, total, stats)
             return total, stats
 
         return fn

@@ -229,7 +229,7 @@ class Trainer:
         """Score, weight and update one receiver (where its model lives); record what it grafted."""
         seed = derive_seed(self.cfg.seed, 5, step, self.names.index(name))
         caps = {n: self._capability(n) for n in self.names}
-        stats, weights, exchange_rows = self._call(name, "train", batch, step, seed, caps)
+        stats, weights, exchange_rows = self._call(name, "train", batch, step, seed, caps, self.cfg.temperature)
         for r, w in zip(batch.rows, weights, strict=True):
             r.weight = w
         self.store.write_exchange(step, name, exchange_rows)
@@ -305,7 +305,7 @@ class Trainer:
         for name in self.policies:
             line: dict = {"step": step, "policy": name}
             t0 = time.perf_counter()
-            scores = []
+            scores, variances = [], []
             for ds, problems in self.val_sets.items():
                 res = self._call(
                     name, "evaluate", problems, verifier_for(ds, problems[0]), v.samples, v.temperature, v.top_p,
@@ -313,10 +313,14 @@ class Trainer:
                 )
                 line[f"val/{Path(ds).stem}"] = res["pass@1"]
                 scores.append(res["pass@1"])
+                variances.append(_pass1_variance(res.get("correct"), v.samples))
             line["val/score"] = statistics.fmean(scores)
+            if all(x is not None for x in variances):  # the mean of the datasets' scores: its standard error
+                line["val/score_se"] = math.sqrt(sum(variances)) / len(variances)
             line["time_validate"] = time.perf_counter() - t0
             best = self.best.get(name)
-            if best is None or line["val/score"] > best["score"]:
+            candidate = step > 0 or v.select_initial  # "best" is a trained checkpoint unless asked
+            if candidate and (best is None or line["val/score"] > best["score"]):
                 self.best[name] = {"step": step, "score": line["val/score"]}
                 # written under a temporary name and renamed: best/<policy> is always complete
                 tmp = self.run_dir / "best" / f".{name}.tmp"
@@ -325,7 +329,7 @@ class Trainer:
                 self._call(name, "save", str(tmp))
                 replace_dir(tmp, self.run_dir / "best" / name)
                 _write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
-            line["best_step"] = self.best[name]["step"]
+            line["best_step"] = self.best[name]["step"] if name in self.best else None
             lines.append(line)
         with (self.run_dir / "validation.jsonl").open("a") as f:
             for line in lines:
@@ -335,6 +339,8 @@ class Trainer:
     def _best_from_log(self) -> dict[str, dict]:
         best: dict[str, dict] = {}
         for d in read_log(self.run_dir / "validation.jsonl")[0]:
+            if d["step"] == 0 and not self.cfg.validation.select_initial:
+                continue
             b = best.get(d["policy"])
             if b is None or d["val/score"] > b["score"]:
                 best[d["policy"]] = {"step": d["step"], "score": d["val/score"]}
@@ -503,6 +509,22 @@ class Trainer:
             raise ConfigError(f"{run_dir}: not a run directory (no config.yaml)")
         cfg = load_config(cfg_path, [*(overrides or []), f"run_dir={run_dir}"])
         return cls(cfg, resume=True, show_progress=show_progress)
+
+
+def _pass1_variance(correct: list[int] | None, samples: int) -> float | None:
+    """Sampling variance of a dataset's pass@1 (mean over problems of ``c_i / k``).
+
+    With ``k > 1`` samples per problem: ``sum_i p_i (1 - p_i) / (k - 1) / N^2`` (unbiased per
+    problem); with ``k = 1``: ``p (1 - p) / N``, the Bernoulli bound over problems.
+    """
+    if not correct:
+        return None
+    n = len(correct)
+    p = [c / samples for c in correct]
+    if samples > 1:
+        return sum(x * (1 - x) for x in p) / (samples - 1) / n**2
+    mean = statistics.fmean(p)
+    return mean * (1 - mean) / n
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -95,12 +95,15 @@ class PolicyWorker:
                 response_ids.append(r.token_ids)
         return TokenBatch(prompt_ids, response_ids)
 
-    def train(self, batch: ReceiverBatch, step: int, seed: int, capabilities: dict[str, float]):
+    def train(self, batch: ReceiverBatch, step: int, seed: int, capabilities: dict[str, float], temperature: float = 1.0):
         """Score every row once (old log-probs), weight peer rows, run the peer-last minibatch epoch.
 
+        ``temperature``: the rollout temperature; every log-prob here (old, new, reference; so the
+        ratio and the compatibility score) comes from logits divided by it (SPEC §2).
         Returns ``(stats, weights per row, exchange record rows)``.
         """
         pol, name = self.policy, self.policy.name
+        pol.logprob_temperature = temperature
         m = self.method
         gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
@@ -160,9 +163,9 @@ class PolicyWorker:
         order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.minibatch, m.position, gen)
         t0 = time.perf_counter()
         upd: list[dict] = []
-        for mb_groups in order:
+        for update_index, mb_groups in enumerate(order):
             rows = [r for gi in mb_groups.tolist() for r in group_rows[gi]]
-            out = pol.update(tb.select(rows), self.objective.minibatch(t, rows, step))
+            out = pol.update(tb.select(rows), self.objective.minibatch(t, rows, step, update_index))
             upd.append(out)
             if out["skipped"] and self.nonfinite_loss == "stop":
                 stats["nonfinite_stop"] = True

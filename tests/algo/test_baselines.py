@@ -122,7 +122,8 @@ def test_sgt_nll_is_lambda_times_token_mean_nll():
     assert sgt_nll(torch.zeros(0, 2), torch.zeros(0, 2)).item() == 0.0
 
 
-def test_hacpo_peer_lower_bound_rises_per_step_and_caps_at_one():
+def test_hacpo_peer_lower_bound_rises_per_minibatch_update_and_caps_at_one():
+    # indexed by the minibatch update within a step (HACPO's recipe), restarting each step
     assert hacpo_peer_clip_lower(0) == 0.8
     assert hacpo_peer_clip_lower(2) == pytest.approx(0.85)
     assert hacpo_peer_clip_lower(100) == 1.0
@@ -160,12 +161,24 @@ def test_hacpo_loss_sequence_ratio_clipping():
     src = torch.tensor([-1.0, -0.5])  # peer ratio exp(-0.49) ~ 0.61 < 0.8 lower bound
     adv = torch.tensor([1.0, 1.0])
     is_peer = torch.tensor([False, True])
-    loss, st = hacpo_policy_loss(lp, old, src, adv, mask, is_peer, step=0, capability_ratio=2.0)
+    loss, st = hacpo_policy_loss(lp, old, src, adv, mask, is_peer, update_index=0, capability_ratio=2.0)
     own = 1 + 4e-4
     peer = 0.8 * 0.8 * 2.0
     assert loss.item() == pytest.approx(-(own + peer) / 2, rel=1e-5)
     assert st["clip_frac"].item() == 1.0 and st["peer_clip_frac_low"].item() == 1.0
     assert st["peer_clip_lower"].item() == pytest.approx(0.8)
+    assert st["clipped_seq"].tolist() == [True, True]
+
+
+def test_hacpo_log_ratio_is_clamped_at_the_recipes_10():
+    mask = torch.ones(1, 2)
+    lp = torch.full((1, 2), -1.0, requires_grad=True)
+    _, st = hacpo_policy_loss(lp, torch.full((1, 2), -40.0), torch.tensor([-40.0]), torch.tensor([-1.0]), mask,
+                              torch.tensor([False]), update_index=0)
+    loss, _ = hacpo_policy_loss(lp, torch.full((1, 2), -40.0), torch.tensor([-40.0]), torch.tensor([-1.0]), mask,
+                                torch.tensor([False]), update_index=0)
+    # own objective min(r a, clip(r) a) with a = -1 picks r = e^10 (not e^20): loss = e^10
+    assert loss.item() == pytest.approx(float(torch.exp(torch.tensor(10.0))), rel=1e-5)
 
 
 def test_dynamic_sampling_keeps_non_zero_variance_groups():

@@ -90,11 +90,14 @@ def test_validation_and_best_checkpoint(testbed, tmp_path):
     assert [(v["step"], v["policy"]) for v in val] == [(0, "A"), (0, "B"), (2, "A"), (2, "B"), (3, "A"), (3, "B")]
     best = json.loads((tr.run_dir / "best" / "best.json").read_text())
     for name in ("A", "B"):
-        scores = [v["val/score"] for v in val if v["policy"] == name]
-        steps = [v["step"] for v in val if v["policy"] == name]
+        # step 0 (the initial weights) is validated but not a candidate (validation.select_initial)
+        scores = [v["val/score"] for v in val if v["policy"] == name and v["step"] > 0]
+        steps = [v["step"] for v in val if v["policy"] == name and v["step"] > 0]
         assert best[name]["score"] == max(scores)
         assert best[name]["step"] == steps[scores.index(max(scores))]  # first step reaching the best score
         assert (tr.run_dir / "best" / name / "config.json").is_file()
+    # every validation line carries the selection score's standard error
+    assert all(v["val/score_se"] > 0 or v["val/score"] in (0.0, 1.0) for v in val)
 
 
 def test_cli_train_config_file_and_summary(testbed, tmp_path, capsys):
@@ -160,3 +163,13 @@ def test_run_summary_fits_an_80_column_terminal(testbed, tmp_path, capsys):
     assert all(len(ln) <= 80 for ln in lines) and not any("…" in ln for ln in lines)
     rows = [ln for ln in lines if ln.strip().startswith(("A ", "B "))]
     assert len(rows) == 2 and all("→" in r for r in rows)
+
+
+def test_eval_of_a_default_run_uses_the_shipped_heldout_set(tmp_path, monkeypatch, capsys):
+    """The README's `graft eval runs/demo --limit 50` on a default (testbed) run."""
+    monkeypatch.chdir(tmp_path)
+    args = ["steps=1", "prompt_batch=8", "n=2", "max_new_tokens=8", "validation.limit=4", "validation.samples=1", "--no-progress"]
+    assert main(["train", *args]) == 0
+    assert main(["eval", "runs/demo", "--limit", "3", "--samples", "2", "--runs", "2"]) == 0
+    res = json.loads((tmp_path / "runs" / "demo" / "eval" / "eval.json").read_text())
+    assert list(res["policies"]["A"]["benchmarks"]) == ["testbed_heldout"] and res["max_new_tokens"] == 40

@@ -239,8 +239,8 @@ def test_nonfinite_loss_skips_the_update_and_is_logged(make_cfg, fake_rewards, m
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="nan"), show_progress=False)
     real = tr.objective.minibatch
 
-    def nan_minibatch(t, rows, step):
-        fn = real(t, rows, step)
+    def nan_minibatch(t, rows, step, update_index=0):
+        fn = real(t, rows, step, update_index)
         return lambda lp, mask, micro: (fn(lp, mask, micro)[0] * float("nan"), {})
 
     monkeypatch.setattr(tr.objective, "minibatch", nan_minibatch)

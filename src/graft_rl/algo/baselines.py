@@ -266,16 +266,23 @@ def sgt_nll(logprobs: torch.Tensor, mask: torch.Tensor, coef: float = 0.1) -> to
 
 
 # --------------------------------------------------------------------------- HACPO
-def hacpo_peer_clip_lower(step: int, start: float = 0.8, increment: float = 0.025) -> float:
-    """HACPO's rising lower clip bound for peer rollouts: ``min(1, start + increment * step)`` (Appendix B).
+def hacpo_peer_clip_lower(update_index: int, start: float = 0.8, increment: float = 0.025) -> float:
+    """HACPO's rising lower clip bound for peer rollouts: ``min(1, start + increment * m)`` (Appendix B).
+
+    ``m`` is the index of the minibatch update *within the current training step*; it restarts at 0
+    every step. This is what HACPO's released recipe does (``zzx-peter/HACRL-code``,
+    ``recipe/hacpo/hacpo_core_algos.py``: ``HacpoLossConfig.cross_clip_lower(minibatch_update_index)``
+    with ``cross_clip_delta`` 0.2 and ``cross_clip_step`` 0.025 in ``config/hacpo_trainer.yaml``; the
+    index comes from ``MinibatchUpdateCounter`` in ``hacpo_workers.py``, reset for each new update).
+    Indexing by the global step would pin the bound at 1 from step 8 on and silence peer rollouts.
 
     Example:
-        >>> hacpo_peer_clip_lower(4)
-        0.9
+        >>> hacpo_peer_clip_lower(0), hacpo_peer_clip_lower(3)
+        (0.8, 0.875)
     """
-    if step < 0:
-        raise ValueError(f"hacpo_peer_clip_lower: step must be >= 0, got {step}")
-    return min(1.0, start + increment * step)
+    if update_index < 0:
+        raise ValueError(f"hacpo_peer_clip_lower: update_index must be >= 0, got {update_index}")
+    return min(1.0, start + increment * update_index)
 
 
 def hacpo_capability_ratio(
@@ -335,13 +342,14 @@ def hacpo_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     is_peer: torch.Tensor,
-    step: int,
+    update_index: int,
     capability_ratio: torch.Tensor | float = 1.0,
     self_clip_low: float = 3e-4,
     self_clip_high: float = 4e-4,
     peer_clip_start: float = 0.8,
     peer_clip_increment: float = 0.025,
     alpha: float = 1.0,
+    max_abs_log_ratio: float = 10.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""HACPO's sequence-level clipped objective (Appendix B, as in HACPO's released recipe).
 
@@ -351,11 +359,18 @@ def hacpo_policy_loss(
     ``[1-3e-4, 1+4e-4]``. Peer: :math:`\bar r = \mathrm{clip}(r, \ell_{step}, 1)` with the
     rising lower bound :func:`hacpo_peer_clip_lower`, objective
     :math:`\bar r \cdot \mathrm{sg}(\bar r)^\alpha \cdot \kappa \cdot \hat a` with
-    capability ratio :math:`\kappa`. Loss = minus the mean over responses (sequence-mean).
+    capability ratio :math:`\kappa`. Loss = minus the mean over responses (sequence-mean). The log
+    ratio is clamped to ``±max_abs_log_ratio`` (10, the recipe's ``max_abs_log_ratio``), as in
+    ``compute_hacpo_loss`` of ``recipe/hacpo/hacpo_core_algos.py``.
 
     Args:
         logprobs, old_logprobs, mask: ``[M, T]``; src_mean_logprob, advantages, is_peer: ``[M]``;
-        step: training step (for the peer lower bound); capability_ratio: scalar or ``[M]``.
+        update_index: minibatch update within the step (:func:`hacpo_peer_clip_lower`);
+        capability_ratio: scalar or ``[M]``.
+
+    Stats: ``clip_frac`` (own responses clipped), the peer bound and clipped fractions, and
+    ``clipped_seq`` (``[M]`` bool: the response's sequence ratio was clipped, own or peer) so the
+    trainer can log self/peer clipped-token fractions as it does for GRAFT.
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
         raise ValueError("hacpo_policy_loss: logprobs, old_logprobs and mask must all be [M, T]")
@@ -368,10 +383,10 @@ def hacpo_policy_loss(
     old = mean_token_logprob(old_logprobs.detach().to(wd), mask)
     peer = is_peer.to(torch.bool)
     ref = torch.where(peer, src_mean_logprob.detach().to(wd), old)
-    r = torch.exp((cur - ref).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    r = torch.exp((cur - ref).clamp(-max_abs_log_ratio, max_abs_log_ratio))
     a = advantages.detach().to(wd)
     own_obj = torch.minimum(r * a, r.clamp(1 - self_clip_low, 1 + self_clip_high) * a)
-    lower = hacpo_peer_clip_lower(step, peer_clip_start, peer_clip_increment)
+    lower = hacpo_peer_clip_lower(update_index, peer_clip_start, peer_clip_increment)
     r_peer = r.clamp(lower, 1.0)
     kappa = torch.as_tensor(capability_ratio, dtype=wd, device=logprobs.device)
     peer_obj = r_peer * r_peer.detach().pow(alpha) * kappa * a
@@ -387,6 +402,7 @@ def hacpo_policy_loss(
             "peer_clip_frac_low": ((r < lower).to(wd) * peer_v).sum().div(peer_v.sum().clamp_min(1)).float(),
             "peer_clip_frac_high": ((r > 1.0).to(wd) * peer_v).sum().div(peer_v.sum().clamp_min(1)).float(),
             "peer_clip_lower": torch.tensor(lower, dtype=torch.float32),
+            "clipped_seq": torch.where(peer, (r < lower) | (r > 1.0), own_clipped.bool()) & valid,
         }
     return loss.to(logprobs.dtype), stats
 

@@ -217,6 +217,9 @@ class Policy:
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.reference = None  # the frozen KL reference, once init_reference() ran
         self.weights_version, self._synced_version = 0, 0  # optimiser steps taken / pushed to the rollout engine
+        # logits are divided by this before every log-softmax that scores or trains (SPEC §2: the
+        # rollout temperature, as verl does), so ratios and compatibility use the sampling distribution
+        self.logprob_temperature = 1.0
         self._setup_parallel()
         self.fused_head = config.fused_logprobs and self._keeps_logits and self._fused_head_matches()
         self.backend = make_backend(config.backend, self)
@@ -413,13 +416,15 @@ class Policy:
         targets = inp[:, first + 1 :]
         with self.compute_context():
             if fused:  # hidden state k (position first + k) predicts token first + k + 1
-                with logprob_head(model, targets, self.config.logprob_chunk):
+                with logprob_head(model, targets, self.config.logprob_chunk, self.logprob_temperature):
                     lp_all = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits[..., 0]
             else:
                 if self._keeps_logits:
                     logits = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits
                 else:
                     logits = model(input_ids=inp, attention_mask=attn, use_cache=False).logits[:, first:]
+                if self.logprob_temperature != 1.0:
+                    logits = logits / self.logprob_temperature
                 # logits[:, k] is position first + k and predicts token first + k + 1
                 lp_all = token_logprobs_from_logits(logits[:, :-1], targets, self.config.logprob_chunk)
         T = batch.max_response_len
