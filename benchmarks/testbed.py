@@ -41,6 +41,7 @@ METHODS: dict[str, dict] = {
     "graft_peer_first": {"method": {"name": "graft", "position": "first"}},
     "graft_per_char": {"method": {"name": "graft", "compatibility": "per_char"}},
     "sgt": {"method": {"name": "sgt"}},
+    "hacpo": {"method": {"name": "hacpo", "kl_coef": 1e-3}},  # its recipe's KL; 4 minibatch updates per step
 }
 
 
