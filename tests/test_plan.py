@@ -12,9 +12,10 @@ from graft_rl.policy import PolicyConfig
 
 
 @pytest.mark.parametrize("name, billions", [("HuggingFaceTB/SmolLM3-3B-Base", 3.08), ("Qwen/Qwen3-1.7B-Base", 1.72),
-                                            ("OctoThinker/OctoThinker-3B-Hybrid-Base", 3.21)])
+                                            ("OctoThinker/OctoThinker-3B-Hybrid-Base", 3.21),
+                                            ("zoo:smollm2-135m-instruct", 0.1345), ("zoo:gemma3-270m", 0.268)])
 def test_parameter_counts_of_the_papers_models_match_their_model_cards(name, billions):
-    assert KNOWN_SHAPES[name].params / 1e9 == pytest.approx(billions, abs=0.01)
+    assert KNOWN_SHAPES[name].params / 1e9 == pytest.approx(billions, rel=0.005)
 
 
 def test_parameter_count_from_a_local_config_equals_the_models(tiny_pair):

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         from graft_rl.plan import format_plan, plan
 
         try:
-            print(format_plan(plan(load_config(ns.config, ns.overrides)), ns.gpu_memory))
+            cfg = load_config(ns.config, ns.overrides)
+            print(format_plan(plan(cfg), ns.gpu_memory, shared=cfg.execution == "local"))
         except ConfigError as exc:
             print(f"graft plan: {exc}", file=sys.stderr)
             return 2

