@@ -47,8 +47,9 @@ def run_summary(run_dir: str | Path) -> list[dict]:
                 "rollouts": sum(ln.get("rollouts") or 0 for ln in mine),
                 "val_before": next((v["val/score"] for v in val if v["policy"] == name), None),
                 "val_after": next((v["val/score"] for v in reversed(val) if v["policy"] == name), None),
-                "val_best": max((v["val/score"] for v in val if v["policy"] == name), default=None),
-                "best_step": next((v.get("best_step") for v in reversed(val) if v["policy"] == name), None),
+                "best_step": (best := next((v.get("best_step") for v in reversed(val) if v["policy"] == name), None)),
+                # the score of the selected checkpoint (step 0 is not a candidate unless validation.select_initial)
+                "val_best": next((v["val/score"] for v in val if v["policy"] == name and v["step"] == best), None),
                 "seconds": sum((ln.get("time_generate") or 0) + (ln.get("time_reward") or 0)
                                + (ln.get("time_score") or 0) + (ln.get("time_update") or 0) for ln in mine),
             }
@@ -81,8 +82,8 @@ def print_run_summary(run_dir: str | Path, width: int | None = None) -> None:
     rows = run_summary(run_dir)
     table = Table(title=f"graft run {run_dir}", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
                   title_justify="left")
-    for c, just in (("policy", "left"), ("reward %", "right"), ("held-out %", "right"), ("best %@step", "right"),
-                    ("grafted", "right"), ("admitted %", "right"), ("clip %", "right"), ("s", "right")):
+    for c, just in (("policy", "left"), ("reward %", "right"), ("held-out %", "right"), ("best@step", "right"),
+                    ("grafted", "right"), ("adm. %", "right"), ("clip %", "right"), ("s", "right")):
         table.add_column(c, justify=just, no_wrap=True)
     for r in rows:
         table.add_row(
@@ -99,6 +100,6 @@ def print_run_summary(run_dir: str | Path, width: int | None = None) -> None:
     console.print(table)
     console.print(
         "reward: training-batch pass rate, first → last quarter of the steps. held-out: validation pass@1 before → "
-        "after training (best: highest validation, at that step). grafted: peer groups that replaced this policy's "
-        "failed groups. admitted: grafted peer responses passing the compatibility gate (weight > 0), pooled over the "
+        "after training (best: the selected checkpoint's validation, at its step). grafted: peer groups that replaced this policy's "
+        "failed groups. adm.: grafted peer responses admitted by the compatibility gate (weight > 0), pooled over the "
         "run. clip: clipped token fraction of own/peer tokens. s: training seconds.", soft_wrap=False, width=min(console.width, 100))
