@@ -26,6 +26,7 @@ Each rank (one GPU, or one CPU process with gloo) runs a :class:`ShardedPolicy` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -81,8 +82,6 @@ class ShardedPolicy(Policy):
         )
 
     def compute_context(self):
-        import contextlib
-
         return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts parameters; no autocast
 
     # ------------------------------------------------------------------ helpers
@@ -101,55 +100,30 @@ class ShardedPolicy(Policy):
         ok = super()._fused_head_matches()
         return self._max_over_ranks(0 if ok else 1) == 0  # one decision for the whole group
 
-    # ------------------------------------------------------------------ scoring
-    @torch.no_grad()
-    def token_logprobs(self, batch: TokenBatch, model=None) -> tuple[torch.Tensor, torch.Tensor]:
+    # ------------------------------------------------------------------ scoring and updates
+    def _passes(self, batch: TokenBatch) -> list[list[int] | None]:
+        """This rank's rows (``rank, rank + W, ...``) in micro-batches, padded with ``None`` passes
+        to the largest count over the ranks: FSDP's collectives need every rank in every pass."""
         local = self._local(len(batch))
         micro = [[local[i] for i in rows] for rows in self._micro_batches(batch.select(local))] if local else []
-        n = self._max_over_ranks(len(micro))
-        T = batch.max_response_len
-        out = torch.zeros(len(batch), T)
-        for i in range(n):
-            rows = micro[i] if i < len(micro) else [0]  # a padding pass: FSDP needs every rank to run it
-            lp = self._forward(batch.select(rows), model).cpu()
-            if i < len(micro):
-                out[rows, : lp.shape[1]] = lp
-        # each rank filled its own rows; the others are zero: a sum gathers the whole matrix
-        out = out.to(self._comm_device())
-        dist.all_reduce(out)
-        return out.cpu(), batch.response_mask()
+        return micro + [None] * (self._max_over_ranks(len(micro)) - len(micro))
 
-    # ------------------------------------------------------------------ optimisation
-    def _accumulate(self, batch: TokenBatch, loss_fn, micro_batches: list[list[int]]):
-        local = self._local(len(batch))
-        micro = [[local[i] for i in rows] for rows in self._micro_batches(batch.select(local))] if local else []
-        n = self._max_over_ranks(len(micro))
-        total, stats_sum, n_micro, bad = 0.0, {}, 0, False
-        for i in range(n):
-            real = i < len(micro)
-            rows = micro[i] if real else [0]
-            sub = batch.select(rows)
-            lp = self._forward(sub)
-            if real:
-                loss, stats = loss_fn(lp, sub.response_mask().to(lp.device), rows)
-            if not real or bad or not torch.isfinite(loss):
-                bad = bad or real  # keep the collectives in step; the whole update is skipped below
-                (lp.sum() * 0.0).backward()
-                continue
-            # FSDP averages gradients over ranks; the loss is already the global token mean, so
-            # scaling by W makes the reduction a sum (gloo has no PREMUL_SUM for a divide factor of 1)
-            (loss * self.world).backward()
-            total += float(loss.detach())
-            n_micro += 1
-            for k, v in stats.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
-        keys = sorted(stats_sum)
-        t = torch.tensor([total, float(n_micro), float(bad)] + [stats_sum[k] for k in keys], dtype=torch.float64,
-                         device=self._comm_device())
+    def _gather_rows(self, logprobs: torch.Tensor) -> torch.Tensor:
+        # each rank filled its own rows, the others are zero: a sum gathers the whole matrix
+        out = logprobs.to(self._comm_device())
+        dist.all_reduce(out)
+        return out.cpu()
+
+    def _reduce_sums(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t)
-        total, n_micro, bad = float(t[0]), int(t[1]), bool(t[2] > 0)
-        stats_sum = {k: float(v) for k, v in zip(keys, t[3:].tolist(), strict=True)}
-        return total, stats_sum, n_micro, bad
+        return t.tolist()
+
+    @property
+    def loss_scale(self) -> float:
+        # FSDP averages gradients over ranks; the loss is already the global token mean, so scaling
+        # by W makes the reduction a sum (gloo has no PREMUL_SUM for a divide factor of 1)
+        return float(self.world)
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.sharded_params if p.grad is not None]
@@ -175,12 +149,13 @@ class ShardedPolicy(Policy):
     def sync_rollout_weights(self) -> None:
         if self._synced_version == self.weights_version:
             return
-        sd = self.full_state_dict() if self.config.backend == "hf" else None
-        if self.rollout_model is not None:
-            device = next(self.rollout_model.parameters()).device
-            self.rollout_model.load_state_dict({k: v.to(device) for k, v in sd.items()})
-        if self.config.backend != "hf":
-            self.backend.sync_weights()
+        if self.config.backend == "hf":
+            sd = self.full_state_dict()  # collective; rank 0 holds the rollout copy
+            if self.rollout_model is not None:
+                device = next(self.rollout_model.parameters()).device
+                self.rollout_model.load_state_dict({k: v.to(device) for k, v in sd.items()})
+        else:
+            self.backend.sync_weights()  # each rank's engine, fed by rollout_weights()
         self._synced_version = self.weights_version
 
     def generate(self, prompts, sampling, seed: int = 0):

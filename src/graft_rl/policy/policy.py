@@ -245,10 +245,10 @@ class Policy:
         False for models that transform logits after the head (e.g. final soft-capping); those
         score through ``logits_to_keep`` and a chunked log-softmax instead.
         """
-        vocab = self.model.get_output_embeddings().weight.shape[0] if self.model.get_output_embeddings() is not None else 0
-        if not isinstance(self.model.get_output_embeddings(), torch.nn.Linear) or vocab < 2:
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear) or head.weight.shape[0] < 2:
             return False
-        ids = torch.arange(1, 9).remainder(vocab)[None].to(self.config.device)
+        ids = torch.arange(1, 9).remainder(head.weight.shape[0])[None].to(self.config.device)
         batch = TokenBatch([ids[0, :3].tolist()], [ids[0, 3:].tolist()])
         naive = self._forward(batch, fused=False)
         fused = self._forward(batch, fused=True)
@@ -442,10 +442,28 @@ class Policy:
         """
         T = batch.max_response_len
         out = torch.zeros(len(batch), T)
-        for rows in self._micro_batches(batch):
-            lp = self._forward(batch.select(rows), model).cpu()
-            out[rows, : lp.shape[1]] = lp
-        return out, batch.response_mask()
+        for rows in self._passes(batch):
+            lp = self._forward(batch.select(rows or [0]), model).cpu()
+            if rows is not None:
+                out[rows, : lp.shape[1]] = lp
+        return self._gather_rows(out), batch.response_mask()
+
+    # hooks a sharded policy overrides (policy.fsdp): which micro-batches this process runs, and
+    # how per-process results combine. One process: all micro-batches, nothing to combine.
+    def _passes(self, batch: TokenBatch) -> list[list[int] | None]:
+        """Row lists of the forward passes this process runs; ``None`` is a padding pass (result unused)."""
+        return self._micro_batches(batch)
+
+    def _gather_rows(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Combine the rows each process scored into the full ``[M, T]`` matrix."""
+        return logprobs
+
+    def _reduce_sums(self, values: list[float]) -> list[float]:
+        """Sum per-process scalars over the processes of this policy."""
+        return values
+
+    #: each micro-batch's loss is multiplied by this before backward (FSDP averages over ranks)
+    loss_scale = 1.0
 
     def init_reference(self) -> None:
         """Load the frozen KL reference: ``config.reference_model`` if set (a resumed run's original
@@ -489,7 +507,7 @@ class Policy:
         if self.config.gradient_checkpointing:
             self.model.train()  # transformers checkpoints layers only in train mode (dropout is off)
         try:
-            total_loss, stats_sum, n_micro, bad = self._accumulate(batch, loss_fn, self._micro_batches(batch))
+            total_loss, stats_sum, n_micro, bad = self._accumulate(batch, loss_fn)
         finally:
             self.model.eval()
         grad_norm = self._clip_grad_norm()
@@ -503,22 +521,30 @@ class Policy:
         out.update(loss=total_loss, grad_norm=grad_norm, skipped=0.0)
         return out
 
-    def _accumulate(self, batch: TokenBatch, loss_fn, micro_batches: list[list[int]]):
-        """Forward + backward of each micro-batch; ``(loss, stats sums, micro-batches, non-finite?)``."""
+    def _accumulate(self, batch: TokenBatch, loss_fn):
+        """Forward + backward of each micro-batch; ``(loss, stats sums, micro-batches, non-finite?)``.
+
+        A padding pass, or one whose loss is not finite, still runs a zero backward (a sharded
+        policy's collectives need every rank to take part); a non-finite loss marks the whole
+        update for skipping.
+        """
         total_loss, stats_sum, n_micro, bad = 0.0, {}, 0, False
-        for rows in micro_batches:
-            sub = batch.select(rows)
+        for rows in self._passes(batch):
+            sub = batch.select(rows or [0])
             lp = self._forward(sub)
-            loss, stats = loss_fn(lp, sub.response_mask().to(lp.device), rows)
-            if not torch.isfinite(loss):
-                bad = True
-                break
-            loss.backward()
+            loss, stats = loss_fn(lp, sub.response_mask().to(lp.device), rows) if rows is not None else (None, {})
+            if loss is None or bad or not torch.isfinite(loss):
+                bad = bad or loss is not None
+                (lp.sum() * 0.0).backward()
+                continue
+            (loss * self.loss_scale).backward()
             total_loss += float(loss.detach())
             n_micro += 1
             for k, v in stats.items():
                 stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
-        return total_loss, stats_sum, n_micro, bad
+        keys = sorted(stats_sum)
+        sums = self._reduce_sums([total_loss, float(n_micro), float(bad)] + [stats_sum[k] for k in keys])
+        return sums[0], dict(zip(keys, sums[3:], strict=True)), int(sums[1]), sums[2] > 0
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
