@@ -47,7 +47,7 @@ def test_two_fsdp_ranks_match_one_process(tiny_pair, tmp_path, arch):
     for s, t in zip(sharded["stats"], one["stats"], strict=True):
         assert s["loss"] == pytest.approx(t["loss"], rel=1e-5, abs=1e-7)
         assert s["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-5)
-        assert s["tokens"] * 0 == 0 and s["skipped"] == t["skipped"] == 0
+        assert s["skipped"] == t["skipped"] == 0
     # generation after the updates: the same samples as one process (rank 0's synced rollout copy)
     assert sharded["texts"] == one["texts"]
     # rank 0 wrote the full weights as an ordinary save_pretrained directory; each rank its optimiser shard

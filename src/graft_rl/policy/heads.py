@@ -10,8 +10,8 @@ at a time: peak memory is ``chunk x V`` instead of ``B x L x V``.
 The chunked head is installed *inside* the model's own forward (the LM head module's
 ``forward`` is swapped for the duration of one call), so it works unchanged under FSDP2, whose
 parameter gathering is tied to the root module's forward. Models that transform the head's
-output afterwards (e.g. Gemma 2's final logit soft-capping) are detected by a self-check on
-first use and fall back to the ``logits_to_keep`` path (:meth:`graft_rl.policy.Policy._forward`).
+output afterwards (e.g. Gemma 2's final logit soft-capping) are detected by a self-check when
+the policy is built (``Policy._fused_head_matches``) and fall back to the ``logits_to_keep`` path (:meth:`graft_rl.policy.Policy._forward`).
 """
 
 from __future__ import annotations
