@@ -9,8 +9,9 @@ __all__ = ["default_config", "cache_dir"]
 
 
 def default_config(overrides: list[str] | None = None) -> TrainConfig:
-    """The shipped testbed pair (two tiny heterogeneous models) co-trained with GRAFT on procedural
+    """The shipped capability-transfer testbed pair (two tiny heterogeneous models, each missing a
+    prompt family the other has; :mod:`graft_rl.testbed`) co-trained with GRAFT on procedural
     arithmetic; nothing is built or downloaded."""
     from graft_rl.testbed import shipped_testbed
 
-    return load_config(shipped_testbed().train_config(), overrides or [])
+    return load_config(shipped_testbed("transfer").train_config(), overrides or [])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from graft_rl.rundir import read_log
 
-__all__ = ["read_metrics", "run_summary", "print_run_summary"]
+__all__ = ["read_metrics", "run_summary", "family_summary", "print_run_summary"]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -57,6 +57,37 @@ def run_summary(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def family_summary(run_dir: str | Path) -> list[dict]:
+    """Per policy and prompt family (runs whose data names a few families, e.g. the transfer testbed):
+    held-out pass@1 before → after (and at the selected step), own groups that failed entirely, peer
+    groups grafted in and the fraction of their responses the gate admitted. Empty for other runs."""
+    lines, val = read_metrics(run_dir), read_validation(run_dir)
+    out = []
+    for name in dict.fromkeys(ln["policy"] for ln in lines):
+        mine = [ln for ln in lines if ln["policy"] == name]
+        vals = [v for v in val if v["policy"] == name]
+        best = next((v.get("best_step") for v in reversed(vals)), None)
+        fams = sorted({k.split("/", 1)[1] for ln in mine for k in ln if k.startswith("groups/")}
+                      | {k.rsplit("/", 1)[1] for v in vals for k in v if k.count("/") == 2 and k.startswith("val/")})
+        for fam in fams:
+            def total(key: str, fam: str = fam) -> float:
+                return sum(ln.get(f"{key}/{fam}") or 0 for ln in mine)
+
+            def val_at(v: dict | None, fam: str = fam) -> float | None:
+                ks = [k for k in (v or {}) if k.startswith("val/") and k.endswith(f"/{fam}") and k.count("/") == 2]
+                return _mean(v[k] for k in ks) if ks else None
+
+            rows = total("grafted_rows")
+            out.append({
+                "policy": name, "family": fam,
+                "val_before": val_at(vals[0] if vals else None), "val_after": val_at(vals[-1] if vals else None),
+                "val_best": val_at(next((v for v in vals if v["step"] == best), None)),
+                "groups": total("groups"), "all_fail": total("all_fail"), "grafted": total("grafted"),
+                "admitted_frac": total("admitted_rows") / rows if rows else None,
+            })
+    return out
+
+
 def _pooled_admitted(lines: list[dict]) -> float | None:
     """Admitted fraction pooled over the run: peer responses with weight > 0 / all grafted peer
     responses (the definition `graft analyze` uses; a step with many grafted responses counts more)."""
@@ -98,8 +129,22 @@ def print_run_summary(run_dir: str | Path, width: int | None = None) -> None:
         )
     console = Console(width=width) if width else Console()
     console.print(table)
+    fam_rows = family_summary(run_dir)
+    if fam_rows:
+        ft = Table(title="per prompt family", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left")
+        for c, just in (("policy", "left"), ("family", "left"), ("held-out %", "right"), ("best", "right"),
+                        ("all-fail %", "right"), ("grafted", "right"), ("adm. %", "right")):
+            ft.add_column(c, justify=just, no_wrap=True)
+        for r in fam_rows:
+            ft.add_row(r["policy"], r["family"], f"{_pct(r['val_before'])}→{_pct(r['val_after'])}", _pct(r["val_best"]),
+                       _pct(r["all_fail"] / r["groups"]) if r["groups"] else "-", str(int(r["grafted"])),
+                       _pct(r["admitted_frac"]))
+        console.print(ft)
     console.print(
         "reward: training-batch pass rate, first → last quarter of the steps. held-out: validation pass@1 before → "
         "after training (best: the selected checkpoint's validation, at its step). grafted: peer groups that replaced this policy's "
         "failed groups. adm.: grafted peer responses admitted by the compatibility gate (weight > 0), pooled over the "
-        "run. clip: clipped token fraction of own/peer tokens. s: training seconds.", soft_wrap=False, width=min(console.width, 100))
+        "run. clip: clipped token fraction of own/peer tokens. s: training seconds."
+        + (" Per family: held-out pass@1 on that family; all-fail: this policy's own groups with no correct response "
+           "(GRPO gets no gradient from them); grafted/adm.: peer groups that replaced them and the admitted share of "
+           "their responses." if fam_rows else ""), soft_wrap=False, width=min(console.width, 100))

@@ -15,6 +15,18 @@ so their successes are complementary. The pair is built once from a seed by
 ``scripts/build_testbed.py`` and ships in the package (``graft_rl/testbed_files``: floating-point
 differences between CPUs compound over the warm-up, so building it on each machine would give each
 user different models); :func:`ensure_testbed` still builds one anywhere, e.g. with other settings.
+
+Two pairs ship (:data:`PAIRS`):
+
+- ``natural``: the mixtures above; every task kind in the prompt pool. Their strengths overlap
+  and GRAFT's effect on it is within noise (docs/benchmarks.md, "CPU testbed").
+- ``transfer``: *constructed to expose the mechanism*. Both models share the primitives (small
+  additions, subtractions, chains); A has two-digit chains ``a+b-c`` (``add3_hi``) and products by
+  2-5 only; B has every product and ``a*b+c`` with ``b`` in 6-9 (``muladd_hi``) but no two-digit
+  chains. The prompt pool holds just those two families, so each model faces one it solves
+  about half the time and one where nearly all its groups fail (A ~1 % on ``muladd_hi``, B ~2 %
+  on ``add3_hi``) while the peer's groups are mixed: the paper's complementary prompts, by design.
+  ``graft train`` without a config runs GRAFT on this pair.
 """
 
 from __future__ import annotations
@@ -25,16 +37,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TASKS", "make_problem", "make_split", "Testbed", "ensure_testbed", "shipped_testbed", "warm_up", "PLAIN_TEMPLATE",
-           "SHIPPED_ROOT"]
+__all__ = ["TASKS", "TRANSFER_KINDS", "PAIRS", "PairSpec", "make_problem", "make_split", "Testbed", "ensure_testbed",
+           "shipped_testbed", "shipped_root", "warm_up", "PLAIN_TEMPLATE", "SHIPPED_FILES"]
 
-#: Where the shipped build lives inside the package (``scripts/build_testbed.py`` writes it).
-SHIPPED_ROOT = Path(__file__).resolve().parent / "testbed_files"
+#: Where the shipped builds live inside the package, one folder per pair (``scripts/build_testbed.py``).
+SHIPPED_FILES = Path(__file__).resolve().parent / "testbed_files"
 
 #: Prompt format of both testbed models (plain text, no chat template).
 PLAIN_TEMPLATE = "Q: {prompt}\nA: "
 
 TASKS = ("add", "sub", "add3", "mul", "muladd")
+#: Extra kinds of the capability-transfer pair.
+TRANSFER_KINDS = ("mul_lo", "muladd_lo", "muladd_hi", "add3_hi")
 
 
 def make_problem(kind: str, rng: random.Random) -> tuple[str, str, str]:
@@ -56,7 +70,18 @@ def make_problem(kind: str, rng: random.Random) -> tuple[str, str, str]:
         a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(0, 12)
         p = a * b
         return f"{a}*{b}+{c}=?", f"{a}*{b}={p}. {p}+{c}={p + c}. \\boxed{{{p + c}}}", str(p + c)
-    raise ValueError(f"unknown testbed task {kind!r}; available: {', '.join(TASKS)}")
+    if kind == "mul_lo":  # the transfer pair's A: products by 2-5 only
+        a, b = rng.randint(2, 15), rng.randint(2, 5)
+        return f"{a}*{b}=?", f"{a}*{b}={a * b}. \\boxed{{{a * b}}}", str(a * b)
+    if kind in ("muladd_lo", "muladd_hi"):  # a*b+c with b in 2-5 / 6-9
+        a, b, c = rng.randint(2, 9), rng.randint(2, 5) if kind == "muladd_lo" else rng.randint(6, 9), rng.randint(0, 20)
+        p = a * b
+        return f"{a}*{b}+{c}=?", f"{a}*{b}={p}. {p}+{c}={p + c}. \\boxed{{{p + c}}}", str(p + c)
+    if kind == "add3_hi":  # a+b-c with two-digit a, b
+        a, b, c = rng.randint(10, 30), rng.randint(10, 30), rng.randint(0, 20)
+        s = a + b
+        return f"{a}+{b}-{c}=?", f"{a}+{b}={s}. {s}-{c}={s - c}. \\boxed{{{s - c}}}", str(s - c)
+    raise ValueError(f"unknown testbed task {kind!r}; available: {', '.join(TASKS + TRANSFER_KINDS)}")
 
 
 def make_split(
@@ -69,8 +94,11 @@ def make_split(
     rng = random.Random(seed)
     kinds = list(mixture) if mixture else list(TASKS)
     weights = [mixture[k] for k in kinds] if mixture else None
-    rows, seen = [], set()
+    rows, seen, tries = [], set(), 0
     while len(rows) < n:
+        tries += 1
+        if tries > 200 * n:
+            raise ValueError(f"make_split: cannot draw {n} distinct problems from {kinds} (the task space is smaller)")
         kind = rng.choices(kinds, weights)[0]
         expr, sol, ans = make_problem(kind, rng)
         if unique and expr in seen:
@@ -83,6 +111,37 @@ def make_split(
 #: Warm-up mixtures: complementary strengths (A: additive, B: multiplicative).
 MIXTURE_A = {"add": 0.35, "sub": 0.35, "add3": 0.25, "mul": 0.03, "muladd": 0.02}
 MIXTURE_B = {"add": 0.15, "sub": 0.02, "add3": 0.03, "mul": 0.45, "muladd": 0.35}
+
+#: The transfer pair's warm-up mixtures: shared primitives; A alone has two-digit chains (add3_hi),
+#: B alone products by 6-9 and their chains (mul covers b in 2-9, muladd_hi).
+TRANSFER_A = {"add": 0.15, "sub": 0.15, "add3": 0.15, "add3_hi": 0.2, "mul_lo": 0.15, "muladd_lo": 0.2}
+TRANSFER_B = {"add": 0.15, "sub": 0.15, "add3": 0.15, "mul": 0.15, "muladd": 0.15, "muladd_hi": 0.25}
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """How one testbed pair is built: warm-up mixtures and steps, and the families of its prompts.
+
+    ``families``: the kinds of the prompt pool and held-out set, equally many of each (``None``:
+    every kind of :data:`TASKS`, drawn uniformly, as the natural pair has it); with families the
+    held-out set holds ``heldout`` problems per family, interleaved so its first ``k`` rows are balanced.
+    """
+
+    name: str
+    mixture_a: dict[str, float]
+    mixture_b: dict[str, float]
+    warmup_steps: tuple[int, int]
+    pool: int
+    heldout: int
+    families: tuple[str, ...] | None = None
+
+
+#: Warm-up steps (batch 32): the byte-level model A learns more slowly, so it gets more.
+PAIRS: dict[str, PairSpec] = {
+    "natural": PairSpec("natural", MIXTURE_A, MIXTURE_B, (1835, 842), pool=1000, heldout=512),
+    "transfer": PairSpec("transfer", TRANSFER_A, TRANSFER_B, (1835, 1700), pool=600, heldout=256,
+                         families=("muladd_hi", "add3_hi")),
+}
 
 
 def _corpus_text(rows: list[dict]) -> list[str]:
@@ -143,13 +202,15 @@ def warm_up(model_dir: Path, rows: list[dict], steps: int, seed: int, lr: float 
 class Testbed:
     """A built testbed: two model directories and two JSONL files under ``root``.
 
-    ``shipped``: the build that ships inside the package (``graft_rl/testbed_files``, see
-    :func:`shipped_testbed`); configs then name it ``zoo:testbed-a`` / ``zoo:testbed-b`` /
-    ``testbed_train`` / ``testbed_heldout`` instead of paths, so they work on any machine.
+    ``shipped``: a build that ships inside the package (``graft_rl/testbed_files/<pair>``, see
+    :func:`shipped_testbed`); configs then name it ``zoo:testbed-a`` / ``testbed_train`` (natural
+    pair) or ``zoo:transfer-a`` / ``transfer_train`` (transfer pair) instead of paths, so they work
+    on any machine.
     """
 
     root: Path
     shipped: bool = False
+    pair: str = "natural"
 
     @property
     def model_a(self) -> Path:
@@ -167,10 +228,21 @@ class Testbed:
     def eval_file(self) -> Path:
         return self.root / "heldout.jsonl"
 
+    @property
+    def families(self) -> tuple[str, ...] | None:
+        """The prompt families of the pair (None: the natural pair's uniform mixture of every kind)."""
+        return PAIRS[self.pair].families
+
+    @property
+    def heldout_per_family(self) -> int | None:
+        """Held-out problems per family (pairs with families)."""
+        return PAIRS[self.pair].heldout if self.families else None
+
     def refs(self) -> dict[str, str]:
         """How a config names this build's models and data."""
         if self.shipped:
-            return {"A": "zoo:testbed-a", "B": "zoo:testbed-b", "train": "testbed_train", "heldout": "testbed_heldout"}
+            m, d = ("testbed", "testbed") if self.pair == "natural" else (self.pair, self.pair)
+            return {"A": f"zoo:{m}-a", "B": f"zoo:{m}-b", "train": f"{d}_train", "heldout": f"{d}_heldout"}
         return {"A": str(self.model_a), "B": str(self.model_b), "train": str(self.train_file), "heldout": str(self.eval_file)}
 
     def policy_dicts(self, lr: float = 1e-4) -> list[dict]:
@@ -197,23 +269,53 @@ class Testbed:
         }
 
 
-#: Warm-up steps (batch 32) of A and B: the byte-level model learns more slowly, so it gets more.
-#: About 2 and 1 minutes on 2 CPU cores.
-WARMUP_STEPS = (1835, 842)
+#: Warm-up steps of the natural pair (kept for callers of ensure_testbed; see PAIRS).
+WARMUP_STEPS = PAIRS["natural"].warmup_steps
 
 #: Bumped whenever the build procedure changes what it produces for the same arguments, so a
 #: cached build from an older procedure is rebuilt instead of silently reused.
 BUILD_VERSION = 2
 
 
-def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int] = WARMUP_STEPS, pool: int = 1000,
-                   heldout: int = 512, progress: bool = True) -> Testbed:
-    """Build (once) the pair and the data under ``root``; later calls return the cached build."""
+def _prompt_sets(spec: PairSpec, seed: int, pool: int, heldout: int) -> tuple[list[dict], list[dict]]:
+    """The prompt pool and the held-out set (disjoint expressions)."""
+    if spec.families is None:  # the natural pair: uniform over every kind (its shipped build's procedure)
+        train = make_split(pool, seed, prefix="train")
+        held = [r for r in make_split(pool + heldout * 2, seed + 1, prefix="heldout") if r["problem"] not in {t["problem"] for t in train}]
+        return train, held[:heldout]
+    fams = spec.families
+    train = make_split(pool, seed, {f: 1.0 for f in fams}, prefix="train")
+    seen = {r["problem"] for r in train}
+    per = []
+    for j, fam in enumerate(fams):  # held-out: `heldout` problems of each family, none in the pool
+        in_pool = sum(1 for r in train if r["subject"] == fam)
+        rows = [r for r in make_split(heldout + in_pool, seed + 1 + 100 * j, {fam: 1.0}, prefix="h") if r["problem"] not in seen]
+        if len(rows) < heldout:
+            raise ValueError(f"testbed family {fam!r} has fewer than {heldout} held-out problems outside a pool of {pool}")
+        per.append(rows[:heldout])
+    held = [dict(r, id=f"heldout-{i}") for i, r in enumerate(r for group in zip(*per) for r in group)]
+    return train, held
+
+
+def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int] | None = None, pool: int | None = None,
+                   heldout: int | None = None, progress: bool = True, pair: str = "natural") -> Testbed:
+    """Build (once) the pair (:data:`PAIRS`) and its data under ``root``; later calls return the cached build.
+
+    ``warmup_steps``, ``pool``, ``heldout`` default to the pair's spec (``heldout`` is per family
+    for a pair with families).
+    """
     from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model, char_tokenizer
 
-    tb = Testbed(Path(root))
+    if pair not in PAIRS:
+        raise ValueError(f"unknown testbed pair {pair!r}; available: {', '.join(PAIRS)}")
+    spec = PAIRS[pair]
+    warmup_steps = tuple(warmup_steps or spec.warmup_steps)
+    pool, heldout = pool or spec.pool, heldout or spec.heldout
+    tb = Testbed(Path(root), pair=pair)
     done = tb.root / "testbed.json"
     build = {"version": BUILD_VERSION, "seed": seed, "warmup_steps": list(warmup_steps), "pool": pool, "heldout": heldout}
+    if pair != "natural":
+        build["pair"] = pair
     if done.is_file():
         try:
             cached = json.loads(done.read_text()).get("build")
@@ -226,13 +328,11 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int
                   flush=True)
         done.unlink()  # only this build's own files are replaced below
     tb.root.mkdir(parents=True, exist_ok=True)
-    train = make_split(pool, seed, prefix="train")
-    held = [r for r in make_split(pool + heldout * 2, seed + 1, prefix="heldout") if r["problem"] not in {t["problem"] for t in train}]
-    held = held[:heldout]
+    train, held = _prompt_sets(spec, seed, pool, heldout)
     for path, rows in ((tb.train_file, train), (tb.eval_file, held)):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    warm_a = make_split(20000, seed + 2, MIXTURE_A, prefix="wa", unique=False)
-    warm_b = make_split(20000, seed + 3, MIXTURE_B, prefix="wb", unique=False)
+    warm_a = make_split(20000, seed + 2, spec.mixture_a, prefix="wa", unique=False)
+    warm_b = make_split(20000, seed + 3, spec.mixture_b, prefix="wb", unique=False)
     train_exprs = {r["problem"] for r in train} | {r["problem"] for r in held}
     warm_a = [r for r in warm_a if r["problem"] not in train_exprs]
     warm_b = [r for r in warm_b if r["problem"] not in train_exprs]
@@ -243,17 +343,25 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int
     for name, path, rows, s, steps in (("A", tb.model_a, warm_a, seed + 5, warmup_steps[0]),
                                        ("B", tb.model_b, warm_b, seed + 6, warmup_steps[1])):
         if progress:
-            print(f"testbed: warming up model {name} ({steps} steps, about {steps // 15} s on 2 cores)...", flush=True)
+            print(f"testbed: warming up model {name} ({steps} steps, about {steps // 30} s on 2 cores)...", flush=True)
         info[name] = warm_up(path, rows, steps, s)
     done.write_text(json.dumps({"build": build, "warmup": info, "heldout_rows": len(held)}, indent=1))
     return tb
 
 
-def shipped_testbed() -> Testbed:
-    """The testbed pair that ships with graft-rl (built once by ``scripts/build_testbed.py``, sha256
-    and held-out accuracy recorded in ``testbed_files/testbed.json``): the same weights on every
+def shipped_root(pair: str) -> Path:
+    """Where the shipped build of ``pair`` lives inside the package."""
+    if pair not in PAIRS:
+        raise ValueError(f"unknown testbed pair {pair!r}; available: {', '.join(PAIRS)}")
+    return SHIPPED_FILES / pair
+
+
+def shipped_testbed(pair: str = "natural") -> Testbed:
+    """A testbed pair that ships with graft-rl (built once by ``scripts/build_testbed.py``, sha256
+    and held-out accuracy recorded in ``testbed_files/<pair>/testbed.json``): the same weights on every
     machine, nothing to build."""
-    tb = Testbed(SHIPPED_ROOT, shipped=True)
+    tb = Testbed(shipped_root(pair), shipped=True, pair=pair)
     if not (tb.root / "testbed.json").is_file():
-        raise FileNotFoundError(f"{tb.root}: the shipped testbed is missing; reinstall graft-rl or run scripts/build_testbed.py")
+        raise FileNotFoundError(f"{tb.root}: the shipped testbed is missing; reinstall graft-rl or run "
+                                f"scripts/build_testbed.py --pair {pair}")
     return tb

@@ -97,6 +97,7 @@ class Trainer:
         if len(self.data) < cfg.prompt_batch:
             raise ConfigError(f"data.train {cfg.data.train!r} has {len(self.data)} problems, fewer than prompt_batch={cfg.prompt_batch}")
         self._by_id = {p.id: p for p in self.data}
+        self._family = _families(self.data)  # prompt id -> family, when the data names a few (testbed kinds)
         self.verifier = cfg.data.verifier if cfg.data.verifier != "auto" else verifier_for(cfg.data.train, self.data[0])
         self.steps_per_epoch = len(self.data) // cfg.prompt_batch
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
@@ -293,7 +294,31 @@ class Trainer:
             line["response_len_mean"] = statistics.fmean(lengths)
             line["truncated_frac"] = sum(1 for g in own for f in g.finish_reasons if f == "length") / len(lengths)
             line.update(self._train_receiver(name, batch, step))
+            if self._family:
+                line.update(self._family_stats(own, batch))
         return [lines[n] for n in self.policies]
+
+    def _family_stats(self, own: list[RolloutGroup], batch: ReceiverBatch) -> dict:
+        """Per prompt family (``subject``): own groups, own all-fail groups, grafted peer groups, and
+        grafted peer responses with those the gate admitted (weight > 0): counts, pooled by the report."""
+        out: dict[str, float] = {}
+
+        def add(key: str, fam: str, v: float = 1.0) -> None:
+            out[f"{key}/{fam}"] = out.get(f"{key}/{fam}", 0.0) + v
+
+        for g in own:
+            fam = self._family[g.prompt_id]
+            add("groups", fam)
+            add("all_fail", fam, float(g.k == 0))
+        for gi, rows in enumerate(batch.group_rows()):
+            if not batch.group_is_peer[gi] or not rows:
+                continue
+            fam = self._family[batch.rows[rows[0]].prompt_id]
+            add("grafted", fam)
+            peer = [batch.rows[i] for i in rows if batch.rows[i].is_peer and not batch.rows[i].is_aux]
+            add("grafted_rows", fam, len(peer))
+            add("admitted_rows", fam, sum(1 for r in peer if r.weight > 0))
+        return out
 
     # ------------------------------------------------------------------ validation
     def validate(self, step: int) -> list[dict]:
@@ -312,6 +337,10 @@ class Trainer:
                     v.max_new_tokens, derive_seed(self.cfg.seed, 7, step, self.names.index(name)), self.cfg.data.verify_timeout,
                 )
                 line[f"val/{Path(ds).stem}"] = res["pass@1"]
+                fams = _families(problems)
+                if fams and res.get("correct") is not None:
+                    for fam, score in _family_pass1(problems, fams, res["correct"], v.samples).items():
+                        line[f"val/{Path(ds).stem}/{fam}"] = score
                 scores.append(res["pass@1"])
                 variances.append(_pass1_variance(res.get("correct"), v.samples))
             line["val/score"] = statistics.fmean(scores)
@@ -509,6 +538,26 @@ class Trainer:
             raise ConfigError(f"{run_dir}: not a run directory (no config.yaml)")
         cfg = load_config(cfg_path, [*(overrides or []), f"run_dir={run_dir}"])
         return cls(cfg, resume=True, show_progress=show_progress)
+
+
+#: Reported per family only when the data names this few (the testbed kinds; MATH's seven subjects).
+MAX_FAMILIES = 8
+
+
+def _families(problems) -> dict[str, str]:
+    """Prompt id -> family (the problem's ``subject``) when every problem names one and there are
+    2..MAX_FAMILIES of them; else ``{}``."""
+    fams = {p.id: p.subject for p in problems}
+    if any(f is None for f in fams.values()) or not 2 <= len(set(fams.values())) <= MAX_FAMILIES:
+        return {}
+    return fams
+
+
+def _family_pass1(problems, fams: dict[str, str], correct: list[int], samples: int) -> dict[str, float]:
+    by: dict[str, list[float]] = {}
+    for p, c in zip(problems, correct, strict=True):
+        by.setdefault(fams[p.id], []).append(c / samples)
+    return {f: statistics.fmean(v) for f, v in sorted(by.items())}
 
 
 def _pass1_variance(correct: list[int] | None, samples: int) -> float | None:

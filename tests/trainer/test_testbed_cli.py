@@ -14,7 +14,7 @@ from graft_rl.config import load_config
 from graft_rl.data import load_jsonl
 from graft_rl.evaluation import pass_at_k
 from graft_rl.rewards import verify_gsm8k
-from graft_rl.testbed import TASKS, ensure_testbed, make_problem, make_split
+from graft_rl.testbed import TASKS, TRANSFER_KINDS, ensure_testbed, make_problem, make_split
 from graft_rl.trainer import Trainer
 
 
@@ -25,11 +25,16 @@ def testbed(tmp_path_factory):
 
 def test_problems_are_verifiable_and_solutions_correct():
     rng = random.Random(0)
-    for kind in TASKS:
+    for kind in TASKS + TRANSFER_KINDS:
         for _ in range(50):
             expr, sol, ans = make_problem(kind, rng)
             assert verify_gsm8k([sol], [ans]) == [1.0]
             assert eval(expr.removesuffix("=?")) == int(ans)
+
+
+def test_a_split_larger_than_its_task_space_is_an_error():
+    with pytest.raises(ValueError, match="task space"):
+        make_split(200, 0, {"mul_lo": 1.0})  # 14 x 4 distinct products
 
 
 def test_splits_are_reproducible_and_disjoint(testbed):
@@ -161,8 +166,50 @@ def test_run_summary_fits_an_80_column_terminal(testbed, tmp_path, capsys):
     print_run_summary(tr.run_dir, width=80)
     lines = capsys.readouterr().out.splitlines()
     assert all(len(ln) <= 80 for ln in lines) and not any("…" in ln for ln in lines)
-    rows = [ln for ln in lines if ln.strip().startswith(("A ", "B "))]
+    main_table = lines[: next(i for i, ln in enumerate(lines) if "per prompt family" in ln)]
+    rows = [ln for ln in main_table if ln.strip().startswith(("A ", "B "))]
     assert len(rows) == 2 and all("→" in r for r in rows)
+
+
+def test_per_family_counts_and_validation_add_up(testbed, tmp_path, capsys):
+    """Issue 13: per prompt family (the problems' ``subject``), the metrics count own groups, all-fail
+    groups, grafted groups and admitted peer responses, and validation scores each family; they add
+    up to the run-level numbers, and the summary prints one row per policy and family in 80 columns."""
+    from graft_rl.report import family_summary, print_run_summary
+
+    tr = Trainer(load_config(_small(testbed, tmp_path, steps=2, n=4)), show_progress=False)
+    tr.run()
+    metrics = [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = {p.subject for p in tr.data}
+    for m in metrics:
+        fam = {k.split("/", 1)[1] for k in m if k.startswith("groups/")}
+        assert fam <= kinds and sum(m[f"groups/{f}"] for f in fam) == 8
+        assert sum(m[f"all_fail/{f}"] for f in fam) == round(m["all_fail_frac"] * 8)
+        assert sum(m.get(f"grafted/{f}", 0) for f in fam) == m["exchanged_in"]
+        for f in fam:
+            assert m.get(f"admitted_rows/{f}", 0) <= m.get(f"grafted_rows/{f}", 0) == 4 * m.get(f"grafted/{f}", 0)
+    held = load_jsonl(testbed.eval_file)[:8]
+    for v in [json.loads(x) for x in (tr.run_dir / "validation.jsonl").read_text().splitlines()]:
+        per = {k.rsplit("/", 1)[1]: x for k, x in v.items() if k.startswith("val/heldout/")}
+        assert set(per) == {p.subject for p in held}
+        weighted = sum(per[p.subject] for p in held) / len(held)  # problem-weighted mean of the families
+        assert weighted == pytest.approx(v["val/heldout"])
+    rows = family_summary(tr.run_dir)
+    assert {(r["policy"], r["family"]) for r in rows} == {(n, f) for n in ("A", "B") for f in kinds}
+    print_run_summary(tr.run_dir, width=80)
+    out = capsys.readouterr().out.splitlines()
+    assert "per prompt family" in "\n".join(out) and all(len(ln) <= 80 for ln in out)
+
+
+def test_families_are_reported_only_for_a_few_named_ones():
+    from graft_rl.data import Problem
+    from graft_rl.trainer import _families
+
+    two = [Problem(f"p{i}", "1+1=?", "2", subject=("x" if i % 2 else "y")) for i in range(6)]
+    assert _families(two) == {f"p{i}": ("x" if i % 2 else "y") for i in range(6)}
+    assert _families([Problem("a", "q", "1", subject="x"), Problem("b", "q", "1")]) == {}  # one unnamed: none
+    assert _families([Problem(f"p{i}", "q", "1", subject="x") for i in range(3)]) == {}  # a single family
+    assert _families([Problem(f"p{i}", "q", "1", subject=str(i)) for i in range(20)]) == {}  # too many to tabulate
 
 
 def test_eval_of_a_default_run_uses_the_shipped_heldout_set(tmp_path, monkeypatch, capsys):
@@ -172,4 +219,4 @@ def test_eval_of_a_default_run_uses_the_shipped_heldout_set(tmp_path, monkeypatc
     assert main(["train", *args]) == 0
     assert main(["eval", "runs/demo", "--limit", "3", "--samples", "2", "--runs", "2"]) == 0
     res = json.loads((tmp_path / "runs" / "demo" / "eval" / "eval.json").read_text())
-    assert list(res["policies"]["A"]["benchmarks"]) == ["testbed_heldout"] and res["max_new_tokens"] == 40
+    assert list(res["policies"]["A"]["benchmarks"]) == ["transfer_heldout"] and res["max_new_tokens"] == 40

@@ -48,11 +48,13 @@ BUILTIN: dict[str, tuple[str, str]] = {
     "gsm8k_test": ("gsm8k_test.jsonl", "gsm8k"),
 }
 
-#: The CPU testbed's shipped prompt pool and held-out set (built by scripts/build_testbed.py,
+#: The CPU testbed pairs' shipped prompt pools and held-out sets (built by scripts/build_testbed.py,
 #: procedural arithmetic; see graft_rl.testbed): name -> (file under graft_rl/testbed_files, verifier)
 TESTBED_DATA: dict[str, tuple[str, str]] = {
-    "testbed_train": ("train.jsonl", "gsm8k"),
-    "testbed_heldout": ("heldout.jsonl", "gsm8k"),
+    "testbed_train": ("natural/train.jsonl", "gsm8k"),
+    "testbed_heldout": ("natural/heldout.jsonl", "gsm8k"),
+    "transfer_train": ("transfer/train.jsonl", "gsm8k"),  # the capability-transfer pair's two families
+    "transfer_heldout": ("transfer/heldout.jsonl", "gsm8k"),
 }
 TESTBED_FILES = Path(__file__).resolve().parent.parent / "testbed_files"
 
@@ -162,7 +164,7 @@ def load_dataset(name_or_path: str, limit: int | None = None) -> list[Problem]:
     if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz") or path.exists():
         return load_jsonl(path, limit)
     raise DatasetError(
-        f"unknown dataset {name_or_path!r}; built-in: {', '.join(BUILTIN)}; "
+        f"unknown dataset {name_or_path!r}; built-in: {', '.join([*BUILTIN, *TESTBED_DATA])}; "
         "or a path to a .jsonl(.gz) file, or reasoning_gym:NAME[:SIZE[:SEED]]"
     )
 

@@ -11,7 +11,8 @@ Both load through transformers' ``gguf_file=`` (needs the ``gguf`` and ``acceler
 packages: ``pip install 'graft-rl[gguf]'``) and are dequantised to the policy's dtype.
 In a config, write ``model: zoo:smollm2-135m-instruct`` or ``model: zoo:gemma3-270m``.
 
-- ``testbed-a``, ``testbed-b``: the CPU testbed pair (:mod:`graft_rl.testbed`), shipped in this
+- ``testbed-a``, ``testbed-b`` (natural pair), ``transfer-a``, ``transfer-b`` (capability-transfer
+  pair): the CPU testbed pairs (:mod:`graft_rl.testbed`), shipped in this
   package as ``save_pretrained`` directories, so every machine starts from the same weights.
 """
 
@@ -60,21 +61,26 @@ def _gemma3() -> Path:
     return Path(pkg.assemble(cache_dir() / "gemma3-270m" / name))  # joined once into the cache, sha256-checked
 
 
-#: The CPU testbed pair, shipped in the package (scripts/build_testbed.py builds it; see graft_rl.testbed).
+#: The CPU testbed pairs (natural/, transfer/), shipped in the package (scripts/build_testbed.py builds it; see graft_rl.testbed).
 TESTBED_FILES = Path(__file__).resolve().parent.parent / "testbed_files"
 
 
-def _testbed(which: str):
+def _testbed(pair: str, which: str):
+    name = "testbed" if pair == "natural" else pair
+
     def path() -> Path:
-        p = TESTBED_FILES / f"model_{which}"
+        p = TESTBED_FILES / pair / f"model_{which}"
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"zoo:testbed-{which}: {p} is missing; reinstall graft-rl or run scripts/build_testbed.py")
+            raise FileNotFoundError(f"zoo:{name}-{which}: {p} is missing; reinstall graft-rl or run "
+                                    f"scripts/build_testbed.py --pair {pair}")
         return p
 
     return path
 
 
-ZOO = {"smollm2-135m-instruct": _smollm2, "gemma3-270m": _gemma3, "testbed-a": _testbed("a"), "testbed-b": _testbed("b")}
+ZOO = {"smollm2-135m-instruct": _smollm2, "gemma3-270m": _gemma3,
+       "testbed-a": _testbed("natural", "a"), "testbed-b": _testbed("natural", "b"),
+       "transfer-a": _testbed("transfer", "a"), "transfer-b": _testbed("transfer", "b")}
 
 
 def resolve(model: str) -> str:
