@@ -101,6 +101,17 @@ def _family_metrics(run_dir: Path, name: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def _sgt_targets(run_dir: Path, name: str, fam_of: dict[str, str]) -> dict[str, float]:
+    """Prompts that got an SGT auxiliary peer response, per family (from the exchange records)."""
+    from graft_rl.store import RecordStore
+
+    seen = {(r["step"], r["prompt_id"]) for r in RecordStore(run_dir).read_exchange(name) if r["auxiliary"]}
+    out: dict[str, float] = {}
+    for _, pid in seen:
+        out[fam_of[pid]] = out.get(fam_of[pid], 0.0) + 1
+    return out
+
+
 def summarize(tb, out: Path, methods: list[str], seeds: list[int], settings: str, eval_samples: int = 16) -> None:
     start = json.loads((out / "start.json").read_text())
     fams = list(tb.families)
@@ -108,6 +119,9 @@ def summarize(tb, out: Path, methods: list[str], seeds: list[int], settings: str
     methods = [m for m in methods if done[m]]
     final: dict = {}
     curves: dict = {}
+    from graft_rl.data import load_jsonl
+
+    fam_of = {p.id: p.subject for p in load_jsonl(tb.train_file)}
     for m in methods:
         for s in done[m]:
             rd = out / "runs" / f"{m}_s{s}"
@@ -115,6 +129,9 @@ def summarize(tb, out: Path, methods: list[str], seeds: list[int], settings: str
             val = [json.loads(x) for x in (rd / "validation.jsonl").read_text().splitlines() if x.strip()]
             for name in ("A", "B"):
                 fm = _family_metrics(rd, name)
+                if METHODS[m].get("method", {}).get("name") == "sgt":  # runs recorded before SGT's targets were counted
+                    for f, k in _sgt_targets(rd, name, fam_of).items():
+                        fm.setdefault(f, {})["grafted"] = k
                 for f in fams:
                     final.setdefault((m, name, f), []).append((fe[name][f], fm.get(f, {})))
                     pts = [(v["step"], v[k]) for v in val if v["policy"] == name
@@ -124,7 +141,8 @@ def summarize(tb, out: Path, methods: list[str], seeds: list[int], settings: str
              f"Seeds per method: {', '.join(f'{m} {done[m]}' for m in methods)}. Final held-out pass@1: the last "
              f"checkpoint, {tb.heldout_per_family} prompts × {eval_samples} samples per family, T=1; mean ± std over seeds. all-fail: the model's own "
              "groups on that family with no correct response (GRPO's zero-gradient groups); grafted / adm.: peer groups "
-             "that replaced them per seed, and the share of their responses the gate admitted.", "",
+             "that replaced them per seed (SGT: prompts given one correct peer response as its NLL target), and the "
+             "share of the grafted responses the gate admitted.", "",
              "| model | family | method | start | final (mean ± std) | Δ vs GRPO n=8 | all-fail | grafted | adm. |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for name in ("A", "B"):

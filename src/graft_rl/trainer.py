@@ -299,8 +299,9 @@ class Trainer:
         return [lines[n] for n in self.policies]
 
     def _family_stats(self, own: list[RolloutGroup], batch: ReceiverBatch) -> dict:
-        """Per prompt family (``subject``): own groups, own all-fail groups, grafted peer groups, and
-        grafted peer responses with those the gate admitted (weight > 0): counts, pooled by the report."""
+        """Per prompt family (``subject``): own groups, own all-fail groups, prompts with peer data
+        (grafted groups; SGT's auxiliary response), and grafted peer responses with those the gate
+        admitted (weight > 0): counts, pooled by the report."""
         out: dict[str, float] = {}
 
         def add(key: str, fam: str, v: float = 1.0) -> None:
@@ -310,11 +311,11 @@ class Trainer:
             fam = self._family[g.prompt_id]
             add("groups", fam)
             add("all_fail", fam, float(g.k == 0))
-        for gi, rows in enumerate(batch.group_rows()):
-            if not batch.group_is_peer[gi] or not rows:
+        for rows in batch.group_rows():
+            if not any(batch.rows[i].is_peer for i in rows):  # no peer data for this prompt
                 continue
             fam = self._family[batch.rows[rows[0]].prompt_id]
-            add("grafted", fam)
+            add("grafted", fam)  # a grafted group, or SGT's auxiliary peer response
             peer = [batch.rows[i] for i in rows if batch.rows[i].is_peer and not batch.rows[i].is_aux]
             add("grafted_rows", fam, len(peer))
             add("admitted_rows", fam, sum(1 for r in peer if r.weight > 0))
