@@ -128,9 +128,22 @@ def main() -> int:
     from graft_rl.policy.zoo import resolve
 
     torch.set_num_threads(args.threads)
+    label = args.model
     model_dir = resolve(args.model) if args.model.startswith("zoo:") else args.model
-    if str(model_dir).endswith(".gguf"):
-        raise SystemExit("vs_trl: give a save_pretrained directory (TRL loads the model itself)")
+    if str(model_dir).endswith(".gguf"):  # both frameworks get the same dequantised save_pretrained copy
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = Path(model_dir)
+        dest = Path(tempfile.mkdtemp(prefix="vs_trl_model_"))
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        if hasattr(loaded.config, "quantization_config"):
+            del loaded.config.quantization_config  # dequantised on load; a GGUF-marked model refuses to save
+        plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(dest)
+        model_dir = str(dest)
+        args.model = str(dest)
     problems = load_dataset(args.data)
     runners = {"graft-rl": lambda seed: graft_steps(args.model, problems, args, seed)}
     if args.gen_batch:
@@ -146,7 +159,7 @@ def main() -> int:
             print(f"block {r + 1}/{args.repeats} {name}: median {statistics.median(s for s, _ in steps[args.warmup:]):.3f} s/step",
                   file=sys.stderr, flush=True)
     rows = args.prompts * args.n
-    print(f"{args.model}, {args.prompts} prompts x {args.n}, max {args.max_new_tokens} new tokens, one optimiser step per "
+    print(f"{label}, {args.prompts} prompts x {args.n}, max {args.max_new_tokens} new tokens, one optimiser step per "
           f"RL step; torch {torch.__version__}, transformers {transformers.__version__}, TRL {trl.__version__}, "
           f"{args.threads} threads; {args.repeats} alternating blocks x {args.steps - args.warmup} timed steps\n")
     print("| framework | median s/step | completions/s | mean completion tokens | completion tokens/s |")
