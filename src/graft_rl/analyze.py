@@ -266,16 +266,25 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
             axes[0].plot(xs, _moving_mean(ys), label=f"{rdir.name}:{p}")
             vv = [v for v in vs if v["policy"] == p]
             if vv:
-                axes[1].plot([v["step"] for v in vv], [v["val/score"] for v in vv], marker="o", label=f"{rdir.name}:{p}")
+                (line,) = axes[1].plot([v["step"] for v in vv], [v["val/score"] for v in vv], marker="o",
+                                       label=f"{rdir.name}:{p}")
+                # per prompt family (validation data naming a few, e.g. the transfer testbed): thinner, same colour
+                fam_keys = sorted({k for v in vv for k in v if k.startswith("val/") and k.count("/") == 2})
+                for k, style in zip(fam_keys, ("--", ":", "-.") * 3):
+                    pts = [(v["step"], v[k]) for v in vv if k in v]
+                    axes[1].plot([x for x, _ in pts], [y for _, y in pts], linestyle=style, marker=".", linewidth=1,
+                                 color=line.get_color(), label=f"{rdir.name}:{p} {k.rsplit('/', 1)[1]}")
     axes[0].set_title("training reward (moving mean)")
     axes[0].set_ylabel("pass rate of the step's rollouts")
-    axes[1].set_title("validation score")
+    axes[1].set_title("validation score (thin: per prompt family)")
     axes[1].set_ylabel("held-out pass@1")
     for a in axes:
         a.set_xlabel("step")
         a.grid(alpha=0.3)
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
+    if axes[1].get_legend_handles_labels()[0]:  # outside the axes: the family lines fill the panel
+        axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     _save(fig, out / "curves.png")
 
     # 6. case studies (Appendix I)
