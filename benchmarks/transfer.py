@@ -33,9 +33,9 @@ from testbed import METHODS, run_one  # noqa: E402  (the natural-pair benchmark'
 DEFAULT_METHODS = ["grpo_n8", "grpo_n32", "graft", "graft_no_gate", "sgt"]
 
 
-def final_eval(tb, run_dir: Path, steps: int, samples: int, threads: int | None = None) -> dict:
-    """Per-family pass@1 of each model's last checkpoint on the whole held-out set (T=1, top-p 1)."""
-    out = run_dir / "final.json"
+def eval_by_family(tb, out: Path, samples: int, checkpoint: Path | None = None, threads: int | None = None) -> dict:
+    """Per-family pass@1 of both models (the shipped pair, or a run's ``checkpoint`` directory) on the
+    whole held-out set (T=1, top-p 1), cached in ``out``."""
     if out.is_file():
         return json.loads(out.read_text())
     if threads:
@@ -43,97 +43,44 @@ def final_eval(tb, run_dir: Path, steps: int, samples: int, threads: int | None 
 
         torch.set_num_threads(threads)
     from graft_rl.data import load_jsonl
-    from graft_rl.evaluation import evaluate_policy
+    from graft_rl.evaluation import evaluate_policy, pass1_by_family
     from graft_rl.policy import Policy, PolicyConfig
 
     held = load_jsonl(tb.eval_file)
     res: dict = {}
     for d in tb.policy_dicts():
-        name = d["name"]
-        ckpt = run_dir / "checkpoints" / f"step_{steps:06d}" / name
-        pol = Policy(PolicyConfig(**{**d, "model": str(ckpt)}))
-        correct = evaluate_policy(pol, held, "gsm8k", samples, 1.0, 1.0, 40, seed=12345)["correct"]
-        fams: dict[str, list[float]] = {}
-        for p, c in zip(held, correct, strict=True):
-            fams.setdefault(p.subject, []).append(c / samples)
-        res[name] = {f: statistics.fmean(v) for f, v in fams.items()} | {"problems": {f: len(v) for f, v in fams.items()}}
+        model = str(checkpoint / d["name"]) if checkpoint else d["model"]
+        correct = evaluate_policy(Policy(PolicyConfig(**{**d, "model": model})), held, "gsm8k", samples, 1.0, 1.0, 40,
+                                  seed=12345)["correct"]
+        res[d["name"]] = pass1_by_family(held, correct, samples)
     out.write_text(json.dumps(res, indent=1))
-    return res
-
-
-def start_eval(tb, out: Path, samples: int) -> dict:
-    """The same evaluation of the shipped (untrained) pair: every method's starting point."""
-    path = out / "start.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    from graft_rl.data import load_jsonl
-    from graft_rl.evaluation import evaluate_policy
-    from graft_rl.policy import Policy, PolicyConfig
-
-    held = load_jsonl(tb.eval_file)
-    res: dict = {}
-    for d in tb.policy_dicts():
-        correct = evaluate_policy(Policy(PolicyConfig(**d)), held, "gsm8k", samples, 1.0, 1.0, 40, seed=12345)["correct"]
-        fams: dict[str, list[float]] = {}
-        for p, c in zip(held, correct, strict=True):
-            fams.setdefault(p.subject, []).append(c / samples)
-        res[d["name"]] = {f: statistics.fmean(v) for f, v in fams.items()}
-    path.write_text(json.dumps(res, indent=1))
     return res
 
 
 def one(tb, out: Path, method: str, seed: int, args, threads: int | None) -> Path:
     run_dir = run_one(tb, out, method, seed, args.steps, args.val_prompts, args.val_samples, args.every, None, threads)
-    final_eval(tb, run_dir, args.steps, args.eval_samples, threads)
+    eval_by_family(tb, run_dir / "final.json", args.eval_samples, run_dir / "checkpoints" / f"step_{args.steps:06d}", threads)
     return run_dir
 
 
-def _family_metrics(run_dir: Path, name: str) -> dict[str, dict[str, float]]:
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    mine = [m for m in metrics if m["policy"] == name]
-    out: dict[str, dict[str, float]] = {}
-    for m in mine:
-        for k, v in m.items():
-            if "/" in k and k.split("/", 1)[0] in ("groups", "all_fail", "grafted", "grafted_rows", "admitted_rows"):
-                key, fam = k.split("/", 1)
-                out.setdefault(fam, {}).setdefault(key, 0.0)
-                out[fam][key] += v or 0
-    return out
-
-
-def _sgt_targets(run_dir: Path, name: str, fam_of: dict[str, str]) -> dict[str, float]:
-    """Prompts that got an SGT auxiliary peer response, per family (from the exchange records)."""
-    from graft_rl.store import RecordStore
-
-    seen = {(r["step"], r["prompt_id"]) for r in RecordStore(run_dir).read_exchange(name) if r["auxiliary"]}
-    out: dict[str, float] = {}
-    for _, pid in seen:
-        out[fam_of[pid]] = out.get(fam_of[pid], 0.0) + 1
-    return out
-
-
 def summarize(tb, out: Path, methods: list[str], seeds: list[int], settings: str, eval_samples: int = 16) -> None:
+    from graft_rl.report import family_summary
+
     start = json.loads((out / "start.json").read_text())
     fams = list(tb.families)
     done = {m: [s for s in seeds if (out / "runs" / f"{m}_s{s}" / "final.json").is_file()] for m in methods}
     methods = [m for m in methods if done[m]]
     final: dict = {}
     curves: dict = {}
-    from graft_rl.data import load_jsonl
-
-    fam_of = {p.id: p.subject for p in load_jsonl(tb.train_file)}
     for m in methods:
         for s in done[m]:
             rd = out / "runs" / f"{m}_s{s}"
             fe = json.loads((rd / "final.json").read_text())
             val = [json.loads(x) for x in (rd / "validation.jsonl").read_text().splitlines() if x.strip()]
+            counts = {(r["policy"], r["family"]): r for r in family_summary(rd)}
             for name in ("A", "B"):
-                fm = _family_metrics(rd, name)
-                if METHODS[m].get("method", {}).get("name") == "sgt":  # runs recorded before SGT's targets were counted
-                    for f, k in _sgt_targets(rd, name, fam_of).items():
-                        fm.setdefault(f, {})["grafted"] = k
                 for f in fams:
-                    final.setdefault((m, name, f), []).append((fe[name][f], fm.get(f, {})))
+                    final.setdefault((m, name, f), []).append((fe[name][f], counts.get((name, f), {})))
                     pts = [(v["step"], v[k]) for v in val if v["policy"] == name
                            for k in v if k.startswith("val/") and k.endswith(f"/{f}")]
                     curves.setdefault((m, name, f), []).append(pts)
@@ -211,7 +158,7 @@ def main() -> None:
     tb = shipped_testbed("transfer")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    start_eval(tb, out, args.eval_samples)
+    eval_by_family(tb, out / "start.json", args.eval_samples)  # every method's starting point
     if not args.summarize_only:
         # the costly n=32 runs last: a partial benchmark still covers every cheap method and seed
         todo = sorted(((m, s) for s in args.seeds for m in args.methods), key=lambda t: (METHODS[t[0]].get("n", 8) > 8, t[1]))

@@ -128,8 +128,8 @@ def main() -> int:
     from graft_rl.policy.zoo import resolve
 
     torch.set_num_threads(args.threads)
-    label = args.model
-    model_dir = resolve(args.model) if args.model.startswith("zoo:") else args.model
+    model_dir = resolve(args.model)  # one directory both frameworks load
+    converted = None
     if str(model_dir).endswith(".gguf"):  # both frameworks get the same dequantised save_pretrained copy
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,24 +142,27 @@ def main() -> int:
         plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(dest)
-        model_dir = str(dest)
-        args.model = str(dest)
+        model_dir = converted = str(dest)
     problems = load_dataset(args.data)
-    runners = {"graft-rl": lambda seed: graft_steps(args.model, problems, args, seed)}
+    runners = {"graft-rl": lambda seed: graft_steps(model_dir, problems, args, seed)}
     if args.gen_batch:
-        runners[f"graft-rl, gen_batch_size={args.gen_batch}"] = lambda seed: graft_steps(args.model, problems, args, seed,
+        runners[f"graft-rl, gen_batch_size={args.gen_batch}"] = lambda seed: graft_steps(model_dir, problems, args, seed,
                                                                                          args.gen_batch)
-    runners["TRL"] = lambda seed: trl_steps(str(model_dir), problems, args, seed)
+    runners["TRL"] = lambda seed: trl_steps(model_dir, problems, args, seed)
     res: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
-    for r in range(args.repeats):
-        order = list(runners) if r % 2 == 0 else list(reversed(runners))  # alternate who goes first
-        for name in order:
-            steps = runners[name](r)
-            res[name] += steps[args.warmup:]
-            print(f"block {r + 1}/{args.repeats} {name}: median {statistics.median(s for s, _ in steps[args.warmup:]):.3f} s/step",
-                  file=sys.stderr, flush=True)
+    try:
+        for r in range(args.repeats):
+            order = list(runners) if r % 2 == 0 else list(reversed(runners))  # alternate who goes first
+            for name in order:
+                steps = runners[name](r)
+                res[name] += steps[args.warmup:]
+                print(f"block {r + 1}/{args.repeats} {name}: median "
+                      f"{statistics.median(s for s, _ in steps[args.warmup:]):.3f} s/step", file=sys.stderr, flush=True)
+    finally:
+        if converted:
+            shutil.rmtree(converted, ignore_errors=True)
     rows = args.prompts * args.n
-    print(f"{label}, {args.prompts} prompts x {args.n}, max {args.max_new_tokens} new tokens, one optimiser step per "
+    print(f"{args.model}, {args.prompts} prompts x {args.n}, max {args.max_new_tokens} new tokens, one optimiser step per "
           f"RL step; torch {torch.__version__}, transformers {transformers.__version__}, TRL {trl.__version__}, "
           f"{args.threads} threads; {args.repeats} alternating blocks x {args.steps - args.warmup} timed steps\n")
     print("| framework | median s/step | completions/s | mean completion tokens | completion tokens/s |")

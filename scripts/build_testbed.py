@@ -41,19 +41,14 @@ def sha256(path: Path) -> str:
 def greedy_heldout_accuracy(tb: Testbed, which: str, n: int = SAMPLE, by_family: bool = False) -> float | dict[str, float]:
     """Greedy (top-k 1) pass@1 of one shipped model on the first ``n`` held-out problems (per family: a dict)."""
     from graft_rl.data import load_jsonl
-    from graft_rl.evaluation import evaluate_policy
+    from graft_rl.evaluation import evaluate_policy, pass1_by_family
     from graft_rl.policy import Policy, PolicyConfig
 
     pd = {p["name"]: p for p in tb.policy_dicts()}[which]
     pol = Policy(PolicyConfig(**pd))
     problems = load_jsonl(tb.eval_file, n)
     res = evaluate_policy(pol, problems, "gsm8k", samples=1, temperature=1.0, top_p=1.0, max_new_tokens=40, seed=0, top_k=1)
-    if not by_family:
-        return res["pass@1"]
-    fams: dict[str, list[int]] = {}
-    for p, c in zip(problems, res["correct"], strict=True):
-        fams.setdefault(p.subject, []).append(c)
-    return {f: sum(cs) / len(cs) for f, cs in fams.items()}
+    return pass1_by_family(problems, res["correct"], 1) if by_family else res["pass@1"]
 
 
 def cpu_model() -> str:

@@ -15,7 +15,10 @@ from graft_rl.data import Problem
 from graft_rl.policy import Policy, SamplingParams
 from graft_rl.rewards import score_responses
 
-__all__ = ["pass_at_k", "evaluate_policy"]
+__all__ = ["pass_at_k", "evaluate_policy", "families", "pass1_by_family", "MAX_FAMILIES"]
+
+#: Reported per family only when the data names this few (the testbed kinds; MATH's seven subjects).
+MAX_FAMILIES = 8
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -73,3 +76,20 @@ def evaluate_policy(
         "n_problems": len(problems),
         "truncated_frac": truncated / max(total, 1),
     }
+
+
+def families(problems: Sequence[Problem]) -> dict[str, str]:
+    """Problem id -> family (the problem's ``subject``) when every problem names one and there are
+    2..MAX_FAMILIES of them; else ``{}``."""
+    fams = {p.id: p.subject for p in problems}
+    if any(f is None for f in fams.values()) or not 2 <= len(set(fams.values())) <= MAX_FAMILIES:
+        return {}
+    return fams
+
+
+def pass1_by_family(problems: Sequence[Problem], correct: Sequence[int], samples: int) -> dict[str, float]:
+    """pass@1 per family (``subject``) from :func:`evaluate_policy`'s ``correct`` counts."""
+    by: dict[str, list[float]] = {}
+    for p, c in zip(problems, correct, strict=True):
+        by.setdefault(p.subject, []).append(c / samples)
+    return {f: statistics.fmean(v) for f, v in sorted(by.items())}

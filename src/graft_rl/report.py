@@ -83,6 +83,7 @@ def family_summary(run_dir: str | Path) -> list[dict]:
                 "val_before": val_at(vals[0] if vals else None), "val_after": val_at(vals[-1] if vals else None),
                 "val_best": val_at(next((v for v in vals if v["step"] == best), None)),
                 "groups": total("groups"), "all_fail": total("all_fail"), "grafted": total("grafted"),
+                "grafted_rows": rows, "admitted_rows": total("admitted_rows"),
                 "admitted_frac": total("admitted_rows") / rows if rows else None,
             })
     return out

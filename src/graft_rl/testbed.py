@@ -38,10 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TASKS", "TRANSFER_KINDS", "PAIRS", "PairSpec", "make_problem", "make_split", "Testbed", "ensure_testbed",
-           "shipped_testbed", "shipped_root", "warm_up", "PLAIN_TEMPLATE", "SHIPPED_FILES"]
+           "shipped_testbed", "shipped_root", "warm_up", "PLAIN_TEMPLATE"]
 
-#: Where the shipped builds live inside the package, one folder per pair (``scripts/build_testbed.py``).
-SHIPPED_FILES = Path(__file__).resolve().parent / "testbed_files"
 
 #: Prompt format of both testbed models (plain text, no chat template).
 PLAIN_TEMPLATE = "Q: {prompt}\nA: "
@@ -281,7 +279,8 @@ def _prompt_sets(spec: PairSpec, seed: int, pool: int, heldout: int) -> tuple[li
     """The prompt pool and the held-out set (disjoint expressions)."""
     if spec.families is None:  # the natural pair: uniform over every kind (its shipped build's procedure)
         train = make_split(pool, seed, prefix="train")
-        held = [r for r in make_split(pool + heldout * 2, seed + 1, prefix="heldout") if r["problem"] not in {t["problem"] for t in train}]
+        seen = {t["problem"] for t in train}
+        held = [r for r in make_split(pool + heldout * 2, seed + 1, prefix="heldout") if r["problem"] not in seen]
         return train, held[:heldout]
     fams = spec.families
     train = make_split(pool, seed, {f: 1.0 for f in fams}, prefix="train")
@@ -353,7 +352,9 @@ def shipped_root(pair: str) -> Path:
     """Where the shipped build of ``pair`` lives inside the package."""
     if pair not in PAIRS:
         raise ValueError(f"unknown testbed pair {pair!r}; available: {', '.join(PAIRS)}")
-    return SHIPPED_FILES / pair
+    from graft_rl.data import TESTBED_FILES  # one folder per pair (scripts/build_testbed.py)
+
+    return TESTBED_FILES / pair
 
 
 def shipped_testbed(pair: str = "natural") -> Testbed:

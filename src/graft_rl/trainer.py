@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.data import Problem, load_dataset, verifier_for
+from graft_rl.evaluation import families, pass1_by_family
 from graft_rl.exchange import ReceiverBatch, build_exchange
 from graft_rl.objectives import build_objective
 from graft_rl.plan import check_resources
@@ -97,7 +98,7 @@ class Trainer:
         if len(self.data) < cfg.prompt_batch:
             raise ConfigError(f"data.train {cfg.data.train!r} has {len(self.data)} problems, fewer than prompt_batch={cfg.prompt_batch}")
         self._by_id = {p.id: p for p in self.data}
-        self._family = _families(self.data)  # prompt id -> family, when the data names a few (testbed kinds)
+        self._family = families(self.data)  # prompt id -> family, when the data names a few (testbed kinds)
         self.verifier = cfg.data.verifier if cfg.data.verifier != "auto" else verifier_for(cfg.data.train, self.data[0])
         self.steps_per_epoch = len(self.data) // cfg.prompt_batch
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
@@ -147,6 +148,7 @@ class Trainer:
             self._restore(ckpt)
         self._tb = self._tensorboard() if cfg.tensorboard else None
         self.val_sets = {name: load_dataset(name, cfg.validation.limit) for name in cfg.validation.data}
+        self._val_family = {name: bool(families(ps)) for name, ps in self.val_sets.items()}  # scored per family too
         self.best: dict[str, dict] = self._best_from_log()
 
     # ------------------------------------------------------------------ workers
@@ -338,9 +340,8 @@ class Trainer:
                     v.max_new_tokens, derive_seed(self.cfg.seed, 7, step, self.names.index(name)), self.cfg.data.verify_timeout,
                 )
                 line[f"val/{Path(ds).stem}"] = res["pass@1"]
-                fams = _families(problems)
-                if fams and res.get("correct") is not None:
-                    for fam, score in _family_pass1(problems, fams, res["correct"], v.samples).items():
+                if self._val_family[ds] and res.get("correct") is not None:
+                    for fam, score in pass1_by_family(problems, res["correct"], v.samples).items():
                         line[f"val/{Path(ds).stem}/{fam}"] = score
                 scores.append(res["pass@1"])
                 variances.append(_pass1_variance(res.get("correct"), v.samples))
@@ -539,26 +540,6 @@ class Trainer:
             raise ConfigError(f"{run_dir}: not a run directory (no config.yaml)")
         cfg = load_config(cfg_path, [*(overrides or []), f"run_dir={run_dir}"])
         return cls(cfg, resume=True, show_progress=show_progress)
-
-
-#: Reported per family only when the data names this few (the testbed kinds; MATH's seven subjects).
-MAX_FAMILIES = 8
-
-
-def _families(problems) -> dict[str, str]:
-    """Prompt id -> family (the problem's ``subject``) when every problem names one and there are
-    2..MAX_FAMILIES of them; else ``{}``."""
-    fams = {p.id: p.subject for p in problems}
-    if any(f is None for f in fams.values()) or not 2 <= len(set(fams.values())) <= MAX_FAMILIES:
-        return {}
-    return fams
-
-
-def _family_pass1(problems, fams: dict[str, str], correct: list[int], samples: int) -> dict[str, float]:
-    by: dict[str, list[float]] = {}
-    for p, c in zip(problems, correct, strict=True):
-        by.setdefault(fams[p.id], []).append(c / samples)
-    return {f: statistics.fmean(v) for f, v in sorted(by.items())}
 
 
 def _pass1_variance(correct: list[int] | None, samples: int) -> float | None:

@@ -203,13 +203,13 @@ def test_per_family_counts_and_validation_add_up(testbed, tmp_path, capsys):
 
 def test_families_are_reported_only_for_a_few_named_ones():
     from graft_rl.data import Problem
-    from graft_rl.trainer import _families
+    from graft_rl.evaluation import families
 
     two = [Problem(f"p{i}", "1+1=?", "2", subject=("x" if i % 2 else "y")) for i in range(6)]
-    assert _families(two) == {f"p{i}": ("x" if i % 2 else "y") for i in range(6)}
-    assert _families([Problem("a", "q", "1", subject="x"), Problem("b", "q", "1")]) == {}  # one unnamed: none
-    assert _families([Problem(f"p{i}", "q", "1", subject="x") for i in range(3)]) == {}  # a single family
-    assert _families([Problem(f"p{i}", "q", "1", subject=str(i)) for i in range(20)]) == {}  # too many to tabulate
+    assert families(two) == {f"p{i}": ("x" if i % 2 else "y") for i in range(6)}
+    assert families([Problem("a", "q", "1", subject="x"), Problem("b", "q", "1")]) == {}  # one unnamed: none
+    assert families([Problem(f"p{i}", "q", "1", subject="x") for i in range(3)]) == {}  # a single family
+    assert families([Problem(f"p{i}", "q", "1", subject=str(i)) for i in range(20)]) == {}  # too many to tabulate
 
 
 def test_eval_of_a_default_run_uses_the_shipped_heldout_set(tmp_path, monkeypatch, capsys):

@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from graft_rl.data import TESTBED_FILES  # the shipped testbed pairs: natural/, transfer/
+
 __all__ = ["ZOO", "resolve", "cache_dir", "FEW_SHOT_ARITHMETIC"]
 
 
@@ -59,10 +61,6 @@ def _gemma3() -> Path:
         ) from exc
     name = Path(pkg.default_output_path()).name
     return Path(pkg.assemble(cache_dir() / "gemma3-270m" / name))  # joined once into the cache, sha256-checked
-
-
-#: The CPU testbed pairs (natural/, transfer/), shipped in the package (scripts/build_testbed.py builds it; see graft_rl.testbed).
-TESTBED_FILES = Path(__file__).resolve().parent.parent / "testbed_files"
 
 
 def _testbed(pair: str, which: str):
