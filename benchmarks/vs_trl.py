@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="blocks per framework, alternating")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--gen-batch", type=int, default=None,
-                    help="also time graft-rl with this policy gen_batch_size (default 64 rows per generate call)")
+                    help="also time graft-rl with this policy gen_batch_size (default: automatic, every row of a step at once here)")
     args = ap.parse_args()
     import torch
     import transformers

@@ -15,11 +15,19 @@ __all__ = ["RowTensors", "Objective", "build_objective"]
 
 
 class RowTensors:
-    """Per-row tensors of a receiver batch (``M`` rows, ``T`` tokens), indexed by row."""
+    """Per-row tensors of a receiver batch (``M`` rows, ``T`` tokens), indexed by row.
+
+    ``old``: the receiver's log-probs before the step's first update (pi_old of the ratio). Rows
+    flagged in ``old_is_current`` were not scored beforehand: they are trained in the step's first
+    update, where pi_old *is* the current policy, so their pi_old is the forward pass's own
+    log-probs, detached (ratio exactly 1, as verl and TRL do on-policy); see :meth:`old_for`.
+    """
 
     def __init__(self, old: torch.Tensor, mask: torch.Tensor, adv, weight, is_peer, include, is_aux, src_mean, kappa,
-                 ref: torch.Tensor | None = None):
+                 ref: torch.Tensor | None = None, old_is_current=None):
         self.old, self.mask, self.ref = old, mask, ref
+        self.old_is_current = (torch.zeros(len(mask), dtype=torch.bool) if old_is_current is None
+                               else torch.as_tensor(old_is_current, dtype=torch.bool))
         self.adv = torch.as_tensor(adv, dtype=torch.float32)
         self.weight = torch.as_tensor(weight, dtype=torch.float32)
         self.is_peer = torch.as_tensor(is_peer, dtype=torch.bool)
@@ -27,6 +35,12 @@ class RowTensors:
         self.is_aux = torch.as_tensor(is_aux, dtype=torch.bool)
         self.src_mean = torch.as_tensor(src_mean, dtype=torch.float32)
         self.kappa = torch.as_tensor(kappa, dtype=torch.float32)
+
+    def old_for(self, rows: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+        """pi_old log-probs ``[m, T_m]`` of ``rows`` for a micro-batch whose current log-probs are ``lp``."""
+        old = self.old[rows, : lp.shape[1]].to(lp.device)
+        current = self.old_is_current[rows].to(lp.device)
+        return torch.where(current[:, None], lp.detach(), old) if bool(current.any()) else old
 
     def rl_mask(self, rows) -> torch.Tensor:
         keep = (self.include & ~self.is_aux)[rows].float()
@@ -68,7 +82,7 @@ class Objective:
         def fn(lp, mask, micro):
             rows = mb[torch.tensor(micro)]
             T = lp.shape[1]
-            old = t.old[rows, :T].to(lp.device)
+            old = t.old_for(rows, lp)
             rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
             loss, stats = self.rl_loss(lp, old, rl_mask, t, rows, step)
             total = loss * (float(rl_mask.sum()) / rl_tokens) if rl_tokens > 0 else lp.sum() * 0.0
@@ -128,7 +142,7 @@ class HacpoObjective(Objective):
             peer = t.is_peer[rows].to(lp.device)
             loss, st = algo.hacpo_policy_loss(
                 lp[valid],
-                t.old[rows, :T].to(lp.device)[valid],
+                t.old_for(rows, lp)[valid],
                 t.src_mean[rows].to(lp.device)[valid],
                 t.adv[rows].to(lp.device)[valid],
                 rl_mask[valid],

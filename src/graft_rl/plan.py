@@ -36,7 +36,7 @@ from pathlib import Path
 
 from graft_rl.config import ConfigError, TrainConfig
 from graft_rl.policy import PolicyConfig
-from graft_rl.policy.policy import auto_micro_batch_tokens
+from graft_rl.policy.policy import auto_micro_batch_tokens, uses_fused_head
 
 __all__ = ["ModelShape", "PolicyPlan", "plan", "format_plan", "check_resources", "KNOWN_SHAPES"]
 
@@ -142,7 +142,7 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
     c = _BYTES[pc.dtype]
     W = pc.world_size
     N = s.params
-    t = pc.micro_batch_tokens or auto_micro_batch_tokens(s.vocab)
+    t = budget_tokens = pc.micro_batch_tokens or auto_micro_batch_tokens(s.vocab)
     t = min(t, pc.max_prompt_tokens + cfg.max_new_tokens) if pc.micro_batch_tokens is None else t
     sharded = 16 * N / W
     compute = 2 * c * (s.root_params + 2 * s.layer_params)
@@ -153,7 +153,7 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
     chunk = k * s.vocab * (c + 8)
     naive = t * s.vocab * (c + 8)
     act = act_ckpt if pc.gradient_checkpointing else act_full
-    logits = chunk if pc.fused_logprobs else naive
+    logits = chunk if uses_fused_head(pc.fused_logprobs, s.vocab, budget_tokens) else naive
     tp = int(pc.vllm_kwargs.get("tensor_parallel_size", 1)) if pc.backend == "vllm" else 1
     vllm = c * N / tp if pc.backend == "vllm" else 0.0
     share = float(pc.vllm_kwargs.get("gpu_memory_utilization", 0.4)) if pc.backend == "vllm" else 0.0

@@ -95,8 +95,21 @@ class PolicyWorker:
                 response_ids.append(r.token_ids)
         return TokenBatch(prompt_ids, response_ids)
 
+    def _score(self, tb: TokenBatch, rows: list[int], old: torch.Tensor) -> None:
+        """Fill ``old[rows]`` with this policy's current log-probs of those rows (no gradient)."""
+        if rows:
+            lp, _ = self.policy.token_logprobs(tb.select(rows))
+            old[rows, : lp.shape[1]] = lp
+
     def train(self, batch: ReceiverBatch, step: int, seed: int, capabilities: dict[str, float], temperature: float = 1.0):
-        """Score every row once (old log-probs), weight peer rows, run the peer-last minibatch epoch.
+        """Score the rows that need pi_old, weight peer rows, run the peer-last minibatch epoch.
+
+        pi_old (the receiver's log-probs before the step's first update) is computed beforehand
+        only where it differs from what the update's own forward pass gives: peer rows (their
+        compatibility score needs it before any update) and rows trained after the first update.
+        Rows of the first update take pi_old from that forward pass, detached (SPEC §2: the same
+        quantity, so one forward pass fewer per row; with one update per step, as ``minibatch >=
+        prompt_batch`` gives, own rows are never scored separately).
 
         ``temperature``: the rollout temperature; every log-prob here (old, new, reference; so the
         ratio and the compatibility score) comes from logits divided by it (SPEC §2).
@@ -108,14 +121,16 @@ class PolicyWorker:
         gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
         tb = self._encode(batch)
-        old, mask = pol.token_logprobs(tb)  # pi_old: before the step's first update
+        mask = tb.response_mask()
+        old = torch.zeros(mask.shape)  # pi_old, filled below where it is needed before the first update
+        # compatibility of peer responses (Section 4.2); per-character variant logged too
+        peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
+        self._score(tb, peer_rows, old)
         recv_sum = (old * mask).sum(1)
         recv_mean = algo.mean_token_logprob(old, mask)
         ref = pol.reference_logprobs(tb)[0] if m.kl_coef > 0 else None
         score_s = time.perf_counter() - t0
         stats: dict = {}
-        # compatibility of peer responses (Section 4.2); per-character variant logged too
-        peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
         s_tok_all, s_chr_all, weights_all = [], [], []
         compat: dict[int, tuple[float, float]] = {}
         for src in dict.fromkeys(batch.rows[i].source for i in peer_rows):
@@ -140,6 +155,22 @@ class PolicyWorker:
                 kappa.append(algo.hacpo_capability_ratio(p_src, p_recv))
             else:
                 kappa.append(1.0)
+        exchange_rows = ([
+            {"prompt_id": r.prompt_id, "source": r.source, "group_index": r.index, "reward": r.reward,
+             "advantage": r.advantage, "weight": r.weight, "compat_token": compat.get(i, (None, None))[0],
+             "compat_char": compat.get(i, (None, None))[1], "included": r.include, "auxiliary": r.is_aux}
+            for i, r in enumerate(batch.rows) if r.is_peer
+        ])
+        # peer-last minibatches over the receiver's prompt groups (Section 4.2)
+        group_rows = batch.group_rows()
+        order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.minibatch, m.position, gen)
+        # pi_old of the rows trained after the first update (the policy will have moved by then)
+        t0 = time.perf_counter()
+        first = {r for gi in order[0].tolist() for r in group_rows[gi]} if order else set()
+        scored = set(peer_rows)
+        later = [i for i, r in enumerate(batch.rows) if i not in first and i not in scored and r.include and not r.is_aux]
+        self._score(tb, later, old)
+        score_s += time.perf_counter() - t0
         t = RowTensors(
             old,
             mask,
@@ -151,16 +182,8 @@ class PolicyWorker:
             [r.src_mean_logprob for r in batch.rows],
             kappa,
             ref,
+            old_is_current=[i in first and i not in scored for i in range(len(batch.rows))],
         )
-        exchange_rows = ([
-            {"prompt_id": r.prompt_id, "source": r.source, "group_index": r.index, "reward": r.reward,
-             "advantage": r.advantage, "weight": r.weight, "compat_token": compat.get(i, (None, None))[0],
-             "compat_char": compat.get(i, (None, None))[1], "included": r.include, "auxiliary": r.is_aux}
-            for i, r in enumerate(batch.rows) if r.is_peer
-        ])
-        # peer-last minibatches over the receiver's prompt groups (Section 4.2)
-        group_rows = batch.group_rows()
-        order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.minibatch, m.position, gen)
         t0 = time.perf_counter()
         upd: list[dict] = []
         for update_index, mb_groups in enumerate(order):

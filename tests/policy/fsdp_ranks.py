@@ -47,7 +47,7 @@ def run(model: str, out: str, dtype: str, ckpt: str) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     pol = ShardedPolicy(PolicyConfig("A", model, lr=1e-3, dtype=dtype, micro_batch_tokens=60, world_size=2,
-                                     gradient_checkpointing=True))
+                                     gradient_checkpointing=True, fused_logprobs=True))
     result = exercise(pol)
     pol.save(ckpt)
     pol.load_state(ckpt)

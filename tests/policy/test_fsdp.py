@@ -36,7 +36,8 @@ def test_two_fsdp_ranks_match_one_process(tiny_pair, tmp_path, arch):
     sharded = _torchrun(model, tmp_path / "out.json", "float32", ckpt, 29611 + arch)
     assert sharded["fused"]
 
-    single = Policy(PolicyConfig("A", str(model), lr=1e-3, micro_batch_tokens=60, gradient_checkpointing=True))
+    single = Policy(PolicyConfig("A", str(model), lr=1e-3, micro_batch_tokens=60, gradient_checkpointing=True,
+                                 fused_logprobs=True))
     one = exercise(single)
 
     torch.testing.assert_close(torch.tensor(sharded["old"]), torch.tensor(one["old"]), rtol=0, atol=1e-5)

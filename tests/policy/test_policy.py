@@ -62,6 +62,38 @@ def test_generation_is_reproducible_from_seed(pol_a):
     assert [g.token_ids for g in g1] != [g.token_ids for g in g3]
 
 
+def test_finished_rows_leave_the_decode_batch_without_changing_any_row(monkeypatch):
+    """Compaction of finished rows (and their KV cache): greedy outputs equal the uncompacted ones,
+    and sampled responses' generation log-probs equal a full forward pass's."""
+    from graft_rl.data import load_dataset
+    from graft_rl.testbed import PLAIN_TEMPLATE
+
+    pol = Policy(PolicyConfig("T", "zoo:transfer-a", prompt_format="plain", plain_template=PLAIN_TEMPLATE, prompt_suffix=None))
+    prompts = [(p.id, p.problem) for p in load_dataset("transfer_heldout")[:12]]
+    selects = []
+    cache_cls = type(pol.model(torch.tensor([[1, 2]]), use_cache=True).past_key_values)
+    real_select = cache_cls.batch_select_indices
+    monkeypatch.setattr(cache_cls, "batch_select_indices", lambda self, idx: selects.append(len(idx)) or real_select(self, idx))
+    greedy = SamplingParams(n=2, max_new_tokens=40, top_k=1)
+    out = {}
+    for compact in (True, False):
+        pol.backend.compact = compact
+        out[compact] = pol.generate(prompts, greedy, seed=0)
+    assert selects  # rows did leave the batch
+    assert [g.token_ids for g in out[True]] == [g.token_ids for g in out[False]]
+    for a, b in zip(out[True], out[False], strict=True):
+        assert torch.allclose(torch.tensor(sum(a.gen_logprobs, [])), torch.tensor(sum(b.gen_logprobs, [])), atol=1e-5)
+    pol.backend.compact = True
+    groups = pol.generate(prompts, SamplingParams(n=4, max_new_tokens=40), seed=1)
+    assert "stop" in {r for g in groups for r in g.finish_reasons}
+    batch = pol.encode_own(groups)
+    scored, mask = pol.token_logprobs(batch)
+    gen = torch.zeros_like(scored)
+    for i, lps in enumerate(lp for g in groups for lp in g.gen_logprobs):
+        gen[i, : len(lps)] = torch.tensor(lps)
+    assert torch.allclose(gen * mask, scored * mask, atol=1e-4)
+
+
 def test_truncated_responses_are_flagged(pol_b):
     groups = pol_b.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=3), seed=0)
     for g in groups:
@@ -122,8 +154,38 @@ def test_automatic_micro_batch_budget_follows_the_vocabulary(pol_a):
     assert auto_micro_batch_tokens(262144) == 1024
     assert auto_micro_batch_tokens(10**9) == 512
     assert pol_a.micro_batch_tokens == 16384
+    # the chunked LM head by default only where a micro-batch's logits would be large
+    from graft_rl.policy.policy import uses_fused_head
+
+    assert not pol_a.fused_head and not uses_fused_head(None, 259, 16384)
+    assert uses_fused_head(None, 49152, 5461) and uses_fused_head(None, 262144, 1024)
+    assert uses_fused_head(True, 38, 512) and not uses_fused_head(False, 262144, 1024)
     with pytest.raises(PolicyError, match="micro_batch_tokens"):
         PolicyConfig("X", "m", micro_batch_tokens=0)
+
+
+def test_automatic_generation_batch_follows_the_kv_cache(pol_a, pol_b, monkeypatch):
+    """gen_batch_size null: rows per generate call from the model's KV-cache size and a memory budget."""
+    from graft_rl.policy import rollout
+
+    for pol in (pol_a, pol_b):  # llama (num_key_value_heads, head_dim) and gpt2 (n_layer, n_head, n_embd)
+        cfg = pol.model.config
+        layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+        hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+        assert rollout.kv_bytes_per_token(pol.model) == 2 * layers * hidden * 4  # fp32, no grouped KV heads
+        assert rollout.auto_gen_batch_rows(pol.model, 256, 48, 300) == 256  # a testbed step: all rows at once
+        per_row = 100 * rollout.kv_bytes_per_token(pol.model) + 12 * 300
+        assert rollout.auto_gen_batch_rows(pol.model, 256, 100, 300, budget=10 * per_row) == 10
+        assert rollout.auto_gen_batch_rows(pol.model, 256, 100, 300, budget=1) == 1
+    with pytest.raises(PolicyError, match="gen_batch_size"):
+        PolicyConfig("X", "m", gen_batch_size=0)
+    # the batch size changes how rows share the sampler's random stream, never the rows' count or order
+    calls = []
+    real = pol_a.backend._generate_batch
+    monkeypatch.setattr(pol_a.backend, "_generate_batch", lambda rows, *a: calls.append(len(rows)) or real(rows, *a))
+    monkeypatch.setattr(rollout, "GEN_MEMORY_BUDGET_BYTES", 1)
+    groups = pol_a.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=4), seed=0)
+    assert calls == [1] * 6 and [g.n for g in groups] == [3, 3]
 
 
 def test_chunked_token_logprobs_match_log_softmax():

@@ -76,8 +76,12 @@ class PolicyConfig:
     # tokens per LM-head chunk when scoring: log-probs of the sampled tokens are computed from
     # `logprob_chunk` hidden states at a time (checkpointed), never from [tokens x vocab] logits
     logprob_chunk: int = 512
-    fused_logprobs: bool = True  # the chunked LM head above; false = logits_to_keep + chunked log-softmax
-    gen_batch_size: int = 64
+    # the chunked LM head above; false = logits_to_keep + chunked log-softmax; None = chunked when a
+    # micro-batch's logits would exceed FUSED_HEAD_ABOVE_BYTES (large vocabularies), else plain (faster)
+    fused_logprobs: bool | None = None
+    # rows (prompt x sample) per HF generate call; None = as many as fit GEN_MEMORY_BUDGET_BYTES of
+    # KV cache (policy.rollout.auto_gen_batch_rows: a testbed step's 256 rows at once, ~60 of SmolLM2 at 512 tokens)
+    gen_batch_size: int | None = None
     # the KL reference (method.kl_coef > 0): None = the weights this policy starts from; a resumed
     # run points it at the original model so the reference stays the initial policy
     reference_model: str | None = None
@@ -101,12 +105,27 @@ class PolicyConfig:
             raise PolicyError(f"policy {self.name!r}: prompt_format must be auto, chat or plain, got {self.prompt_format!r}")
         if "{prompt}" not in self.plain_template:
             raise PolicyError(f"policy {self.name!r}: plain_template must contain {{prompt}}")
+        if self.gen_batch_size is not None and self.gen_batch_size < 1:
+            raise PolicyError(f"policy {self.name!r}: gen_batch_size must be >= 1 (or null for automatic), got {self.gen_batch_size}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise PolicyError(f"policy {self.name!r}: micro_batch_tokens must be >= 1 (or null for automatic), got {self.micro_batch_tokens}")
 
 
 #: Bytes of float32 logits one forward pass may produce when ``micro_batch_tokens`` is automatic.
 LOGITS_BUDGET_BYTES = 1 << 30
+
+
+#: With ``fused_logprobs`` automatic, the LM head is chunked when one micro-batch's float32 logits
+#: would exceed this (SmolLM2's 49k and Gemma's 262k vocabularies); below it the plain logits path
+#: is cheaper (no recomputation in backward): the testbed's 259 tokens take 17 MB.
+FUSED_HEAD_ABOVE_BYTES = 256 << 20
+
+
+def uses_fused_head(setting: bool | None, vocab_size: int, micro_batch_tokens: int) -> bool:
+    """Whether scoring goes through the chunked LM head (before the model's own self-check)."""
+    if setting is not None:
+        return setting
+    return micro_batch_tokens * vocab_size * 4 > FUSED_HEAD_ABOVE_BYTES
 
 
 def auto_micro_batch_tokens(vocab_size: int, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
@@ -221,7 +240,8 @@ class Policy:
         # rollout temperature, as verl does), so ratios and compatibility use the sampling distribution
         self.logprob_temperature = 1.0
         self._setup_parallel()
-        self.fused_head = config.fused_logprobs and self._keeps_logits and self._fused_head_matches()
+        self.fused_head = (uses_fused_head(config.fused_logprobs, vocab, self.micro_batch_tokens) and self._keeps_logits
+                           and self._fused_head_matches())
         self.backend = make_backend(config.backend, self)
 
     def _setup_parallel(self) -> None:

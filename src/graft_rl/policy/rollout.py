@@ -27,7 +27,38 @@ import torch
 
 from graft_rl.policy.types import SamplingParams
 
-__all__ = ["Sample", "RolloutBackend", "HFBackend", "VLLMBackend", "sampling_logprobs", "make_backend"]
+__all__ = ["Sample", "RolloutBackend", "HFBackend", "VLLMBackend", "sampling_logprobs", "make_backend",
+           "GEN_MEMORY_BUDGET_BYTES", "kv_bytes_per_token", "auto_gen_batch_rows"]
+
+#: Bytes of KV cache plus sampling logits one HF generate call may hold when ``gen_batch_size`` is
+#: automatic (null): every row of a testbed step in one call, ~60 rows of SmolLM2-135M at 512 new tokens.
+GEN_MEMORY_BUDGET_BYTES = 2 << 30
+
+
+def kv_bytes_per_token(model) -> int | None:
+    """KV-cache bytes one token takes in ``model`` (keys and values of every layer), or None if
+    its config does not say (layers, key/value heads and head size under their usual names)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    if not (layers and heads and hidden):
+        return None
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    elem = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * elem
+
+
+def auto_gen_batch_rows(model, rows: int, tokens: int, vocab: int, budget: int = GEN_MEMORY_BUDGET_BYTES) -> int:
+    """Rows per generate call so that ``tokens`` (longest prompt + new tokens) of KV cache and three
+    float32 ``vocab``-wide sampling buffers per row fit ``budget``; all ``rows`` if they fit, 64 if
+    the model's KV size is unknown."""
+    per_token = kv_bytes_per_token(model)
+    if per_token is None:
+        return min(rows, 64)
+    per_row = tokens * per_token + 3 * 4 * vocab
+    return max(1, min(rows, budget // per_row))
 
 
 @dataclass
@@ -73,12 +104,14 @@ def _cache_of(res):
 class HFBackend:
     """KV-cached ancestral sampling with a transformers model (the trainer's own module)."""
 
-    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, batch_size: int = 64, compute_context=None):
+    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, batch_size: int | None = None,
+                 compute_context=None):
         self.model = model
         self.compute_context = compute_context or contextlib.nullcontext  # autocast under mixed precision
         self.eos = torch.tensor(sorted(set(eos_token_ids)))
         self.pad = pad_token_id
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # rows per generate call; None: auto_gen_batch_rows per call
+        self.compact = True  # finished rows leave the decode batch (see _generate_batch)
         # transformers >= 5.2x names the KV cache `cache`; earlier versions `past_key_values`
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -91,14 +124,26 @@ class HFBackend:
         device = next(self.model.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         rows = [p for p in prompt_ids for _ in range(sampling.n)]
+        size = self.batch_size
+        if size is None and rows:
+            head = self.model.get_output_embeddings()
+            vocab = head.weight.shape[0] if head is not None else self.model.config.vocab_size
+            size = auto_gen_batch_rows(self.model, len(rows), max(map(len, rows)) + sampling.max_new_tokens, vocab,
+                                       GEN_MEMORY_BUDGET_BYTES)
         out: list[Sample] = []
         with self.compute_context():
-            for s in range(0, len(rows), self.batch_size):
-                out.extend(self._generate_batch(rows[s : s + self.batch_size], sampling, gen, device))
+            for s in range(0, len(rows), size or 1):
+                out.extend(self._generate_batch(rows[s : s + size], sampling, gen, device))
         n = sampling.n
         return [out[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
     def _generate_batch(self, rows, sp: SamplingParams, gen, device) -> list[Sample]:
+        """Sample ``rows`` (left-padded together) up to EOS or ``max_new_tokens``.
+
+        Finished rows leave the batch (and the KV cache) once they are a quarter of it, so the
+        decode steps of a step's long tail run on the rows still generating; with ``compact``
+        off, or a cache that cannot select rows, every row runs to the end.
+        """
         was_training = self.model.training
         self.model.eval()
         B, L = len(rows), max(len(r) for r in rows)
@@ -112,19 +157,27 @@ class HFBackend:
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         res = self.model(input_ids=inp, attention_mask=attn, position_ids=pos, use_cache=True)
         past, logits = _cache_of(res), res.logits[:, -1]
+        live = torch.arange(B, device=device)  # batch row -> index in `rows`
         finished = torch.zeros(B, dtype=torch.bool, device=device)
-        toks, lps = [], []
+        tok_m = torch.full((B, sp.max_new_tokens), self.pad, dtype=torch.long, device=device)
+        lp_m = torch.zeros((B, sp.max_new_tokens), device=device)
+        steps = 0
         for step in range(sp.max_new_tokens):
             lp = sampling_logprobs(logits, sp.temperature, sp.top_p, sp.top_k)
             tok = torch.multinomial(lp.exp(), 1, generator=gen).squeeze(1)
             tok_lp = lp.gather(1, tok[:, None]).squeeze(1)
             tok = torch.where(finished, torch.full_like(tok, self.pad), tok)
-            toks.append(tok)
-            lps.append(tok_lp)
+            tok_m[live, step] = tok
+            lp_m[live, step] = tok_lp.float()
+            steps = step + 1
             finished = finished | torch.isin(tok, eos)
             if bool(finished.all()) or step == sp.max_new_tokens - 1:
                 break
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
+            if self.compact and 4 * int(finished.sum()) >= len(finished) and hasattr(past, "batch_select_indices"):
+                keep = (~finished).nonzero().squeeze(1)
+                past.batch_select_indices(keep)
+                live, attn, pos, tok, finished = live[keep], attn[keep], pos[keep], tok[keep], finished[keep]
+            attn = torch.cat([attn, torch.ones((len(live), 1), dtype=attn.dtype, device=device)], dim=1)
             pos = pos[:, -1:] + 1
             res = self.model(
                 input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True, **{self._cache_kw: past}
@@ -132,8 +185,8 @@ class HFBackend:
             past, logits = _cache_of(res), res.logits[:, -1]
         if was_training:
             self.model.train()
-        tok_m = torch.stack(toks, 1).cpu()
-        lp_m = torch.stack(lps, 1).float().cpu()
+        tok_m = tok_m[:, :steps].cpu()
+        lp_m = lp_m[:, :steps].cpu()
         eos_cpu = self.eos
         samples = []
         for i in range(B):
