@@ -87,6 +87,28 @@ def test_pathological_answers_time_out_and_score_zero():
     assert elapsed < 30  # bounded (includes worker start-up on a loaded 2-core machine)
 
 
+def test_preloaded_warm_up_runs_before_the_first_item_is_timed(tmp_path, monkeypatch):
+    """A preloaded module's warm_up() (math-verify's first parse, in graft_rl.rewards.checks) runs
+    before the worker reports READY, so it never counts against an item's timeout."""
+    (tmp_path / "graft_slow_start.py").write_text(textwrap.dedent(
+        """
+        import time
+        WARM = []
+        def warm_up():
+            time.sleep(1.0)
+            WARM.append(1)
+        def warmed(x):
+            return float(len(WARM))
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pool = VerifierPool(num_workers=1, preload=("graft_slow_start",))
+    try:  # a 0.5 s timeout would expire inside a 1 s warm-up if it were on the item's clock
+        out = pool.map("graft_slow_start:warmed", [(0,)], timeout=0.5)
+    finally:
+        pool.close()
+    assert [(o.status, o.score) for o in out] == [("ok", 1.0)]
+
+
 def test_pool_survives_hang_raise_and_death_without_zombies(faulty_pool):
     assert [o.score for o in faulty_pool.map("graft_faulty_checks:ok", [(1,), (2,)], timeout=30)] == [2.0, 4.0]
     before = faulty_pool.worker_pids()

@@ -3,7 +3,7 @@
 Reads one JSON request per line on stdin, ``{"fn": "module:function", "args": [...]}``, and
 writes one JSON line per request on stdout: ``{"id": ID, "r": float}`` or ``{"id": ID, "err": "..."}``,
 echoing the request's ``id``. Prints
-``READY`` once its preload imports are done. Started by :class:`graft_rl.rewards.pool.VerifierPool`
+``READY`` once its preload imports (and each preloaded module's ``warm_up()``, if any) are done. Started by :class:`graft_rl.rewards.pool.VerifierPool`
 as a plain subprocess, so it never re-imports the user's ``__main__``.
 """
 
@@ -23,7 +23,9 @@ def main() -> None:
     sys.stdout = sys.stderr
     for mod in sys.argv[1:]:
         try:
-            importlib.import_module(mod)
+            m = importlib.import_module(mod)
+            if callable(getattr(m, "warm_up", None)):  # first-use costs off the first item's clock
+                m.warm_up()
         except Exception:
             pass
     out.write(b"READY\n")

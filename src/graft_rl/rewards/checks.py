@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["math_equal", "gym_score"]
+__all__ = ["math_equal", "gym_score", "warm_up"]
+
+
+def warm_up() -> None:
+    """Run one small comparison so that math-verify's first-use imports and grammar set-up happen
+    while the worker starts (before ``READY``), not inside the first answer's timeout."""
+    math_equal("\\frac{1}{2}", "0.5")
 
 
 @lru_cache(maxsize=4096)
