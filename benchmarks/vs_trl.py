@@ -28,8 +28,14 @@ import time
 from pathlib import Path
 
 
+PHASES = ("time_generate", "time_score", "time_update")
+#: per-phase seconds of our timed steps (the trainer's own metrics), by runner name
+PHASE_TIMES: dict[str, list[dict]] = {}
+
+
 def graft_steps(model: str, problems, args, seed: int, gen_batch: int | None = None) -> list[tuple[float, float]]:
-    """(seconds, mean completion tokens) of each step of one single-policy GRPO run."""
+    """(seconds, mean completion tokens) of each step of one single-policy GRPO run; its per-phase
+    seconds go to PHASE_TIMES."""
     from graft_rl.config import load_config
     from graft_rl.testbed import PLAIN_TEMPLATE
     from graft_rl.trainer import Trainer
@@ -51,6 +57,9 @@ def graft_steps(model: str, problems, args, seed: int, gen_batch: int | None = N
             t0 = time.perf_counter()
             lines = tr.step(step)
             out.append((time.perf_counter() - t0, lines[0]["response_len_mean"]))
+            if step > args.warmup:
+                PHASE_TIMES.setdefault(f"graft-rl{f', gen_batch_size={gen_batch}' if gen_batch else ''}", []).append(
+                    {k: lines[0][k] for k in PHASES})
     finally:
         tr.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -173,6 +182,9 @@ def main() -> int:
         length = statistics.fmean(x for _, x in steps if x == x)
         med[name] = (s, rows * length / s)
         print(f"| {name} | {s:.3f} | {rows / s:.0f} | {length:.1f} | {rows * length / s:.0f} |")
+    for name, phases in PHASE_TIMES.items():
+        print(f"\n{name}, median seconds per phase: " + ", ".join(
+            f"{k.removeprefix('time_')} {statistics.median(p[k] for p in phases):.3f}" for k in PHASES))
     for name in med:
         if name != "TRL":
             print(f"\nthroughput ratio {name} / TRL: {med['TRL'][0] / med[name][0]:.2f}x (s/step), "

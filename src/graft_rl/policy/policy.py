@@ -80,7 +80,7 @@ class PolicyConfig:
     # micro-batch's logits would exceed FUSED_HEAD_ABOVE_BYTES (large vocabularies), else plain (faster)
     fused_logprobs: bool | None = None
     # rows (prompt x sample) per HF generate call; None = as many as fit GEN_MEMORY_BUDGET_BYTES of
-    # KV cache (policy.rollout.auto_gen_batch_rows: a testbed step's 256 rows at once, ~60 of SmolLM2 at 512 tokens)
+    # KV cache (policy.rollout.auto_gen_batch_rows: a testbed step's 256 rows at once, ~70 of SmolLM2 at 512 tokens)
     gen_batch_size: int | None = None
     # the KL reference (method.kl_coef > 0): None = the weights this policy starts from; a resumed
     # run points it at the original model so the reference stays the initial policy

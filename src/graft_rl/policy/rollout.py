@@ -31,7 +31,7 @@ __all__ = ["Sample", "RolloutBackend", "HFBackend", "VLLMBackend", "sampling_log
            "GEN_MEMORY_BUDGET_BYTES", "kv_bytes_per_token", "auto_gen_batch_rows"]
 
 #: Bytes of KV cache plus sampling logits one HF generate call may hold when ``gen_batch_size`` is
-#: automatic (null): every row of a testbed step in one call, ~60 rows of SmolLM2-135M at 512 new tokens.
+#: automatic (null): every row of a testbed step in one call, ~70 rows of SmolLM2-135M at 512 new tokens.
 GEN_MEMORY_BUDGET_BYTES = 2 << 30
 
 
@@ -112,6 +112,8 @@ class HFBackend:
         self.pad = pad_token_id
         self.batch_size = batch_size  # rows per generate call; None: auto_gen_batch_rows per call
         self.compact = True  # finished rows leave the decode batch (see _generate_batch)
+        head = model.get_output_embeddings()  # vocabulary width of the sampling buffers (auto batch size)
+        self._vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
         # transformers >= 5.2x names the KV cache `cache`; earlier versions `past_key_values`
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -124,15 +126,13 @@ class HFBackend:
         device = next(self.model.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         rows = [p for p in prompt_ids for _ in range(sampling.n)]
-        size = self.batch_size
-        if size is None and rows:
-            head = self.model.get_output_embeddings()
-            vocab = head.weight.shape[0] if head is not None else self.model.config.vocab_size
-            size = auto_gen_batch_rows(self.model, len(rows), max(map(len, rows)) + sampling.max_new_tokens, vocab,
-                                       GEN_MEMORY_BUDGET_BYTES)
+        if not rows:
+            return [[] for _ in prompt_ids]
+        size = self.batch_size or auto_gen_batch_rows(
+            self.model, len(rows), max(map(len, rows)) + sampling.max_new_tokens, self._vocab, GEN_MEMORY_BUDGET_BYTES)
         out: list[Sample] = []
         with self.compute_context():
-            for s in range(0, len(rows), size or 1):
+            for s in range(0, len(rows), size):
                 out.extend(self._generate_batch(rows[s : s + size], sampling, gen, device))
         n = sampling.n
         return [out[i * n : (i + 1) * n] for i in range(len(prompt_ids))]

@@ -2,8 +2,8 @@
 
 Reads one JSON request per line on stdin, ``{"fn": "module:function", "args": [...]}``, and
 writes one JSON line per request on stdout: ``{"id": ID, "r": float}`` or ``{"id": ID, "err": "..."}``,
-echoing the request's ``id``. Prints
-``READY`` once its preload imports (and each preloaded module's ``warm_up()``, if any) are done. Started by :class:`graft_rl.rewards.pool.VerifierPool`
+echoing the request's ``id``. Prints ``READY`` once its preload imports (and each preloaded
+module's ``warm_up()``, if any) are done. Started by :class:`graft_rl.rewards.pool.VerifierPool`
 as a plain subprocess, so it never re-imports the user's ``__main__``.
 """
 
