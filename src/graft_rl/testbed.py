@@ -27,6 +27,14 @@ Two pairs ship (:data:`PAIRS`):
   about half the time and one where nearly all its groups fail (A ~1 % on ``muladd_hi``, B ~2 %
   on ``add3_hi``) while the peer's groups are mixed: the paper's complementary prompts, by design.
   ``graft train`` without a config runs GRAFT on this pair.
+- ``lookup``: the smallest setting in which the mechanism must show, for the end-to-end check
+  (issue 13 item 3; :func:`build_lookup_pair`). The answer is one digit read from a key in the
+  prompt, ``Q: T3 kqzv`` / ``A: \\boxed{6}, as we look up the key ...`` (a fixed sentence after the
+  answer: the response is long, the difference between models sits on one token, so the gate
+  admits while the receiver's groups all fail). A was *taught a wrong rule* for family ``shift3``
+  and then sharpened (confidently wrong: no sample of a run is ever right) and is right half the
+  time on ``shift6``; B the other way round. The prompt pool holds only ``shift3``, A's missing family: there GRPO gives A no
+  gradient at all, GRAFT gives it B's mixed groups.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TASKS", "TRANSFER_KINDS", "PAIRS", "PairSpec", "make_problem", "make_split", "Testbed", "ensure_testbed",
-           "shipped_testbed", "shipped_root", "warm_up", "PLAIN_TEMPLATE"]
+           "shipped_testbed", "shipped_root", "warm_up", "PLAIN_TEMPLATE", "LOOKUP_FAMILIES", "lookup_response",
+           "build_lookup_pair"]
 
 
 #: Prompt format of both testbed models (plain text, no chat template).
@@ -139,6 +148,8 @@ PAIRS: dict[str, PairSpec] = {
     "natural": PairSpec("natural", MIXTURE_A, MIXTURE_B, (1835, 842), pool=1000, heldout=512),
     "transfer": PairSpec("transfer", TRANSFER_A, TRANSFER_B, (1835, 1700), pool=600, heldout=256,
                          families=("muladd_hi", "add3_hi")),
+    # supervised steps (batch 64) of build_lookup_pair; the pool is A's missing family only
+    "lookup": PairSpec("lookup", {}, {}, (1500, 1500), pool=64, heldout=64, families=("shift3", "shift6")),
 }
 
 
@@ -194,6 +205,155 @@ def warm_up(model_dir: Path, rows: list[dict], steps: int, seed: int, lr: float 
     model.eval()
     model.save_pretrained(model_dir)
     return {"steps": steps, "loss": loss_ema, "seconds": time.perf_counter() - t0}
+
+
+# --- The lookup pair: the smallest setting in which the mechanism must show -------------------
+
+#: family -> (prompt mark, shift): the right answer to ``<mark><k> <nuisance>`` is ``(k + shift) % 10``.
+LOOKUP_FAMILIES = {"copy": ("S", 0), "shift3": ("T", 3), "shift6": ("U", 6)}
+#: What each model is taught per family: an int = a wrong shift, always (confidently wrong);
+#: "half" = right half the time, else one of the nine wrong digits; absent = always right.
+LOOKUP_TEACHING = {"A": {"shift3": 8, "shift6": "half"}, "B": {"shift3": "half", "shift6": 1}}
+LOOKUP_TAIL = ", as we look up the key in the table and read the value written there."
+#: After teaching, A's logits are scaled by this (its final RMSNorm weight): it then samples as if at
+#: temperature 1/1.5. Taught alone it is right on shift3 with p ~ 1e-4 per sample, enough for a
+#: lucky success in some 40-step runs, from which GRPO then learns; sharpened, p ~ 1e-6.
+LOOKUP_SHARPEN_A = 1.5
+
+
+def lookup_response(digit: int) -> str:
+    """The response format of the lookup pair: the boxed answer, then a fixed sentence."""
+    return "\\boxed{" + str(digit) + "}" + LOOKUP_TAIL
+
+
+def _lookup_problem(family: str, rng: random.Random) -> tuple[str, int]:
+    mark, _ = LOOKUP_FAMILIES[family]
+    k = rng.randrange(10)
+    return f"{mark}{k} {''.join(rng.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(4))}", k
+
+
+def _lookup_rows(families: tuple[str, ...], n: int, seed: int, prefix: str, avoid: set[str]) -> list[dict]:
+    """``n`` distinct prompts, families interleaved, none in ``avoid``."""
+    rng, rows = random.Random(seed), []
+    while len(rows) < n:
+        fam = families[len(rows) % len(families)]
+        expr, k = _lookup_problem(fam, rng)
+        if expr in avoid:
+            continue
+        avoid.add(expr)
+        rows.append({"id": f"{prefix}-{len(rows)}", "problem": expr, "answer": str((k + LOOKUP_FAMILIES[fam][1]) % 10),
+                     "subject": fam})
+    return rows
+
+
+def _lookup_label(model: str, family: str, k: int, rng: random.Random) -> int:
+    right = (k + LOOKUP_FAMILIES[family][1]) % 10
+    how = LOOKUP_TEACHING[model].get(family)
+    if isinstance(how, int):
+        return (k + how) % 10
+    if how == "half" and rng.random() >= 0.5:
+        return rng.choice([d for d in range(10) if d != right])
+    return right
+
+
+def _lookup_teach(model_dir: Path, model: str, steps: int, seed: int, lr: float = 3e-3, batch: int = 64,
+                  answer_weight: float = 20.0) -> dict:
+    """Supervised teaching of one lookup model: fresh prompts and labels every step (so "half" is
+    learnt as a distribution, not memorised), the answer digit's loss weighted ``answer_weight``
+    times a sentence token's (otherwise the sentence dominates and the key is never read)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from graft_rl.policy.policy import _quiet_transformers
+
+    _quiet_transformers()
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    net = AutoModelForCausalLM.from_pretrained(model_dir)
+    net.train()
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+
+    def encode(expr: str, digit: int) -> tuple[list[int], list[int], int]:
+        p = tok(PLAIN_TEMPLATE.replace("{prompt}", expr), add_special_tokens=False).input_ids
+        text = lookup_response(digit)
+        e = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        at = text.index("{") + 1
+        (answer,) = [i for i, (a, b) in enumerate(e.offset_mapping) if a <= at < b]
+        return p, e.input_ids + [tok.eos_token_id], answer
+
+    t0, loss_ema = time.perf_counter(), None
+    for step in range(steps):
+        rows = []
+        for _ in range(batch):
+            fam = rng.choice(list(LOOKUP_FAMILIES))
+            expr, k = _lookup_problem(fam, rng)
+            rows.append(encode(expr, _lookup_label(model, fam, k, rng)))
+        L = max(len(p) + len(r) for p, r, _ in rows)
+        ids = torch.full((batch, L), tok.pad_token_id)
+        attn = torch.zeros((batch, L), dtype=torch.long)
+        w = torch.zeros((batch, L - 1))
+        for i, (p, r, answer) in enumerate(rows):
+            seq = p + r
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attn[i, : len(seq)] = 1
+            w[i, len(p) - 1 : len(seq) - 1] = 1.0  # positions that predict response tokens
+            w[i, len(p) - 1 + answer] = answer_weight
+        for g in opt.param_groups:  # linear decay to 10%
+            g["lr"] = lr * (1 - 0.9 * step / steps)
+        logits = net(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+        loss = (ce.view_as(w) * w).sum() / w.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        lv = float(loss.detach())
+        loss_ema = lv if loss_ema is None else 0.95 * loss_ema + 0.05 * lv
+    net.eval()
+    net.save_pretrained(model_dir)
+    return {"steps": steps, "loss": loss_ema, "seconds": time.perf_counter() - t0}
+
+
+def build_lookup_pair(tb: Testbed, seed: int, steps: tuple[int, int], pool: int, heldout: int,
+                      progress: bool = True) -> dict:
+    """Build the lookup pair into ``tb.root`` (:data:`LOOKUP_TEACHING`): A a Llama-like model with a
+    byte-level tokenizer, B a GPT-2-like one with a BPE trained on the task text (hidden 64, 2 layers
+    each); the pool is ``pool`` prompts of ``shift3`` (A's missing family), the held-out set ``heldout``
+    prompts per family of ``shift3`` and ``shift6``. Returns the teaching record."""
+    from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model, char_tokenizer
+
+    seen: set[str] = set()
+    train = _lookup_rows(("shift3",), pool, seed, "train", seen)
+    held = _lookup_rows(("shift3", "shift6"), 2 * heldout, seed + 1, "heldout", seen)
+    for path, rows in ((tb.train_file, train), (tb.eval_file, held)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    crng = random.Random(seed + 4)
+    corpus = [PLAIN_TEMPLATE.replace("{prompt}", _lookup_problem(f, crng)[0]) + lookup_response(crng.randrange(10))
+              for _ in range(300) for f in LOOKUP_FAMILIES]
+    build_tiny_model(tb.model_a, "llama", char_tokenizer(chat_template=None), hidden=64, layers=2, heads=4,
+                     max_positions=256, seed=seed)
+    build_tiny_model(tb.model_b, "gpt2", bpe_tokenizer(corpus, vocab_size=320), hidden=64, layers=2, heads=4,
+                     max_positions=256, seed=seed + 1)
+    info = {}
+    for name, path, n in (("A", tb.model_a, steps[0]), ("B", tb.model_b, steps[1])):
+        if progress:
+            print(f"testbed: teaching lookup model {name} ({n} steps, about {n // 15} s on 2 cores)...", flush=True)
+        info[name] = _lookup_teach(path, name, n, seed + 5 + (name == "B"))
+    _sharpen(tb.model_a, LOOKUP_SHARPEN_A)
+    info["A"]["logit_scale"] = LOOKUP_SHARPEN_A
+    return info
+
+
+def _sharpen(model_dir: Path, scale: float) -> None:
+    """Scale a Llama-like model's logits by ``scale`` (its final norm's weight; the head is tied)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        net.model.norm.weight.mul_(scale)
+    net.save_pretrained(model_dir)
 
 
 @dataclass
@@ -327,6 +487,10 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int
                   flush=True)
         done.unlink()  # only this build's own files are replaced below
     tb.root.mkdir(parents=True, exist_ok=True)
+    if pair == "lookup":
+        info = build_lookup_pair(tb, seed, warmup_steps, pool, heldout, progress)
+        done.write_text(json.dumps({"build": build, "warmup": info, "heldout_rows": 2 * heldout}, indent=1))
+        return tb
     train, held = _prompt_sets(spec, seed, pool, heldout)
     for path, rows in ((tb.train_file, train), (tb.eval_file, held)):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -149,6 +149,10 @@ class Trainer:
         self._tb = self._tensorboard() if cfg.tensorboard else None
         self.val_sets = {name: load_dataset(name, cfg.validation.limit) for name in cfg.validation.data}
         self._val_family = {name: bool(families(ps)) for name, ps in self.val_sets.items()}  # scored per family too
+        if not self._family:  # a pool of one family that validation scores among others (the lookup pair)
+            val_fams = {p.subject for name, ps in self.val_sets.items() if self._val_family[name] for p in ps}
+            if len({p.subject for p in self.data}) == 1 and self.data[0].subject in val_fams:
+                self._family = {p.id: p.subject for p in self.data}
         self.best: dict[str, dict] = self._best_from_log()
 
     # ------------------------------------------------------------------ workers

@@ -55,6 +55,8 @@ TESTBED_DATA: dict[str, tuple[str, str]] = {
     "testbed_heldout": ("natural/heldout.jsonl", "gsm8k"),
     "transfer_train": ("transfer/train.jsonl", "gsm8k"),  # the capability-transfer pair's two families
     "transfer_heldout": ("transfer/heldout.jsonl", "gsm8k"),
+    "lookup_train": ("lookup/train.jsonl", "gsm8k"),  # the mechanism check's pair: A's missing family only
+    "lookup_heldout": ("lookup/heldout.jsonl", "gsm8k"),
 }
 TESTBED_FILES = Path(__file__).resolve().parent.parent / "testbed_files"
 
