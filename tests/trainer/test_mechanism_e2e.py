@@ -27,7 +27,9 @@ import torch
 
 from graft_rl import algo
 from graft_rl.config import load_config
+from graft_rl.data import load_jsonl
 from graft_rl.report import family_summary
+from graft_rl.testbed import PLAIN_TEMPLATE, shipped_root
 from graft_rl.trainer import Trainer
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "lookup" / "graft.yaml"
@@ -60,6 +62,33 @@ def _run(tmp_path_factory, variant: str) -> dict:
     rows = {(r["policy"], r["family"]): r for r in family_summary(run_dir)}
     _runs[variant] = rows
     return rows
+
+
+def right_digit_probability(which: str, family: str) -> list[float]:
+    """Each held-out ``family`` prompt: the shipped model's probability of the right digit right after
+    ``\\boxed{`` (where its response puts the answer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = shipped_root("lookup")
+    tok = AutoTokenizer.from_pretrained(root / f"model_{which}")
+    model = AutoModelForCausalLM.from_pretrained(root / f"model_{which}").eval()
+    out = []
+    for p in load_jsonl(root / "heldout.jsonl"):
+        if p.subject == family:
+            ids = tok(PLAIN_TEMPLATE.replace("{prompt}", p.problem) + "\\boxed{", add_special_tokens=False).input_ids
+            with torch.no_grad():
+                probs = model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+            out.append(float(probs[tok(p.answer, add_special_tokens=False).input_ids[0]]))
+    return out
+
+
+def test_the_pair_is_built_as_described():
+    """A is confidently wrong on shift3 (no sample of a 40-step run is expected to be right: 5,120
+    samples x p < 1e-5); B is right about half the time there, so its groups are mixed."""
+    a, b = right_digit_probability("a", FAMILY), right_digit_probability("b", FAMILY)
+    assert len(a) == len(b) == 64
+    assert max(a) < 1e-5
+    assert 0.35 < sum(b) / len(b) < 0.65
 
 
 def test_graft_teaches_the_receiver_its_missing_family_and_grpo_does_not(tmp_path_factory):

@@ -1,0 +1,72 @@
+"""The end-to-end mechanism check over several seeds: GRAFT vs GRPO on the lookup pair.
+
+The lookup pair (``graft_rl.testbed``, ``configs/lookup/graft.yaml``): model A was taught a wrong
+rule for the family ``shift3`` and sharpened, so every one of its groups there fails; B is right
+about half the time; the pool holds only ``shift3``. GRPO gives A no gradient; GRAFT grafts B's
+mixed groups into A's batch. ``tests/trainer/test_mechanism_e2e.py`` runs seed 0 as a regression
+check; this script runs both configs for each seed and prints, per run, A's held-out pass@1 on
+``shift3`` (its missing family) and ``shift6`` (the family it half knows), the share of A's own
+groups that failed entirely, the peer groups grafted in and the share of their responses the gate
+admitted, and the wall time.
+
+Reproduce (4 seeds x 2 methods, about 30 s a run on 2 cores):
+    python benchmarks/mechanism.py [--seeds 0 1 2 3] [--out runs/mechanism]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+CONFIGS = {"graft": ROOT / "configs" / "lookup" / "graft.yaml", "grpo": ROOT / "configs" / "lookup" / "grpo.yaml"}
+
+
+def run(method: str, seed: int, out: Path) -> dict:
+    from graft_rl.config import load_config
+    from graft_rl.report import family_summary
+    from graft_rl.trainer import Trainer
+
+    run_dir = out / f"{method}_s{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    Trainer(load_config(CONFIGS[method], [f"run_dir={run_dir}", f"seed={seed}"]), show_progress=False).run()
+    rows = {(r["policy"], r["family"]): r for r in family_summary(run_dir)}
+    return {"rows": rows, "seconds": time.perf_counter() - t0}
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--out", default="runs/mechanism")
+    args = ap.parse_args()
+    import torch
+
+    from build_testbed import cpu_model
+
+    print(f"# lookup pair, {torch.get_num_threads()} threads, {cpu_model()}, torch {torch.__version__}\n")
+    print("| seed | method | A shift3 (missing) | A shift6 | A all-fail | grafted | adm. | s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for seed in args.seeds:
+        for method in CONFIGS:
+            r = run(method, seed, Path(args.out))
+            a3, a6 = r["rows"][("A", "shift3")], r["rows"][("A", "shift6")]
+            fail = a3["all_fail"] / a3["groups"] if a3["groups"] else None
+            print(f"| {seed} | {method} | {pct(a3['val_before'])} → {pct(a3['val_after'])} | {pct(a6['val_before'])} → "
+                  f"{pct(a6['val_after'])} | {pct(fail)} | {a3['grafted']:.0f} | {pct(a3['admitted_frac'])} | "
+                  f"{r['seconds']:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
