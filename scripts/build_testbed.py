@@ -2,6 +2,7 @@
 
     python scripts/build_testbed.py --pair transfer   # build (about 2-3 minutes on 2 cores) and install
     python scripts/build_testbed.py --pair natural
+    python scripts/build_testbed.py --pair lookup     # the end-to-end mechanism check's pair (about 3 minutes)
     python scripts/build_testbed.py --from DIR        # install an existing build (ensure_testbed's cache)
 
 Writes ``testbed_files/<pair>/{model_a,model_b}/`` (``save_pretrained`` + tokenizer), ``train.jsonl``,
