@@ -157,11 +157,12 @@ def _corpus_text(rows: list[dict]) -> list[str]:
     return [PLAIN_TEMPLATE.replace("{prompt}", r["problem"]) + r["solution"] for r in rows]
 
 
-def warm_up(model_dir: Path, rows: list[dict], steps: int, seed: int, lr: float = 3e-3, batch: int = 32) -> dict:
-    """Supervised warm-up ("pretraining") on prompt -> solution, loss on solution tokens only.
+def _supervised(model_dir: Path, steps: int, seed: int, lr: float, weight_decay: float, prepare) -> dict:
+    """The supervised loop both builds share: AdamW, the learning rate decayed linearly to 10 %, the
+    gradient norm clipped at 1, a fixed number of steps (not a time budget, so a build is
+    reproducible from its seed on any machine, however loaded), then ``save_pretrained``.
 
-    A fixed number of steps (not a time budget), so a build is reproducible from its seed on
-    any machine, however loaded.
+    ``prepare(tok, rng)`` returns ``step_loss(model, step)``, the loss of one step's batch.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -173,29 +174,14 @@ def warm_up(model_dir: Path, rows: list[dict], steps: int, seed: int, lr: float 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    enc = []
-    for r in rows:
-        p = tok(PLAIN_TEMPLATE.replace("{prompt}", r["problem"]), add_special_tokens=False).input_ids
-        s = tok(r["solution"], add_special_tokens=False).input_ids + [tok.eos_token_id]
-        enc.append((p, s))
-    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    step_loss = prepare(tok, random.Random(seed))
     t0, loss_ema = time.perf_counter(), None
     for step in range(steps):
-        chunk = rng.sample(enc, min(batch, len(enc)))
-        L = max(len(p) + len(s) for p, s in chunk)
-        ids = torch.full((len(chunk), L), tok.pad_token_id)
-        labels = torch.full((len(chunk), L), -100)
-        attn = torch.zeros((len(chunk), L), dtype=torch.long)
-        for i, (p, s) in enumerate(chunk):
-            seq = p + s
-            ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, len(p) : len(seq)] = torch.tensor(s)
-            attn[i, : len(seq)] = 1
         frac = step / max(steps, 1)
         for g in opt.param_groups:  # linear decay to 10%
             g["lr"] = lr * (1 - 0.9 * frac)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss = step_loss(model, step)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -205,6 +191,43 @@ def warm_up(model_dir: Path, rows: list[dict], steps: int, seed: int, lr: float 
     model.eval()
     model.save_pretrained(model_dir)
     return {"steps": steps, "loss": loss_ema, "seconds": time.perf_counter() - t0}
+
+
+def _padded(tok, seqs: list[list[int]]):
+    """Right-padded ``(input_ids, attention_mask)`` of token sequences."""
+    import torch
+
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), tok.pad_token_id)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attn[i, : len(seq)] = 1
+    return ids, attn
+
+
+def warm_up(model_dir: Path, rows: list[dict], steps: int, seed: int, lr: float = 3e-3, batch: int = 32) -> dict:
+    """Supervised warm-up ("pretraining") on prompt -> solution, loss on solution tokens only."""
+    import torch
+
+    def prepare(tok, rng):
+        enc = []
+        for r in rows:
+            p = tok(PLAIN_TEMPLATE.replace("{prompt}", r["problem"]), add_special_tokens=False).input_ids
+            s = tok(r["solution"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+            enc.append((p, s))
+
+        def step_loss(model, step):
+            chunk = rng.sample(enc, min(batch, len(enc)))
+            ids, attn = _padded(tok, [p + s for p, s in chunk])
+            labels = torch.full(ids.shape, -100)
+            for i, (p, s) in enumerate(chunk):
+                labels[i, len(p) : len(p) + len(s)] = torch.tensor(s)
+            return model(input_ids=ids, attention_mask=attn, labels=labels).loss
+
+        return step_loss
+
+    return _supervised(model_dir, steps, seed, lr, 0.01, prepare)
 
 
 # --- The lookup pair: the smallest setting in which the mechanism must show -------------------
@@ -262,57 +285,35 @@ def _lookup_teach(model_dir: Path, model: str, steps: int, seed: int, lr: float 
     learnt as a distribution, not memorised), the answer digit's loss weighted ``answer_weight``
     times a sentence token's (otherwise the sentence dominates and the key is never read)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from graft_rl.policy.policy import _quiet_transformers
+    def prepare(tok, rng):
+        def encode(expr: str, digit: int) -> tuple[list[int], list[int], int]:
+            p = tok(PLAIN_TEMPLATE.replace("{prompt}", expr), add_special_tokens=False).input_ids
+            text = lookup_response(digit)
+            e = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            at = text.index("{") + 1
+            (answer,) = [i for i, (a, b) in enumerate(e.offset_mapping) if a <= at < b]
+            return p, e.input_ids + [tok.eos_token_id], answer
 
-    _quiet_transformers()
-    torch.manual_seed(seed)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    net = AutoModelForCausalLM.from_pretrained(model_dir)
-    net.train()
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
+        def step_loss(net, step):
+            rows = []
+            for _ in range(batch):
+                fam = rng.choice(list(LOOKUP_FAMILIES))
+                expr, k = _lookup_problem(fam, rng)
+                rows.append(encode(expr, _lookup_label(model, fam, k, rng)))
+            ids, attn = _padded(tok, [p + r for p, r, _ in rows])
+            w = torch.zeros((batch, ids.shape[1] - 1))
+            for i, (p, r, answer) in enumerate(rows):
+                w[i, len(p) - 1 : len(p) + len(r) - 1] = 1.0  # positions that predict response tokens
+                w[i, len(p) - 1 + answer] = answer_weight
+            logits = net(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                   reduction="none")
+            return (ce.view_as(w) * w).sum() / w.sum()
 
-    def encode(expr: str, digit: int) -> tuple[list[int], list[int], int]:
-        p = tok(PLAIN_TEMPLATE.replace("{prompt}", expr), add_special_tokens=False).input_ids
-        text = lookup_response(digit)
-        e = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        at = text.index("{") + 1
-        (answer,) = [i for i, (a, b) in enumerate(e.offset_mapping) if a <= at < b]
-        return p, e.input_ids + [tok.eos_token_id], answer
+        return step_loss
 
-    t0, loss_ema = time.perf_counter(), None
-    for step in range(steps):
-        rows = []
-        for _ in range(batch):
-            fam = rng.choice(list(LOOKUP_FAMILIES))
-            expr, k = _lookup_problem(fam, rng)
-            rows.append(encode(expr, _lookup_label(model, fam, k, rng)))
-        L = max(len(p) + len(r) for p, r, _ in rows)
-        ids = torch.full((batch, L), tok.pad_token_id)
-        attn = torch.zeros((batch, L), dtype=torch.long)
-        w = torch.zeros((batch, L - 1))
-        for i, (p, r, answer) in enumerate(rows):
-            seq = p + r
-            ids[i, : len(seq)] = torch.tensor(seq)
-            attn[i, : len(seq)] = 1
-            w[i, len(p) - 1 : len(seq) - 1] = 1.0  # positions that predict response tokens
-            w[i, len(p) - 1 + answer] = answer_weight
-        for g in opt.param_groups:  # linear decay to 10%
-            g["lr"] = lr * (1 - 0.9 * step / steps)
-        logits = net(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-        loss = (ce.view_as(w) * w).sum() / w.sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        lv = float(loss.detach())
-        loss_ema = lv if loss_ema is None else 0.95 * loss_ema + 0.05 * lv
-    net.eval()
-    net.save_pretrained(model_dir)
-    return {"steps": steps, "loss": loss_ema, "seconds": time.perf_counter() - t0}
+    return _supervised(model_dir, steps, seed, lr, 0.0, prepare)
 
 
 def build_lookup_pair(tb: Testbed, seed: int, steps: tuple[int, int], pool: int, heldout: int,
