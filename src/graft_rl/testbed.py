@@ -411,6 +411,8 @@ class Testbed:
 
     def train_config(self, run_dir: str = "runs/demo", method: str = "graft") -> dict:
         """The embedded default of ``graft train``: GRAFT on this pair, a few minutes on 2 cores."""
+        if self.pair == "lookup":  # one-token answers after a sentence, a one-family pool, unbalanced exchange
+            raise ValueError("the lookup pair's runs are configs/lookup/graft.yaml and grpo.yaml, not an arithmetic default")
         return {
             "run_dir": run_dir,
             "seed": 0,
