@@ -4,7 +4,8 @@ The lookup pair (``graft_rl.testbed``, ``configs/lookup/graft.yaml``): model A w
 rule for the family ``shift3`` and sharpened, so every one of its groups there fails; B is right
 about half the time; the pool holds only ``shift3``. GRPO gives A no gradient; GRAFT grafts B's
 mixed groups into A's batch. ``tests/trainer/test_mechanism_e2e.py`` runs seed 0 as a regression
-check; this script runs both configs for each seed and prints, per run, A's held-out pass@1 on
+check; this script first prints how the pair is built (each model's probability of the right
+digit on the held-out ``shift3`` prompts), then runs both configs for each seed and prints, per run, A's held-out pass@1 on
 ``shift3`` (its missing family) and ``shift6`` (the family it half knows), the share of A's own
 groups that failed entirely, the peer groups grafted in and the share of their responses the gate
 admitted, and the wall time.
@@ -54,7 +55,19 @@ def main() -> int:
 
     from build_testbed import cpu_model
 
+    from graft_rl.data import load_jsonl
+    from graft_rl.testbed import lookup_right_digit_probability, shipped_root
+
     print(f"# lookup pair, {torch.get_num_threads()} threads, {cpu_model()}, torch {torch.__version__}\n")
+    root = shipped_root("lookup")
+    held = [p for p in load_jsonl(root / "heldout.jsonl") if p.subject == "shift3"]
+    for which in ("a", "b"):
+        ps = lookup_right_digit_probability(root / f"model_{which}", held)
+        print(f"model {which.upper()}: p(right digit) on {len(ps)} held-out shift3 prompts: mean {sum(ps) / len(ps):.2g}, "
+              f"min {min(ps):.2g}, max {max(ps):.2g}")
+    print("\ncolumns: held-out pass@1 % before -> after (64 prompts x 8 samples per family); all-fail: A's own groups "
+          "with no right response; grafted: B's groups that replaced them; adm.: their responses the gate admitted; "
+          "s: wall seconds of the run\n")
     print("| seed | method | A shift3 (missing) | A shift6 | A all-fail | grafted | adm. | s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for seed in args.seeds:

@@ -16,7 +16,7 @@ so their successes are complementary. The pair is built once from a seed by
 differences between CPUs compound over the warm-up, so building it on each machine would give each
 user different models); :func:`ensure_testbed` still builds one anywhere, e.g. with other settings.
 
-Two pairs ship (:data:`PAIRS`):
+Three pairs ship (:data:`PAIRS`):
 
 - ``natural``: the mixtures above; every task kind in the prompt pool. Their strengths overlap
   and GRAFT's effect on it is within noise (docs/benchmarks.md, "CPU testbed").
@@ -32,9 +32,9 @@ Two pairs ship (:data:`PAIRS`):
   prompt, ``Q: T3 kqzv`` / ``A: \\boxed{6}, as we look up the key ...`` (a fixed sentence after the
   answer: the response is long, the difference between models sits on one token, so the gate
   admits while the receiver's groups all fail). A was *taught a wrong rule* for family ``shift3``
-  and then sharpened (confidently wrong: no sample of a run is ever right) and is right half the
-  time on ``shift6``; B the other way round. The prompt pool holds only ``shift3``, A's missing family: there GRPO gives A no
-  gradient at all, GRAFT gives it B's mixed groups.
+  and then sharpened (confidently wrong: no sample of a run is expected to be right) and is right
+  half the time on ``shift6``; B the other way round. The prompt pool holds only ``shift3``, A's
+  missing family: there GRPO gives A no gradient at all, GRAFT gives it B's mixed groups.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path
 
 __all__ = ["TASKS", "TRANSFER_KINDS", "PAIRS", "PairSpec", "make_problem", "make_split", "Testbed", "ensure_testbed",
            "shipped_testbed", "shipped_root", "warm_up", "PLAIN_TEMPLATE", "LOOKUP_FAMILIES", "lookup_response",
-           "build_lookup_pair"]
+           "build_lookup_pair", "lookup_right_digit_probability"]
 
 
 #: Prompt format of both testbed models (plain text, no chat template).
@@ -239,8 +239,8 @@ LOOKUP_FAMILIES = {"copy": ("S", 0), "shift3": ("T", 3), "shift6": ("U", 6)}
 LOOKUP_TEACHING = {"A": {"shift3": 8, "shift6": "half"}, "B": {"shift3": "half", "shift6": 1}}
 LOOKUP_TAIL = ", as we look up the key in the table and read the value written there."
 #: After teaching, A's logits are scaled by this (its final RMSNorm weight): it then samples as if at
-#: temperature 1/1.5. Taught alone it is right on shift3 with p ~ 1e-4 per sample, enough for a
-#: lucky success in some 40-step runs, from which GRPO then learns; sharpened, p ~ 1e-6.
+#: temperature 1/1.5. Taught alone its rare right samples on shift3 were, in some seeds, enough for
+#: GRPO to learn from; sharpened, p ~ 1e-6 (:func:`lookup_right_digit_probability`).
 LOOKUP_SHARPEN_A = 1.5
 
 
@@ -344,6 +344,23 @@ def build_lookup_pair(tb: Testbed, seed: int, steps: tuple[int, int], pool: int,
     _sharpen(tb.model_a, LOOKUP_SHARPEN_A)
     info["A"]["logit_scale"] = LOOKUP_SHARPEN_A
     return info
+
+
+def lookup_right_digit_probability(model_dir: str | Path, problems) -> list[float]:
+    """Each problem's probability, under the lookup model in ``model_dir``, of the right digit right
+    after ``\\boxed{`` (where its responses put the answer): how often a sample would be right."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    out = []
+    for p in problems:
+        ids = tok(PLAIN_TEMPLATE.replace("{prompt}", p.problem) + "\\boxed{", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            probs = model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+        out.append(float(probs[tok(p.answer, add_special_tokens=False).input_ids[0]]))
+    return out
 
 
 def _sharpen(model_dir: Path, scale: float) -> None:

@@ -2,8 +2,8 @@
 
 The lookup pair (``graft_rl.testbed``, ``zoo:lookup-a/b``, ``configs/lookup/graft.yaml``): model A
 was taught a wrong rule for the family ``shift3`` and sharpened, so none of its samples there is
-right (p ~ 1e-6 each) and every one of its groups fails; model B is right about half the time. The pool holds only ``shift3``. So
-GRPO gives A no gradient at all, and the only way A can learn the family is from B's mixed groups,
+expected to be right (p ~ 1e-6 each) and its groups all fail; model B is right about half the
+time. The pool holds only ``shift3``. So GRPO gives A no gradient at all, and the only way A can learn the family is from B's mixed groups,
 grafted in with B's advantages and admitted by the compatibility gate (the failed response differs
 from B's in one answer token of ~80 characters, so the gate admits).
 
@@ -29,7 +29,7 @@ from graft_rl import algo
 from graft_rl.config import load_config
 from graft_rl.data import load_jsonl
 from graft_rl.report import family_summary
-from graft_rl.testbed import PLAIN_TEMPLATE, shipped_root
+from graft_rl.testbed import lookup_right_digit_probability, shipped_root
 from graft_rl.trainer import Trainer
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "lookup" / "graft.yaml"
@@ -65,21 +65,9 @@ def _run(tmp_path_factory, variant: str) -> dict:
 
 
 def right_digit_probability(which: str, family: str) -> list[float]:
-    """Each held-out ``family`` prompt: the shipped model's probability of the right digit right after
-    ``\\boxed{`` (where its response puts the answer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     root = shipped_root("lookup")
-    tok = AutoTokenizer.from_pretrained(root / f"model_{which}")
-    model = AutoModelForCausalLM.from_pretrained(root / f"model_{which}").eval()
-    out = []
-    for p in load_jsonl(root / "heldout.jsonl"):
-        if p.subject == family:
-            ids = tok(PLAIN_TEMPLATE.replace("{prompt}", p.problem) + "\\boxed{", add_special_tokens=False).input_ids
-            with torch.no_grad():
-                probs = model(torch.tensor([ids])).logits[0, -1].softmax(-1)
-            out.append(float(probs[tok(p.answer, add_special_tokens=False).input_ids[0]]))
-    return out
+    held = [p for p in load_jsonl(root / "heldout.jsonl") if p.subject == family]
+    return lookup_right_digit_probability(root / f"model_{which}", held)
 
 
 def test_the_pair_is_built_as_described():
