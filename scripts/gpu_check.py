@@ -2,31 +2,53 @@
 
     python scripts/gpu_check.py                  # on one GPU: ~0.5B Qwen3-shaped model, 152k vocabulary
     python scripts/gpu_check.py --smoke          # seconds, on CPU: the same code path at toy sizes
+    python scripts/gpu_check.py --skip fsdp,trainer --out results/
 
 Builds a randomly initialised Qwen3-shaped model from a config (nothing fetched from a hub),
-then measures, each in its own row of a Markdown table:
+then measures, each in its own row of a Markdown table (``--skip`` name in brackets):
 
-1. ``hf`` generation (KV-cached sampler, bf16 compute over fp32 master weights): tokens/s;
-2. scoring (old log-probs) through the chunked LM head: tokens/s, peak memory;
-3. the same scoring through full logits (the path the chunked head replaces): peak memory;
-4. minibatch updates, bf16 compute / fp32 master / gradient checkpointing: tokens/s, peak memory,
-   and the fraction of weights (with a gradient) that changed after 3 AdamW steps at lr 1e-6;
-5. the same with pure bf16 weights (the opt-in the default avoids): fraction changed;
-6. FSDP2 (``ShardedPolicy``, world size 1, NCCL): update tokens/s, peak memory, log-prob
-   agreement with the single-process path;
-7. a 3-step GRAFT run of the trainer on the tiny heterogeneous pair, on the device.
+1. [generate] ``hf`` generation (KV-cached sampler, bf16 compute over fp32 master weights): tokens/s;
+2. [score] scoring (old log-probs) through the chunked LM head (``fused_logprobs=True``, so the
+   toy vocabulary of ``--smoke`` takes the same path as the 152k one): tokens/s, peak memory;
+3. [naive] the same scoring through full logits (``fused_logprobs=False``, the path the chunked
+   head replaces): peak memory, max |Δ logp| against row 2;
+4. [update] minibatch updates, bf16 compute / fp32 master / gradient checkpointing: tokens/s, peak
+   memory, and the fraction of weights (with a gradient) that changed after 3 AdamW steps at lr 1e-6;
+5. [pure] the same with pure bf16 weights (the opt-in the default avoids): fraction changed;
+6. [fsdp] FSDP2 (``ShardedPolicy``, world size 1, NCCL; gloo on CPU): update tokens/s, peak memory,
+   log-prob agreement with the single-process path;
+7. [trainer] a 3-step GRAFT run of the trainer on the tiny heterogeneous pair, on the device
+   (needs ``pyarrow``, for the rollout store);
+8. [vllm] vLLM: update → push → wake → generate → sleep (only where ``import vllm`` works): one
+   optimiser step, then ``Policy.generate`` (pushes the weights once, wakes the engine, samples,
+   puts it back to sleep on a GPU), then the trainer re-scores vLLM's responses: max/mean |Δ logp|
+   against the updated weights (small: the push reached the engine) and against the weights before
+   the update (larger), the trainer's own log-prob change from the update, and the engine's sleep state.
 
-Writes the table to stdout and, with ``--out DIR`` (or ``$OUT``), ``gpu_check.md``/``.json``.
+The columns "fused head" say which scoring path each policy really took (``Policy.fused_head``).
+
+Every row runs on its own: a row that raises records ``error: <type>: <first line>`` (traceback
+on stderr) and the others still run; a row whose optional package is missing records
+``skipped: needs <package>``. Each row is printed as it finishes, and with ``--out DIR`` (or
+``$OUT``) ``gpu_check.md`` / ``gpu_check.json`` are rewritten after every row, so a crash or a
+timeout keeps the rows done so far. Exit status 0 when no row raised, 1 otherwise.
+
+Module-level imports are torch + transformers (+ their own dependencies) only; pyarrow, vllm and
+other optional packages are imported inside the row that needs them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import gc
 import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -36,26 +58,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from graft_rl.algo import policy_loss  # noqa: E402
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch  # noqa: E402
 
+#: --skip name -> row title, in the order the rows run
+ROWS = {
+    "generate": "generate (hf, bf16 compute)",
+    "score": "score, chunked LM head",
+    "naive": "score, full logits (replaced path)",
+    "update": "update, bf16 compute / fp32 master / ckpt",
+    "pure": "update, pure bf16 (opt-in)",
+    "fsdp": "update, FSDP2 (world 1, ShardedPolicy)",
+    "trainer": "trainer: GRAFT, tiny pair, 3 steps",
+    "vllm": "vLLM: update → push → wake → generate → sleep",
+}
 
+#: import name -> pip name, where they differ
+PIP_NAMES = {"math_verify": "math-verify", "reasoning_gym": "reasoning-gym"}
+
+
+class Skip(Exception):
+    """A row that cannot run here (a missing optional package): recorded as ``skipped``, not a failure."""
+
+
+# ---------------------------------------------------------------------------------------- helpers
 def build_model(out: Path, smoke: bool) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from graft_rl.policy.tiny import char_tokenizer
 
     tok = char_tokenizer()
-    if smoke:
-        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, vocab_size=4096)
-    else:  # Qwen3-0.6B's shape: 0.6 B parameters, 151,936-token vocabulary
-        shape = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936)
-    cfg = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=8192, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    cfg = Qwen3Config(**model_shape(smoke), tie_word_embeddings=True, max_position_embeddings=8192,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def model_shape(smoke: bool) -> dict:
+    if smoke:  # head_dim 32: the smallest vLLM's CPU attention supports
+        return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=32, vocab_size=4096)
+    # Qwen3-0.6B's shape: 0.6 B parameters, 151,936-token vocabulary
+    return dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936)
 
 
 def sync(device: str) -> None:
@@ -110,140 +155,351 @@ def timed(fn, device: str):
     return out, time.perf_counter() - t0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (seconds): checks the script itself")
-    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.md / .json")
-    ap.add_argument("--skip", default="", help="comma-separated rows to skip: generate,naive,pure,fsdp,trainer")
-    args = ap.parse_args()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    skip = set(filter(None, args.skip.split(",")))
-    smoke = args.smoke
-    # sizes: responses of 2k-4k tokens on the GPU (the paper's lengths), toys in the smoke test
-    rows, prompt, response = (4, 16, 48) if smoke else (8, 256, 3840)
-    gen_prompts, gen_tokens = (4, 16) if smoke else (64, 512)
-    mbt = 128 if smoke else 16384
-    results: list[dict] = []
-    env = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
-           "torch": torch.__version__, "transformers": __import__("transformers").__version__}
-    print(f"gpu_check on {env['device']} (torch {env['torch']}, transformers {env['transformers']})", flush=True)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mdir = build_model(Path(tmp) / "qwen3", smoke)
-        base = dict(name="P", model=str(mdir), device=device, dtype="bfloat16", lr=1e-6, micro_batch_tokens=mbt,
-                    gradient_checkpointing=True, max_prompt_tokens=8192, gen_batch_size=gen_prompts)
-        pol = Policy(PolicyConfig(**base))
-        n_params = sum(p.numel() for p in pol.model.parameters())
-        vocab = pol.model.config.vocab_size
-        print(f"model: {n_params / 1e9:.3f} B parameters, vocabulary {vocab}, fused head: {pol.fused_head}", flush=True)
-        batch = random_batch(vocab, rows, prompt, response)
-        tokens = rows * (prompt + response)
-
-        if "generate" not in skip:
-            prompts = [list(range(5, 5 + prompt // 4))] * gen_prompts
-            peak_reset(device)
-            samples, dt = timed(lambda: pol.backend.generate(prompts, SamplingParams(n=1, max_new_tokens=gen_tokens), 0), device)
-            made = sum(len(s.token_ids) for g in samples for s in g)
-            results.append({"row": "generate (hf, bf16 compute)", "tokens": made, "seconds": dt, "tok/s": made / dt,
-                            "peak GiB": peak_gib(device)})
-
-        peak_reset(device)
-        (old, mask), dt = timed(lambda: pol.token_logprobs(batch), device)
-        results.append({"row": "score, chunked LM head", "tokens": tokens, "seconds": dt, "tok/s": tokens / dt,
-                        "peak GiB": peak_gib(device)})
-
-        if "naive" not in skip:
-            naive = Policy(PolicyConfig(**{**base, "fused_logprobs": False, "name": "N"}))
-            peak_reset(device)
-            (old_n, _), dt = timed(lambda: naive.token_logprobs(batch), device)
-            results.append({"row": "score, full logits (replaced path)", "tokens": tokens, "seconds": dt, "tok/s": tokens / dt,
-                            "peak GiB": peak_gib(device), "max |Δ logp| vs chunked": float((old_n - old).abs().max())})
-            naive = None
-
-        adv = torch.linspace(-1, 1, rows)
-        peak_reset(device)
-        _, dt = timed(lambda: pol.update(batch, loss_fn(old, adv, float(mask.sum()))), device)
-        frac = changed_fraction(pol, batch)
-        results.append({"row": "update, bf16 compute / fp32 master / ckpt", "tokens": tokens, "seconds": dt, "tok/s": tokens / dt,
-                        "peak GiB": peak_gib(device), "changed after 3 steps @ lr 1e-6": frac})
-        pol = None  # free its memory before the next rows
-
-        if "pure" not in skip:
-            pure = Policy(PolicyConfig(**{**base, "master_dtype": "bfloat16", "name": "B"}))
-            results.append({"row": "update, pure bf16 (opt-in)", "changed after 3 steps @ lr 1e-6": changed_fraction(pure, batch)})
-            pure = None
-
-        if "fsdp" not in skip:
-            results.append(fsdp_row(base, batch, old, tokens, device))
-
-        if "trainer" not in skip:
-            results.append(trainer_row(Path(tmp), device))
-
-    table = to_markdown(results, env)
-    print(table)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_check.md").write_text(table + "\n")
-        (out / "gpu_check.json").write_text(json.dumps({"env": env, "rows": results}, indent=1))
-    return 0
+def one_line(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0][:300]}" if msg else type(exc).__name__
 
 
-def fsdp_row(base: dict, batch: TokenBatch, old_single: torch.Tensor, tokens: int, device: str) -> dict:
+def missing_package(exc: BaseException) -> str | None:
+    """The top-level name of a package that is not installed, if ``exc`` (or its cause) says so."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ModuleNotFoundError) and exc.name:
+            top = exc.name.split(".")[0]
+            if top not in ("graft_rl", "__main__"):
+                return top
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------- state
+class Check:
+    """What the rows share, built on first use so that any row can run (or fail) on its own."""
+
+    def __init__(self, smoke: bool, device: str, tmp: Path, env: dict):
+        self.smoke, self.device, self.tmp, self.env = smoke, device, tmp, env
+        # sizes: responses of 2k-4k tokens on the GPU (the paper's lengths), toys in the smoke test
+        self.rows, self.prompt, self.response = (4, 16, 48) if smoke else (8, 256, 3840)
+        self.gen_prompts, self.gen_tokens = (4, 16) if smoke else (64, 512)
+        self.mbt = 128 if smoke else 16384
+        self.vocab = model_shape(smoke)["vocab_size"]
+        self.batch = random_batch(self.vocab, self.rows, self.prompt, self.response)
+        self.tokens = self.rows * (self.prompt + self.response)
+        self._mdir: Path | None = None
+        self._setup_error: str | None = None
+        self.pol: Policy | None = None  # the main policy (chunked LM head); dropped after the update row
+        self.old: tuple[torch.Tensor, torch.Tensor] | None = None  # its scores of `batch` before any update
+
+    def mdir(self) -> Path:
+        if self._setup_error:
+            raise RuntimeError(f"model setup failed earlier: {self._setup_error}")
+        if self._mdir is None:
+            try:
+                self._mdir = build_model(self.tmp / "qwen3", self.smoke)
+            except Exception as exc:
+                self._setup_error = one_line(exc)
+                raise
+        return self._mdir
+
+    def base(self, **over) -> dict:
+        cfg = dict(name="P", model=str(self.mdir()), device=self.device, dtype="bfloat16", lr=1e-6,
+                   micro_batch_tokens=self.mbt, gradient_checkpointing=True, max_prompt_tokens=8192,
+                   gen_batch_size=self.gen_prompts, fused_logprobs=True)
+        cfg.update(over)
+        return cfg
+
+    def policy(self) -> Policy:
+        if self.pol is None:
+            self.pol = Policy(PolicyConfig(**self.base()))
+            n_params = sum(p.numel() for p in self.pol.model.parameters())
+            self.env["model"] = (f"Qwen3-shaped, {n_params / 1e9:.3f} B parameters, vocabulary "
+                                 f"{self.pol.model.config.vocab_size}, random init")
+            print(f"model: {self.env['model']}", flush=True)
+        return self.pol
+
+    def old_logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main policy's log-probs of ``batch`` before any update (row 2 computes them when it runs)."""
+        if self.old is None:
+            self.old = self.policy().token_logprobs(self.batch)
+        return self.old
+
+
+# ---------------------------------------------------------------------------------------- rows
+def row_generate(c: Check) -> dict:
+    pol = c.policy()
+    prompts = [list(range(5, 5 + c.prompt // 4))] * c.gen_prompts
+    peak_reset(c.device)
+    samples, dt = timed(lambda: pol.backend.generate(prompts, SamplingParams(n=1, max_new_tokens=c.gen_tokens), 0), c.device)
+    made = sum(len(s.token_ids) for g in samples for s in g)
+    return {"tokens": made, "seconds": dt, "tok/s": made / dt, "peak GiB": peak_gib(c.device)}
+
+
+def row_score(c: Check) -> dict:
+    pol = c.policy()
+    peak_reset(c.device)
+    c.old, dt = timed(lambda: pol.token_logprobs(c.batch), c.device)
+    return {"tokens": c.tokens, "seconds": dt, "tok/s": c.tokens / dt, "peak GiB": peak_gib(c.device),
+            "fused head": pol.fused_head}
+
+
+def row_naive(c: Check) -> dict:
+    old, _ = c.old_logprobs()
+    naive = Policy(PolicyConfig(**c.base(name="N", fused_logprobs=False)))
+    peak_reset(c.device)
+    (old_n, _), dt = timed(lambda: naive.token_logprobs(c.batch), c.device)
+    return {"tokens": c.tokens, "seconds": dt, "tok/s": c.tokens / dt, "peak GiB": peak_gib(c.device),
+            "fused head": naive.fused_head, "max |Δ logp| vs chunked": float((old_n - old).abs().max())}
+
+
+def row_update(c: Check) -> dict:
+    old, mask = c.old_logprobs()
+    pol = c.policy()
+    c.pol = None  # updated weights are no use to later rows: freed when this row ends
+    adv = torch.linspace(-1, 1, c.rows)
+    peak_reset(c.device)
+    _, dt = timed(lambda: pol.update(c.batch, loss_fn(old, adv, float(mask.sum()))), c.device)
+    peak = peak_gib(c.device)
+    frac = changed_fraction(pol, c.batch)
+    return {"tokens": c.tokens, "seconds": dt, "tok/s": c.tokens / dt, "peak GiB": peak, "fused head": pol.fused_head,
+            "changed after 3 steps @ lr 1e-6": frac}
+
+
+def row_pure(c: Check) -> dict:
+    pure = Policy(PolicyConfig(**c.base(master_dtype="bfloat16", name="B")))
+    return {"fused head": pure.fused_head, "changed after 3 steps @ lr 1e-6": changed_fraction(pure, c.batch)}
+
+
+def row_fsdp(c: Check) -> dict:
     import torch.distributed as dist
 
     from graft_rl.policy.fsdp import ShardedPolicy
 
+    old_single, _ = c.old_logprobs()
+    c.pol = None
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29577")
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if c.device.startswith("cuda") else "gloo", rank=0, world_size=1)
     try:
-        pol = ShardedPolicy(PolicyConfig(**{**base, "name": "S", "world_size": 1}))
-        peak_reset(device)
-        (old, mask), _ = timed(lambda: pol.token_logprobs(batch), device)
-        adv = torch.linspace(-1, 1, len(batch))
-        _, dt = timed(lambda: pol.update(batch, loss_fn(old, adv, float(mask.sum()))), device)
-        return {"row": "update, FSDP2 (world 1, ShardedPolicy)", "tokens": tokens, "seconds": dt, "tok/s": tokens / dt,
-                "peak GiB": peak_gib(device), "max |Δ logp| vs single process": float((old - old_single).abs().max())}
+        pol = ShardedPolicy(PolicyConfig(**c.base(name="S", world_size=1)))
+        peak_reset(c.device)
+        (old, mask), _ = timed(lambda: pol.token_logprobs(c.batch), c.device)
+        adv = torch.linspace(-1, 1, len(c.batch))
+        _, dt = timed(lambda: pol.update(c.batch, loss_fn(old, adv, float(mask.sum()))), c.device)
+        return {"tokens": c.tokens, "seconds": dt, "tok/s": c.tokens / dt, "peak GiB": peak_gib(c.device),
+                "fused head": pol.fused_head, "max |Δ logp| vs single process": float((old - old_single).abs().max())}
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
 
 
-def trainer_row(tmp: Path, device: str) -> dict:
+def row_trainer(c: Check) -> dict:
     from graft_rl.config import load_config
     from graft_rl.policy.tiny import build_tiny_pair
-    from graft_rl.trainer import Trainer
+    from graft_rl.trainer import Trainer  # needs pyarrow (graft_rl.store)
 
+    c.pol = None
+    tmp = c.tmp / "trainer"
     a, b = build_tiny_pair(tmp / "pair")
     data = tmp / "arith.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(8)))
-    pol = {"device": device, "dtype": "bfloat16", "lr": 1e-3, "gradient_checkpointing": True}
+    pol = {"device": c.device, "dtype": "bfloat16", "lr": 1e-3, "gradient_checkpointing": True}
     cfg = load_config({"run_dir": str(tmp / "run"), "steps": 3, "prompt_batch": 8, "minibatch": 2, "n": 4, "max_new_tokens": 8,
                        "checkpoint_every": 3, "data": {"train": str(data), "verifier": "gsm8k"}, "method": {"name": "graft"},
                        "policies": [{"name": "A", "model": str(a), **pol}, {"name": "B", "model": str(b), **pol}]})
     t0 = time.perf_counter()
     lines = Trainer(cfg, show_progress=False).run()
-    return {"row": "trainer: GRAFT, tiny pair, 3 steps", "seconds": time.perf_counter() - t0,
-            "metric lines": len(lines), "finite losses": all(ln.get("loss") is None or ln["loss"] == ln["loss"] for ln in lines)}
+    return {"seconds": time.perf_counter() - t0, "metric lines": len(lines),
+            "finite losses": all(ln.get("loss") is None or ln["loss"] == ln["loss"] for ln in lines)}
+
+
+def row_vllm(c: Check) -> dict:
+    try:
+        import vllm  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if missing_package(exc) == "vllm":
+            raise Skip("vLLM not installed") from None
+        raise
+
+    c.pol = None
+    gpu = c.device.startswith("cuda")
+    # on a GPU: the paper's bf16 compute, a bounded share of the GPU, no CUDA-graph capture (start-up
+    # time); on CPU (vLLM's CPU build) float32 so the trainer/engine comparison is exact to ~1e-5
+    kwargs = {"max_model_len": 1024}
+    if gpu:
+        kwargs.update(gpu_memory_utilization=0.3, enforce_eager=True)
+    dtype = "bfloat16" if gpu else "float32"
+    lr = 1e-3 if c.smoke else 1e-5  # smoke: a large step, so the weights visibly move
+    t0 = time.perf_counter()
+    pol = Policy(PolicyConfig(**c.base(name="V", backend="vllm", dtype=dtype, lr=lr, vllm_kwargs=kwargs)))
+    start = time.perf_counter() - t0
+    pushes = []
+    push = pol.backend.sync_weights
+    pol.backend.sync_weights = lambda: (pushes.append(1), push())[1]
+
+    initial = copy.deepcopy(pol.model).eval().requires_grad_(False)
+    batch = c.batch.select(range(min(2, len(c.batch))))
+    old, mask = pol.token_logprobs(batch)
+    stats = pol.update(batch, loss_fn(old, torch.tensor([1.0, -1.0])[: len(batch)], float(mask.sum())))
+    if stats.get("skipped"):
+        raise RuntimeError(f"the update was skipped (non-finite loss or gradient): {stats}")
+
+    prompts = [("p1", "What is 2+3?"), ("p2", "6*7?")]
+    groups, gen_s = timed(lambda: pol.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, top_p=1.0),
+                                               seed=0), c.device)
+    asleep = pol.backend.sleeping == {"weights", "kv_cache"} if pol.backend.sleep else "n/a (sleep off)"
+
+    own = pol.encode_own(groups)
+    lp, mask = pol.token_logprobs(own)
+    lp0, _ = pol.token_logprobs(own, model=initial)
+    gen = torch.zeros_like(lp)
+    for i, row in enumerate(x for g in groups for x in g.gen_logprobs):
+        gen[i, : len(row)] = torch.tensor(row)
+    m = mask.bool()
+    d_new, d_init, d_train = (lp - gen).abs()[m], (lp0 - gen).abs()[m], (lp - lp0).abs()[m]
+    return {"tokens": int(m.sum()), "seconds": gen_s, "fused head": pol.fused_head, "vLLM dtype": dtype,
+            "engine start s": start, "update lr": lr, "weight pushes": len(pushes),
+            "max |Δ logp| vLLM vs trainer": float(d_new.max()), "mean |Δ logp| vLLM vs trainer": float(d_new.mean()),
+            "max |Δ logp| vLLM vs initial weights": float(d_init.max()),
+            "mean |Δ logp| vLLM vs initial weights": float(d_init.mean()),
+            "max |Δ logp| trainer updated vs initial": float(d_train.max()),
+            "engine asleep after generate": asleep}
+
+
+ROW_FNS = {"generate": row_generate, "score": row_score, "naive": row_naive, "update": row_update, "pure": row_pure,
+           "fsdp": row_fsdp, "trainer": row_trainer, "vllm": row_vllm}
+
+
+# ---------------------------------------------------------------------------------------- output
+def status(row: dict) -> str:
+    if "error" in row:
+        return f"error: {row['error']}"
+    if "skipped" in row:
+        return f"skipped: {row['skipped']}"
+    return "ok"
+
+
+def fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
 
 
 def to_markdown(results: list[dict], env: dict) -> str:
-    cols = ["row", "tokens", "seconds", "tok/s", "peak GiB"]
-    extra = [k for r in results for k in r if k not in cols]
+    cols = ["row", "status", "tokens", "seconds", "tok/s", "peak GiB", "fused head"]
+    extra = [k for r in results for k in r if k not in cols and k not in ("error", "skipped")]
     cols += list(dict.fromkeys(extra))
 
-    def fmt(v):
-        if v is None:
-            return ""
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
+    def cell(v) -> str:
+        return fmt(v).replace("|", "\\|").replace("\n", " ")
 
-    lines = [f"gpu_check: {env['device']}, torch {env['torch']}, transformers {env['transformers']}", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in results]
+    head = f"gpu_check: {env['device']}, torch {env['torch']}, transformers {env['transformers']}"
+    if env.get("vllm"):
+        head += f", vllm {env['vllm']}"
+    lines = [head + (f"; model: {env['model']}" if env.get("model") else ""), "",
+             "| " + " | ".join(cell(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(status(r) if c == "status" else r.get(c)) for c in cols) + " |" for r in results]
     return "\n".join(lines)
+
+
+class Report:
+    """Rows so far: each printed as it finishes and written (atomically) to ``out`` after every row."""
+
+    def __init__(self, env: dict, out: str | None, total: int):
+        self.env, self.rows, self.total = env, [], total
+        self.out = Path(out) if out else None
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.write()
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        details = ", ".join(f"{k}={fmt(v)}" for k, v in row.items() if k not in ("row", "error", "skipped"))
+        print(f"[{len(self.rows)}/{self.total}] {row['row']}: {status(row)}" + (f" ({details})" if details else ""),
+              flush=True)
+        self.write()
+
+    def write(self) -> None:
+        if not self.out:
+            return
+        for name, text in (("gpu_check.md", to_markdown(self.rows, self.env) + "\n"),
+                           ("gpu_check.json", json.dumps({"env": self.env, "rows": self.rows}, indent=1))):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, self.out / name)
+
+
+def run_row(key: str, c: Check) -> dict:
+    row = {"row": ROWS[key]}
+    try:
+        row.update(ROW_FNS[key](c))
+    except Skip as exc:
+        row["skipped"] = str(exc)
+    except Exception as exc:
+        pkg = missing_package(exc)
+        if pkg:
+            row["skipped"] = f"needs {pkg} (pip install {PIP_NAMES.get(pkg, pkg)})"
+        else:
+            print(f"--- row {ROWS[key]!r} failed:", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            sys.stderr.flush()
+            row["error"] = one_line(exc)
+    finally:
+        gc.collect()
+        if c.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (seconds): checks the script itself")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.md / .json (default: $OUT)")
+    ap.add_argument("--skip", default="", help=f"comma-separated rows to skip: {','.join(ROWS)}")
+    args = ap.parse_args()
+    for stream in (sys.stdout, sys.stderr):  # row names have → and Δ: never die printing them
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")
+    skip = set(filter(None, (s.strip() for s in args.skip.split(","))))
+    if skip - set(ROWS):
+        ap.error(f"--skip: unknown row(s) {', '.join(sorted(skip - set(ROWS)))}; rows: {', '.join(ROWS)}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    env = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+           "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    try:
+        from importlib.metadata import version
+
+        env["vllm"] = version("vllm")
+    except Exception:
+        pass
+    print(f"gpu_check on {env['device']} (torch {env['torch']}, transformers {env['transformers']})", flush=True)
+
+    report = Report(env, args.out, len(ROWS))
+    with tempfile.TemporaryDirectory() as tmp:
+        check = Check(args.smoke, device, Path(tmp), env)
+        for key in ROWS:
+            report.add({"row": ROWS[key], "skipped": "--skip"} if key in skip else run_row(key, check))
+        check.pol = None
+
+    print(to_markdown(report.rows, env), flush=True)
+    failed = [r["row"] for r in report.rows if "error" in r]
+    if failed:
+        print(f"gpu_check: {len(failed)} row(s) failed: {'; '.join(failed)}", flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ LAYERS: dict[str, float] = {
     "analyze": 5,
     "defaults": 6,
     "evaluate_cli": 6,
+    "preflight": 6,
     "cli": 6,
 }
 

@@ -20,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from graft_rl.report import read_metrics, read_validation
+from graft_rl.rundir import best_steps
 from graft_rl.store import RecordStore
 
 __all__ = ["AnalysisError", "analyze", "compatibility_stats"]
@@ -113,6 +114,17 @@ def complementarity(store: RecordStore) -> dict[str, list[tuple[int, float | Non
             series.append((step, solved / len(fails) if fails else None))
         out[r] = series
     return out
+
+
+def _select_initial(run: Path) -> bool:
+    """The run's ``validation.select_initial`` (False, the default, when the config does not say)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return bool((cfg.get("validation") or {}).get("select_initial", False))
 
 
 def _run_delta(run: Path) -> float:
@@ -327,7 +339,8 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     if not shown:
         report.append("No admitted successful peer response to show.")
 
-    # 7. compute accounting (Table 5)
+    # 7. compute accounting (Table 5); the best step by the trainer's own rule (rundir.best_steps)
+    best_by_policy = best_steps(val, _select_initial(run))
     report += ["", "## Compute (Table 5)", "", "| policy | generate s | reward s | score s | update s | total s | best step | s to best |",
                "|---|---:|---:|---:|---:|---:|---:|---:|"]
     joint_total = 0.0
@@ -338,8 +351,7 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
         sums = {k: sum(m.get(k) or 0 for m in by_pol[p]) for k in PHASES}
         total = sum(sums.values())
         joint_total += total
-        vv = [v for v in val if v["policy"] == p]
-        best = max(vv, key=lambda v: v["val/score"])["step"] if vv else None
+        best = best_by_policy.get(p, {}).get("step")
         to_best = sum(sum(m.get(k) or 0 for k in PHASES) for m in by_pol[p] if best is not None and m["step"] <= best)
         report.append(
             f"| {p} | {sums['time_generate']:.1f} | {sums['time_reward']:.1f} | {sums['time_score']:.1f} | "

@@ -1,4 +1,4 @@
-"""``graft`` command line: ``graft train | eval | analyze | plan``."""
+"""``graft`` command line: ``graft train | eval | analyze | plan | preflight``."""
 
 from __future__ import annotations
 
@@ -43,12 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="output directory (default RUN_DIR/eval or ./eval_results)")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     e.add_argument("--device", default=None)
-    e.add_argument("--backend", default=None, choices=["hf", "vllm"])
+    e.add_argument("--backend", default=None, choices=["hf", "vllm"], help="rollout backend (default: the run's, else hf)")
+    e.add_argument("--world-size", type=int, default=None, metavar="W",
+                   help="Ray actors to spread the work over, one model and rollout engine each (one GPU each on a GPU "
+                        "machine; default: the devices the run's policy trained on, else 1)")
     e.add_argument("--prompt-format", default=None, choices=["auto", "chat", "plain"])
     pl = sub.add_parser("plan", help="memory per GPU and GPUs per policy for a config (nothing is loaded)")
     pl.add_argument("config", help="YAML config")
     pl.add_argument("overrides", nargs="*", help="key=value overrides, e.g. policies.0.world_size=4")
     pl.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU (default 141, an H200)")
+    pf = sub.add_parser(
+        "preflight", help="rehearse a config's own code path at toy size on this machine, stage by stage",
+        description="Runs CONFIG's code path (placement, model build, generate, verify, exchange, update, weight push, "
+                    "validation, checkpoint, resume, graft eval, graft analyze) with tiny models of the same architecture "
+                    "families and toy sizes, keeping what the config decides (method, execution, world sizes, backend, "
+                    "precision); on a machine without the GPUs it needs, ranks become CPU processes. Prints a checklist "
+                    "and graft plan's verdict for the real config. Exit 0 when every stage passed.")
+    pf.add_argument("config", help="YAML config")
+    pf.add_argument("overrides", nargs="*", help="key=value overrides of the real config")
+    pf.add_argument("--run-dir", default=None, help="keep the toy run here (default: a temporary directory, removed)")
+    pf.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU for the plan (default 141, an H200)")
+    pf.add_argument("--json", default=None, metavar="FILE", help="also write the checklist as JSON")
     a = sub.add_parser("analyze", help="the paper's diagnostics and plots from a run's records and metrics")
     a.add_argument("run_dir")
     a.add_argument("--compare", nargs="*", default=[], metavar="RUN_DIR", help="runs to overlay on the curves")
@@ -96,10 +111,12 @@ def _train(ns) -> int:
         print(f"graft train: cannot write{where}: {exc.strerror}" if exc.strerror else f"graft train: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
-        if type(exc).__name__ != "ActorDied":
+        from graft_rl.distributed import ActorError, ResourceError
+
+        if not isinstance(exc, ActorError):
             raise
         print(f"graft train: {exc}", file=sys.stderr)
-        return 3
+        return 2 if isinstance(exc, ResourceError) else 3
     except KeyboardInterrupt as exc:
         return 128 + getattr(exc, "signum", signal.SIGINT)
     finally:
@@ -121,11 +138,37 @@ def _eval(ns) -> int:
     try:
         benchmarks = [b.strip() for b in ns.benchmarks.split(",") if b.strip()] if ns.benchmarks else None
         run_eval(ns.target, benchmarks, ns.samples, ns.runs, ns.limit,
-                 ns.temperature, ns.top_p, ns.max_new_tokens, ns.policy, ns.out, overrides)
+                 ns.temperature, ns.top_p, ns.max_new_tokens, ns.policy, ns.out, overrides, replicas=ns.world_size)
     except (DatasetError, PolicyError, ValueError) as exc:
         print(f"graft eval: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from graft_rl.distributed import ActorError
+
+        if not isinstance(exc, ActorError):
+            raise
+        print(f"graft eval: {exc}", file=sys.stderr)
+        return 3
     return 0
+
+
+def _preflight(ns) -> int:
+    import json
+    from pathlib import Path
+
+    from graft_rl.config import ConfigError
+    from graft_rl.preflight import format_checklist, run_preflight
+
+    try:
+        result = run_preflight(ns.config, ns.overrides, ns.run_dir, gpu_memory=ns.gpu_memory)
+    except ConfigError as exc:
+        print(f"graft preflight: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(format_checklist(result))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result, indent=1))
+    return 0 if result["ok"] else 1
 
 
 #: libgomp (torch's OpenMP on Linux) spins 300,000 iterations by default before a worker thread
@@ -143,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides after an option (`graft train cfg.yaml --no-progress n=16`)
-        if ns.command in ("train", "plan") and all("=" in e and not e.startswith("-") for e in extra):
+        if ns.command in ("train", "plan", "preflight") and all("=" in e and not e.startswith("-") for e in extra):
             ns.overrides = [*ns.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -164,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"graft plan: {exc}", file=sys.stderr)
             return 2
         return 0
+    if ns.command == "preflight":
+        return _preflight(ns)
     if ns.command == "analyze":
         from graft_rl.analyze import AnalysisError, analyze, print_summary
 

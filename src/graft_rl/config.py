@@ -131,8 +131,14 @@ class RayConfig:
     address: str | None = None  # None: start a local Ray; "auto" or "ray://HOST:10001": join a running cluster
     num_cpus: float = 1.0  # per policy actor
     num_gpus: float = 0.0  # per policy actor (1 for a GPU per policy)
-    resources: dict = field(default_factory=dict)  # per policy name: extra actor options, e.g. {"A": {"resources": {"node_a": 1}}}
+    # per policy name: extra actor options, e.g. {"A": {"resources": {"node_a": 1}}}. Custom resources are
+    # the policy's total: a policy of world_size W asks each rank's bundle for 1/W of them, so
+    # {node_a: 1} places all its ranks on the node that has node_a (distributed.policy_bundles)
+    resources: dict = field(default_factory=dict)
     torch_threads: int | None = None  # torch threads inside each actor (default: num_cpus)
+    # seconds to wait for the cluster to place a policy's actors when it has the resources but they are
+    # busy (a misfit, e.g. too few CPUs or an unknown custom resource, fails at once without waiting)
+    placement_timeout: float = 120.0
 
 
 @dataclass
@@ -203,6 +209,9 @@ class TrainConfig:
             raise ConfigError(f"data.verify_timeout and data.verify_budget must be > 0, got {self.data.verify_timeout}, {self.data.verify_budget}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1 (or null for all cores), got {self.torch_threads}")
+        if not self.ray.placement_timeout > 0 or self.ray.num_cpus < 0 or self.ray.num_gpus < 0:
+            raise ConfigError(f"ray.placement_timeout must be > 0 and ray.num_cpus, ray.num_gpus >= 0, got "
+                              f"{self.ray.placement_timeout}, {self.ray.num_cpus}, {self.ray.num_gpus}")
         if self.execution not in ("local", "ray"):
             raise ConfigError(f"execution: must be local or ray, got {self.execution!r}")
         for i, pc in enumerate(self.policies):

@@ -8,56 +8,191 @@ nodes as possible), joined in one ``torch.distributed`` process group (NCCL on G
 CPU), each running a :class:`~graft_rl.policy.fsdp.ShardedPolicy` (FSDP2). The driver calls a
 method on every rank at once and takes rank 0's answer, so a group looks like one worker.
 
+Resources (:func:`policy_bundles`): each rank asks for ``ray.num_cpus`` CPUs and ``ray.num_gpus``
+GPUs; a policy's custom resources (``ray.resources: {NAME: {resources: {node_a: 1}}}``) are the
+policy's *total*, split evenly over its ranks, so ``{node_a: 1}`` puts every rank of the policy on
+the node started with ``--resources='{"node_a": 1}'``. Before anything is placed,
+:func:`check_cluster` compares every bundle with the cluster's nodes and fails in one line naming
+what is missing and the override that fits; a placement that fits but waits on busy resources
+gives up after ``ray.placement_timeout`` seconds.
+
 The driver only coordinates: it gathers groups (texts, token ids, generation log-probs),
 verifies rewards, runs the exchange selection and sends each receiver its batch. Model weights
 never cross the wire. Generation of all policies overlaps in time.
 
 Run directories must be on a filesystem every node can write (checkpoints are written by
-the actors). An actor that dies is reported with its policy name; resume with ``--resume``.
+the actors). An actor that dies is reported with its policy name; resume with ``--resume``. An
+error raised inside an actor (a model that does not load, a vLLM engine that cannot be built)
+reaches the driver as one line naming the policy and rank (:class:`ActorError`).
 """
 
 from __future__ import annotations
 
-__all__ = ["start_actors", "get", "ActorDied", "ActorGroup", "RankWorker"]
+import math
+import re
+
+__all__ = ["start_actors", "start_replicas", "get", "check_cluster", "policy_bundles", "ActorError", "ActorDied",
+           "ActorGroup", "RankWorker", "ResourceError"]
+
+#: Ray resources are counted to 1e-4; fractions are rounded down to this grid.
+_GRID = 1e-4
 
 
-class ActorDied(RuntimeError):
+class ActorError(RuntimeError):
+    """An error raised inside a policy's actor, as one line naming the policy and rank."""
+
+
+class ActorDied(ActorError):
     """A policy's actor died; the run can be resumed from its last checkpoint."""
+
+
+class ResourceError(ActorError):
+    """The Ray cluster cannot place what the config asks for; the message says what is missing."""
+
+
+def _actor_options(cfg, pc) -> dict:
+    """One policy's actor options: ``ray.num_cpus``/``num_gpus`` per rank, then the policy's own
+    entry of ``ray.resources`` (which may override them and adds custom resources)."""
+    opts = {"num_cpus": cfg.ray.num_cpus, "num_gpus": cfg.ray.num_gpus}
+    opts.update(cfg.ray.resources.get(pc.name, {}))
+    return opts
+
+
+def policy_bundles(cfg, pc) -> list[dict]:
+    """The resource bundle of each of the policy's ``world_size`` ranks (see the module docstring)."""
+    opts = _actor_options(cfg, pc)
+    W = pc.world_size
+    bundle = {"CPU": float(opts.get("num_cpus") or 0)}
+    if opts.get("num_gpus"):
+        bundle["GPU"] = float(opts["num_gpus"])
+    for key, val in (opts.get("resources") or {}).items():
+        bundle[key] = math.floor(float(val) / W / _GRID) * _GRID if W > 1 else float(val)
+    return [dict(bundle) for _ in range(W)]
+
+
+def _fmt(res: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in res.items() if v) + "}"
+
+
+def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
+    """Fail fast, in one line, when the Ray cluster can never place the policies' bundles.
+
+    ``nodes``: each alive node's total resources (default: from the running Ray cluster). Checks,
+    per resource, the sum over every rank of every policy against the cluster, and each bundle
+    against the largest node (a bundle never spans nodes); names the override that would fit.
+    """
+    if nodes is None:
+        import ray
+
+        nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    total: dict[str, float] = {}
+    for n in nodes:
+        for k, v in n.items():
+            total[k] = total.get(k, 0.0) + v
+    need: dict[str, float] = {}
+    ranks = 0
+    for pc in policy_configs:
+        bundles = policy_bundles(cfg, pc)
+        ranks += len(bundles)
+        for b in bundles:
+            for k, v in b.items():
+                need[k] = need.get(k, 0.0) + v
+        for key in bundles[0]:
+            if key not in ("CPU", "GPU") and bundles[0][key] > 0 and key not in total:
+                have = ", ".join(sorted(k for k in total if not k.startswith(("node:", "accelerator_type", "object_store"))))
+                raise ResourceError(
+                    f"policy {pc.name!r} asks for custom resource {key!r} (ray.resources.{pc.name}), which no node of the Ray "
+                    f"cluster has (it has: {have}); start that node with ray start --resources='{{\"{key}\": 1}}'"
+                )
+    for key, want in need.items():  # the totals first: their hint fits every rank at once
+        have = total.get(key, 0.0)
+        if want > have + 1e-9:
+            per = f"{ranks} rank actors (sum of world_size)"
+            raise ResourceError(
+                f"the policies need {want:g} {key} in all ({per} x their bundles), the Ray cluster has {have:g}; "
+                f"{_fit_hint(cfg, {key: want / ranks}, {key: have}, ranks)}"
+            )
+    for pc in policy_configs:
+        b = policy_bundles(cfg, pc)[0]
+        if not any(all(n.get(k, 0.0) + 1e-9 >= v for k, v in b.items()) for n in nodes):
+            biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)))
+            raise ResourceError(
+                f"policy {pc.name!r}: no node of the Ray cluster can hold one rank's bundle {_fmt(b)} (largest node: "
+                f"{_fmt({k: biggest.get(k, 0) for k in b})}); {_fit_hint(cfg, b, biggest, 1)}"
+            )
+
+
+def _fit_hint(cfg, bundle: dict, have: dict, ranks: int) -> str:
+    """The override that makes ``ranks`` bundles fit ``have``, for the resource that is short."""
+    for key, what in (("GPU", "ray.num_gpus"), ("CPU", "ray.num_cpus")):
+        if bundle.get(key, 0) > have.get(key, 0) / ranks + 1e-9:
+            if key == "GPU":
+                return (f"lower policies.N.world_size (each rank takes {bundle[key]:g} GPU) or add GPUs "
+                        f"({what}={math.floor(have.get(key, 0) / ranks / _GRID) * _GRID:g} would share them)")
+            fit = math.floor(have.get(key, 0) / ranks / _GRID) * _GRID
+            return f"set {what}={fit:g} (fits {ranks} rank actors on {have.get(key, 0):g} CPUs)" if fit > 0 else "add CPUs"
+    return "lower the custom resource or add a node that has it"
 
 
 _NAMES: dict = {}
 
 
 def start_actors(cfg, policy_configs) -> dict:
+    """Start every policy's actor (``world_size`` 1) or actor group, after :func:`check_cluster`."""
     import ray
 
     from graft_rl.worker import PolicyWorker
 
     if not ray.is_initialized():
         ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=True, ignore_reinit_error=True)
-    need = sum((cfg.ray.num_gpus or 0) * pc.world_size for pc in policy_configs)
-    have = ray.cluster_resources().get("GPU", 0)
-    if need > have:
-        raise ActorDied(f"the policies need {need:g} GPUs (ray.num_gpus x world_size), the Ray cluster has {have:g}")
+    check_cluster(cfg, policy_configs)
     remote_cls = ray.remote(PolicyWorker)
     actors = {}
     for pc in policy_configs:
-        opts = {"num_cpus": cfg.ray.num_cpus, "num_gpus": cfg.ray.num_gpus, "name": None, "max_restarts": 0}
-        opts.update(cfg.ray.resources.get(pc.name, {}))
+        opts = {**_actor_options(cfg, pc), "max_restarts": 0}
         threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
         worker_args = (pc, cfg.method, cfg.minibatch, cfg.nonfinite_loss, None, None, threads)
         if pc.world_size > 1:
-            actors[pc.name] = ActorGroup.start(pc.name, pc.world_size, opts, worker_args)
-            for a in actors[pc.name].actors:
-                _NAMES[a._actor_id.hex()] = pc.name
+            actors[pc.name] = ActorGroup.start(pc.name, policy_bundles(cfg, pc), opts, worker_args, cfg.ray.placement_timeout)
+            for r, a in enumerate(actors[pc.name].actors):
+                _NAMES[a._actor_id.hex()] = (pc.name, r)
             continue
         actor = remote_cls.options(**{k: v for k, v in opts.items() if v is not None}).remote(*worker_args)
         actors[pc.name] = actor
-        _NAMES[actor._actor_id.hex()] = pc.name
+        _NAMES[actor._actor_id.hex()] = (pc.name, None)
     # fail early (with the policy's name) if an actor cannot build its model (groups were checked in start)
     for name, actor in actors.items():
         if not isinstance(actor, ActorGroup):
             get(actor.name.remote(), name)
+    return actors
+
+
+def start_replicas(cfg, pc, replicas: int) -> list:
+    """``replicas`` independent one-rank actors of one policy, each on one rank's resources (``graft
+    eval`` over a run's devices: data parallel, each with its own model and rollout engine)."""
+    from dataclasses import replace
+
+    import ray
+
+    from graft_rl.config import MethodConfig
+    from graft_rl.worker import PolicyWorker
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    spread = replace(pc, world_size=replicas)
+    check_cluster(cfg, [spread])
+    extra = {k: v for k, v in _actor_options(cfg, pc).items() if k not in ("num_cpus", "num_gpus", "resources")}
+    threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
+    remote_cls = ray.remote(PolicyWorker)
+    actors = []
+    for b in policy_bundles(cfg, spread):
+        custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
+        opts = {"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0), "resources": custom or None, "max_restarts": 0, **extra}
+        actors.append(remote_cls.options(**{k: v for k, v in opts.items() if v is not None}).remote(
+            replace(pc, world_size=1), MethodConfig(), 1, "skip", None, None, threads))
+    for r, a in enumerate(actors):
+        _NAMES[a._actor_id.hex()] = (pc.name, r)
+    get(GroupRef([a.name.remote() for a in actors], pc.name))
     return actors
 
 
@@ -119,32 +254,39 @@ class ActorGroup:
         self.policy, self.actors, self.placement_group = policy, actors, placement_group
 
     @classmethod
-    def start(cls, name: str, world: int, opts: dict, worker_args: tuple) -> ActorGroup:
+    def start(cls, name: str, bundles: list[dict], opts: dict, worker_args: tuple, timeout: float = 120.0) -> ActorGroup:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {"CPU": float(opts.get("num_cpus") or 0)}
-        if opts.get("num_gpus"):
-            bundle["GPU"] = float(opts["num_gpus"])
-        bundle.update(opts.get("resources") or {})
-        pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        world = len(bundles)
+        pg = placement_group(bundles, strategy="PACK")
         try:
-            ray.get(pg.ready(), timeout=600)
+            ray.get(pg.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise ActorDied(f"policy {name!r}: the cluster cannot place {world} x {bundle} for world_size={world}") from None
+            remove_placement_group(pg)
+            raise ResourceError(
+                f"policy {name!r}: the Ray cluster did not place {world} x {_fmt(bundles[0])} within {timeout:g} s "
+                f"(ray.placement_timeout): its resources are held by other work (ray status shows what is free)"
+            ) from None
         extra = {k: v for k, v in opts.items() if k not in ("num_cpus", "num_gpus", "resources", "name") and v is not None}
         remote_cls = ray.remote(RankWorker)
         actors = [
             remote_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                num_cpus=bundles[r]["CPU"], num_gpus=bundles[r].get("GPU", 0),
+                resources={k: v for k, v in bundles[r].items() if k not in ("CPU", "GPU")} or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r), **extra,
             ).remote(r, world)
             for r in range(world)
         ]
-        addr, port = get(actors[0].address.remote(), name)
-        get(GroupRef([a.setup.remote(addr, port, worker_args) for a in actors], name))
-        return cls(name, actors, pg)
+        group = cls(name, actors, pg)
+        try:
+            addr, port = get(actors[0].address.remote(), name)
+            get(GroupRef([a.setup.remote(addr, port, worker_args) for a in actors], name))
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
 
     def shutdown(self) -> None:
         """Kill the ranks and release the placement group's reserved resources."""
@@ -163,22 +305,76 @@ class ActorGroup:
 
 
 def get(ref, name: str | None = None):
-    """``ray.get`` that names the policy whose actor died; a group's call returns rank 0's result."""
+    """``ray.get`` that names the policy (and rank) whose actor failed; a group's call returns rank 0's
+    result. An error raised inside an actor comes back as one line: re-raised as its own class when
+    that is one of graft-rl's input errors (a bad model path: ``PolicyError``), else as
+    :class:`ActorError`; a dead actor as :class:`ActorDied`."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
+    refs = list(ref) if isinstance(ref, GroupRef) else [ref]
+    name = name or getattr(ref, "name", None)
+    pending, current = list(refs), refs[0]
     try:
-        if isinstance(ref, GroupRef):  # fail on the first rank that fails (the others may wait in a collective)
-            pending = list(ref)
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=1)
-                ray.get(ready)
-            return ray.get(ref[0])
-        return ray.get(ref)
+        while pending:  # fail on the first rank that fails (the others may wait in a collective)
+            ready, pending = ray.wait(pending, num_returns=1)
+            current = ready[0]
+            ray.get(current)
+        return ray.get(refs[0])
     except RayActorError as exc:
-        who = name or _NAMES.get(getattr(exc, "actor_id", None) or "", "?")
+        who, rank = _who(exc, name, refs, current)
+        if getattr(exc, "actor_init_failed", False):
+            raise _one_line(who, rank, _cause_from_text(str(exc))) from None
         raise ActorDied(
-            f"the Ray actor of policy {who!r} died ({type(exc).__name__}); resume the run with `graft train --resume RUN_DIR`"
+            f"the Ray actor of policy {who!r}{_rank(rank)} died ({type(exc).__name__}); resume the run with "
+            f"`graft train --resume RUN_DIR`"
         ) from exc
     except RayTaskError as exc:
-        raise exc.as_instanceof_cause() from None
+        who, rank = _who(exc, name, refs, current)
+        cause = exc.cause if getattr(exc, "cause", None) is not None else _cause_from_text(str(exc))
+        raise _one_line(who, rank, cause) from None
+
+
+def _rank(rank) -> str:
+    return f" rank {rank}" if rank is not None else ""
+
+
+def _who(exc, name, refs, current) -> tuple[str, int | None]:
+    rank = refs.index(current) if len(refs) > 1 and current in refs else None
+    actor = getattr(exc, "actor_id", None)
+    known = _NAMES.get(actor.hex() if hasattr(actor, "hex") else actor or "")
+    if known:
+        return (name or known[0]), (rank if rank is not None else known[1])
+    return name or "?", rank
+
+
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\w*): (.*)$")
+
+
+def _cause_from_text(text: str) -> BaseException:
+    """The exception a creation-task traceback ends with (``ValueError: message``), rebuilt."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = _ERROR_LINE.match(line.strip())
+        if m and not line.startswith(" "):
+            return ActorError(f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}")
+    return ActorError(lines[-1] if lines else "unknown error")
+
+
+def _one_line(who: str, rank, cause: BaseException) -> BaseException:
+    from graft_rl.config import ConfigError
+    from graft_rl.policy import PolicyError
+
+    text = str(cause).strip().splitlines()
+    first = text[0] if text else ""
+    own = f"policy {who!r}: "
+    if first.startswith(own):  # graft-rl's errors name the policy already: add the rank
+        first = first[len(own):]
+    if isinstance(cause, (PolicyError, ConfigError, FloatingPointError, OSError)):
+        try:
+            return type(cause)(f"policy {who!r}{_rank(rank)}: {first}")
+        except Exception:  # an exception class with a different constructor
+            pass
+    if isinstance(cause, ActorError):  # rebuilt from a traceback's last line: already "Type: message"
+        return ActorError(f"policy {who!r}{_rank(rank)}: {first}")
+    return ActorError(f"policy {who!r}{_rank(rank)}: {type(cause).__name__}: {first}")

@@ -14,15 +14,31 @@ from dataclasses import replace
 from pathlib import Path
 
 from graft_rl.data import BENCHMARKS, BUILTIN, TESTBED_DATA, DatasetError, load_dataset, verifier_for
-from graft_rl.evaluation import evaluate_policy, pass_at_k
-from graft_rl.policy import Policy, PolicyConfig
+from graft_rl.evaluation import EVAL_CHUNK, evaluate_policy, pass_at_k
+from graft_rl.policy import Policy, PolicyConfig, saved_policy_config
 
-__all__ = ["resolve_targets", "run_eval", "eval_defaults", "PAPER"]
+__all__ = ["resolve_targets", "run_eval", "eval_defaults", "default_replicas", "PAPER"]
+
+
+def _run_dir_of(model_dir: Path) -> tuple[Path, str] | None:
+    """``(run directory, policy name)`` for ``RUN/best/NAME`` or ``RUN/checkpoints/step_N/NAME``."""
+    parent = model_dir.parent
+    if parent.name == "best":
+        run = parent.parent
+    elif parent.name.startswith("step_") and parent.parent.name == "checkpoints":
+        run = parent.parent.parent
+    else:
+        return None
+    return (run, model_dir.name) if (run / "config.yaml").is_file() else None
 
 
 def resolve_targets(target: str, policy: str | None = None, **overrides) -> list[PolicyConfig]:
-    """Policy configs to evaluate: a run directory (its best checkpoints, else the latest), or one model."""
+    """Policy configs to evaluate, each run as one process (``world_size`` 1; spreading over devices is
+    ``replicas``' job): a run directory (its best checkpoints, else the latest) with each policy's own
+    prompt format, lengths, dtype and rollout backend; a checkpoint directory, with the settings it was
+    saved with (``graft_policy.json``, else its run's config); or a model."""
     path = Path(target).expanduser()
+    one = {"gguf_file": None, "tokenizer": None, "world_size": 1, "reference_model": None, "reference_gguf_file": None}
     if (path / "config.yaml").is_file():
         from graft_rl.config import load_config
 
@@ -36,11 +52,34 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
             model = best if (best / "config.json").is_file() else (ckpts[-1] / pc.name if ckpts else None)
             if model is None:
                 raise DatasetError(f"{path}: run has no checkpoint of policy {pc.name!r} to evaluate")
-            out.append(replace(pc, model=str(model), gguf_file=None, tokenizer=None, backend="hf", **overrides))
+            out.append(replace(pc, **{**one, "model": str(model), **overrides}))
         if not out:
             raise DatasetError(f"{path}: no policy named {policy!r} (have: {', '.join(p.name for p in cfg.policies)})")
         return out
+    saved = saved_policy_config(path, **{k: v for k, v in one.items() if k != "world_size"}, **overrides)
+    if saved is not None:
+        return [replace(saved, name=policy or saved.name)]
+    owner = _run_dir_of(path) if path.is_dir() else None
+    if owner is not None:  # a checkpoint saved before graft_policy.json existed: its run's config
+        run, name = owner
+        from graft_rl.config import load_config
+
+        pcs = [pc for pc in load_config(run / "config.yaml", [f"run_dir={run}"]).policies if pc.name == name]
+        if pcs:
+            return [replace(pcs[0], **{**one, "model": str(path), **overrides})]
     return [PolicyConfig(name=policy or Path(target).name or target, model=target, **overrides)]
+
+
+def default_replicas(target: str, policy: PolicyConfig) -> int:
+    """Devices a run's policy trained on (its ``world_size`` under ``execution: ray``), else 1."""
+    cfg_file = Path(target).expanduser() / "config.yaml"
+    if not cfg_file.is_file():
+        return 1
+    from graft_rl.config import load_config
+
+    cfg = load_config(cfg_file, [f"run_dir={target}"])
+    sizes = {pc.name: pc.world_size for pc in cfg.policies}
+    return sizes.get(policy.name, 1) if cfg.execution == "ray" else 1
 
 
 def _benchmarks(names: list[str]) -> dict[str, str]:
@@ -74,9 +113,41 @@ def eval_defaults(target: str) -> tuple[dict, str]:
     return out, f"the run's validation settings ({cfg_file})"
 
 
-def _context_length(pol: Policy) -> int | None:
-    c = getattr(getattr(pol, "model", None), "config", None)
-    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+class _Local:
+    """The in-process evaluator: one Policy, the same calls as a replica actor's."""
+
+    def __init__(self, pc: PolicyConfig):
+        self.policy = Policy(pc)
+
+    def evaluate(self, *args, **kwargs):
+        return evaluate_policy(self.policy, *args, **kwargs)
+
+    def prompt_budget(self, problems, max_new_tokens):
+        from graft_rl.worker import prompt_budget
+
+        return prompt_budget(self.policy, problems, max_new_tokens)
+
+
+def _ray_config(target: str, pc: PolicyConfig, replicas: int):
+    """Ray settings for ``replicas`` eval actors: the run's (address, CPUs, GPUs, custom resources) where
+    ``target`` is a run directory, else a local Ray; on a CPU the replicas share the machine's cores."""
+    from dataclasses import replace as dc_replace
+
+    from graft_rl.config import RayConfig, load_config
+
+    cfg_file = Path(target).expanduser() / "config.yaml"
+    cfg = load_config(cfg_file, [f"run_dir={target}"]) if cfg_file.is_file() else None
+    ray_cfg = dc_replace(cfg.ray) if cfg is not None else RayConfig()
+    if pc.device.startswith("cuda"):
+        ray_cfg.num_gpus = ray_cfg.num_gpus or 1.0
+    else:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=ray_cfg.address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        ray_cfg.num_gpus = 0.0
+        ray_cfg.num_cpus = min(ray_cfg.num_cpus, int(ray.cluster_resources().get("CPU", 1) / replicas * 1e4) / 1e4)
+    return type("EvalRay", (), {"ray": ray_cfg})()
 
 
 def run_eval(
@@ -92,11 +163,16 @@ def run_eval(
     out_dir: str | None = None,
     policy_overrides: dict | None = None,
     show: bool = True,
+    replicas: int | None = None,
 ) -> dict:
     """Evaluate every target policy; write ``eval.json`` and ``eval.md``; return the results.
 
     Settings left ``None`` come from :func:`eval_defaults`. A ``max_new_tokens`` beyond a model's
-    context is clamped to what its longest prompt leaves, with one line saying so.
+    context is clamped to what its longest prompt leaves, with one line saying so. ``replicas``
+    (default: the devices the run's policy trained on, :func:`default_replicas`) spreads the work
+    over that many Ray actors, each a whole model with its own rollout engine (one GPU each): the
+    problems go out in chunks of :data:`~graft_rl.evaluation.EVAL_CHUNK`, each sampled with the seed
+    one process would give it, so the scores do not depend on how many replicas ran them.
     """
     from tqdm.auto import tqdm
 
@@ -107,6 +183,8 @@ def run_eval(
     temperature = defaults["temperature"] if temperature is None else temperature
     top_p = defaults["top_p"] if top_p is None else top_p
     max_new_tokens = max_new_tokens or defaults["max_new_tokens"]
+    if replicas is not None and replicas < 1:
+        raise ValueError(f"--world-size must be >= 1, got {replicas}")
     if show:
         print(f"graft eval: {', '.join(benchmarks)}; {samples} samples x {runs} runs, T={temperature}, top-p={top_p}, "
               f"max_new_tokens={max_new_tokens}" + (f", first {limit} problems" if limit else "") + f" (defaults: {source})")
@@ -116,42 +194,24 @@ def run_eval(
     results: dict = {"target": target, "samples": samples, "runs": runs, "temperature": temperature, "top_p": top_p,
                      "limit": limit, "max_new_tokens": max_new_tokens, "policies": {}}
     for pc in targets:
-        pol = Policy(pc)
-        per: dict = {}
-        bar = tqdm(total=len(data) * runs, desc=f"graft eval {pc.name}", unit="run", disable=not show)
-        for label, problems in data.items():
-            name = bench[label]
-            budget = max_new_tokens
-            ctx = _context_length(pol)
-            if ctx is not None:
-                longest = max(len(pol.prompt_token_ids(p.problem, p.id)) for p in problems)
-                if longest + max_new_tokens > ctx:
-                    budget = ctx - longest
-                    if budget < 1:
-                        raise ValueError(f"{pc.name}: {label} has a {longest}-token prompt, over the model's {ctx}-token context")
-                    bar.write(f"graft eval: {pc.name} has a {ctx}-token context: max_new_tokens {max_new_tokens} -> {budget} "
-                              f"on {label} (longest prompt {longest} tokens)")
-            run_scores, pooled = [], [0] * len(problems)
-            for r in range(runs):
-                res = evaluate_policy(pol, problems, verifier_for(name, problems[0]), samples, temperature, top_p,
-                                      budget, seed=1000 * r)
-                bar.update(1)
-                run_scores.append(res["pass@1"])
-                pooled = [a + b for a, b in zip(pooled, res["correct"], strict=True)]
-            total = samples * runs
-            ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, total) if k <= total})
-            per[label] = {
-                "pass@1_mean": statistics.fmean(run_scores),
-                "pass@1_std": statistics.stdev(run_scores) if runs > 1 else 0.0,
-                "pass@1_runs": run_scores,
-                "pass@k": {k: statistics.fmean(pass_at_k(total, c, k) for c in pooled) for k in ks},
-                "problems": len(problems),
-            }
-        bar.close()
+        W = replicas or default_replicas(target, pc)
+        workers, actors = _start(target, pc, W)
+        if show and actors:
+            print(f"graft eval: {pc.name} on {W} Ray actors ({pc.backend} backend, device {pc.device})")
+        try:
+            per = _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm)
+        finally:
+            if actors:
+                import ray
+
+                for a in workers:
+                    ray.kill(a)
         means = [v["pass@1_mean"] for v in per.values()]
         agg_runs = [statistics.fmean(v["pass@1_runs"][r] for v in per.values()) for r in range(runs)]
         results["policies"][pc.name] = {
             "model": pc.model,
+            "backend": pc.backend,
+            "replicas": W,
             "benchmarks": per,
             "average": statistics.fmean(means),
             "average_std": statistics.stdev(agg_runs) if runs > 1 else 0.0,
@@ -165,6 +225,60 @@ def run_eval(
         _print(results, list(data))
         print(f"written: {out / 'eval.json'}, {out / 'eval.md'}")
     return results
+
+
+def _start(target: str, pc: PolicyConfig, replicas: int) -> tuple[list, bool]:
+    """``(workers, are Ray actors)``: one in-process evaluator, or ``replicas`` Ray actors."""
+    if replicas == 1:
+        return [_Local(pc)], False
+    from graft_rl.distributed import start_replicas
+
+    return start_replicas(_ray_config(target, pc, replicas), pc, replicas), True
+
+
+def _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm) -> dict:
+    from graft_rl.distributed import get
+
+    def call(worker, method, *args):
+        return getattr(worker, method).remote(*args) if actors else getattr(worker, method)(*args)
+
+    def result(handle):
+        return get(handle, pc.name) if actors else handle
+
+    per: dict = {}
+    jobs = []  # (label, run, chunk start, handle)
+    for label, problems in data.items():
+        budget, note = result(call(workers[0], "prompt_budget", problems, max_new_tokens))
+        if note and show:
+            print(f"graft eval: {note} on {label}")
+        verifier = verifier_for(bench[label], problems[0])
+        for r in range(runs):
+            for s in range(0, len(problems), EVAL_CHUNK):
+                w = workers[len(jobs) % len(workers)]
+                jobs.append((label, r, s, call(w, "evaluate", problems[s : s + EVAL_CHUNK], verifier, samples, temperature,
+                                                 top_p, budget, 1000 * r + s)))
+    bar = tqdm(total=len(jobs), desc=f"graft eval {pc.name}", unit="chunk", disable=not show)
+    correct: dict = {}
+    for label, r, s, handle in jobs:
+        correct[(label, r, s)] = result(handle)["correct"]
+        bar.update(1)
+    bar.close()
+    for label, problems in data.items():
+        run_scores, pooled = [], [0] * len(problems)
+        for r in range(runs):
+            c = [x for s in range(0, len(problems), EVAL_CHUNK) for x in correct[(label, r, s)]]
+            run_scores.append(statistics.fmean(x / samples for x in c))
+            pooled = [a + b for a, b in zip(pooled, c, strict=True)]
+        total = samples * runs
+        ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, total) if k <= total})
+        per[label] = {
+            "pass@1_mean": statistics.fmean(run_scores),
+            "pass@1_std": statistics.stdev(run_scores) if runs > 1 else 0.0,
+            "pass@1_runs": run_scores,
+            "pass@k": {k: statistics.fmean(pass_at_k(total, c, k) for c in pooled) for k in ks},
+            "problems": len(problems),
+        }
+    return per
 
 
 def _markdown(res: dict, labels: list[str]) -> str:

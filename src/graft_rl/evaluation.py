@@ -15,7 +15,12 @@ from graft_rl.data import Problem
 from graft_rl.policy import Policy, SamplingParams
 from graft_rl.rewards import score_responses
 
-__all__ = ["pass_at_k", "evaluate_policy", "families", "pass1_by_family", "MAX_FAMILIES"]
+__all__ = ["pass_at_k", "evaluate_policy", "families", "pass1_by_family", "MAX_FAMILIES", "EVAL_CHUNK"]
+
+#: Problems per generate call in :func:`evaluate_policy`; chunk ``s`` (its first problem's index) is
+#: sampled with ``seed + s``, so a chunk evaluated alone (``graft eval`` over several replicas)
+#: gives what it gives inside the whole set.
+EVAL_CHUNK = 64
 
 #: Reported per family only when the data names this few (the testbed kinds; MATH's seven subjects).
 MAX_FAMILIES = 8
@@ -45,7 +50,7 @@ def evaluate_policy(
     max_new_tokens: int = 4096,
     seed: int = 0,
     timeout: float = 5.0,
-    batch_prompts: int = 64,
+    batch_prompts: int = EVAL_CHUNK,
     top_k: int = 0,
 ) -> dict:
     """Sample ``samples`` responses per problem and verify them.

@@ -84,8 +84,17 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def model_shape(pc: PolicyConfig) -> ModelShape:
-    """The shape of a policy's model: its local ``config.json``, else :data:`KNOWN_SHAPES`."""
-    cfg_file = Path(pc.model).expanduser() / "config.json"
+    """The shape of a policy's model: its local ``config.json`` (a shipped ``zoo:`` directory
+    included), else :data:`KNOWN_SHAPES`."""
+    model = pc.model
+    if model.startswith("zoo:") and model not in KNOWN_SHAPES:
+        from graft_rl.policy import zoo
+
+        try:
+            model = zoo.resolve(model)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"policy {pc.name!r}: {exc}") from None
+    cfg_file = Path(model).expanduser() / "config.json"
     if cfg_file.is_file():
         c = json.loads(cfg_file.read_text())
         c = c.get("text_config", c)
@@ -209,8 +218,10 @@ def check_resources(cfg: TrainConfig) -> None:
 
     if not torch.cuda.is_available():
         names = ", ".join(pc.name for pc in gpu_policies)
+        cpu = " ".join(f"policies.{i}.device=cpu" for i, pc in enumerate(cfg.policies) if pc.device.startswith("cuda"))
         raise ConfigError(f"policies {names} need device cuda, but this machine has no CUDA GPU "
-                          f"(`graft plan CONFIG` shows what the config needs; device=cpu runs it on the CPU)")
+                          f"(`graft plan CONFIG` shows what the config needs, `graft preflight CONFIG` rehearses it here "
+                          f"at toy size; {cpu} runs it on the CPU as it is)")
     need = sum(pc.world_size for pc in gpu_policies) if cfg.execution == "ray" else 1
     if torch.cuda.device_count() < need:
         raise ConfigError(f"the policies need {need} GPUs (sum of world_size), this machine has {torch.cuda.device_count()}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 __all__ = [
     "RunDirError", "RunLock", "read_log", "rewrite_log", "replace_dir", "remove_dir", "checkpoint_problem",
-    "clean_stale", "config_changes", "HARMLESS_KEYS",
+    "clean_stale", "config_changes", "HARMLESS_KEYS", "best_steps",
 ]
 
 
@@ -187,3 +187,18 @@ def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
             out.append((key, a.get(key, "<absent>"), b.get(key, "<absent>")))
     return out
+
+
+def best_steps(validation: list[dict], select_initial: bool = False) -> dict[str, dict]:
+    """The best-checkpoint rule, one for the trainer and ``graft analyze`` (paper Appendix B): per
+    policy, the validation line with the highest ``val/score``, the earliest on ties; step 0 (the
+    initial weights) is a candidate only with ``validation.select_initial``. Returns
+    ``{policy: {"step": s, "score": x}}``."""
+    best: dict[str, dict] = {}
+    for d in validation:
+        if d["step"] == 0 and not select_initial:
+            continue
+        b = best.get(d["policy"])
+        if b is None or d["val/score"] > b["score"]:
+            best[d["policy"]] = {"step": d["step"], "score": d["val/score"]}
+    return best

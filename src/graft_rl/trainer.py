@@ -40,6 +40,7 @@ from graft_rl.plan import check_resources
 from graft_rl.rundir import (
     HARMLESS_KEYS,
     RunLock,
+    best_steps,
     checkpoint_problem,
     clean_stale,
     config_changes,
@@ -106,7 +107,6 @@ class Trainer:
         self.objective = build_objective(cfg.method)
         self.sampling = SamplingParams(cfg.n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens)
         self.start_step = 1
-        self._elapsed = {}
         self.success_history: dict[str, deque] = {}
         ckpt = None
         if resume:
@@ -156,17 +156,12 @@ class Trainer:
         self.best: dict[str, dict] = self._best_from_log()
 
     # ------------------------------------------------------------------ workers
-    _elapsed: dict
-
     def _submit(self, name: str, method: str, *args):
         """Start a call on a policy's worker: a Ray future, or (in-process) the finished result."""
         w = self.workers[name]
         if self.cfg.execution == "ray":
             return getattr(w, method).remote(*args)
-        t0 = time.perf_counter()
-        out = getattr(w, method)(*args)
-        self._elapsed[name] = time.perf_counter() - t0
-        return out
+        return getattr(w, method)(*args)
 
     def _result(self, handle):
         if self.cfg.execution == "ray":
@@ -209,8 +204,9 @@ class Trainer:
     def _generation_seed(self, name: str, step: int) -> int:
         return derive_seed(self.cfg.seed, 2, step, self.names.index(name))
 
-    def _dynamic_sampling(self, name, prompts, groups, step, vstats) -> tuple[list, list, int]:
-        """DAPO: keep non-zero-variance groups; draw more prompts (capped rounds) until the batch is full."""
+    def _dynamic_sampling(self, name, prompts, groups, step, vstats, times) -> tuple[list, list, int]:
+        """DAPO: keep non-zero-variance groups; draw more prompts (capped rounds) until the batch is full.
+        ``times`` accumulates the extra rounds' ``time_generate`` (measured in the worker) and ``time_reward``."""
         keep = [g for g in groups if 0 < g.k < g.n]
         extra_rollouts = 0
         g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 3, step, self.names.index(name)))
@@ -222,9 +218,12 @@ class Trainer:
             take, pool = pool[: self.cfg.prompt_batch], pool[self.cfg.prompt_batch :]
             more_prompts = [(self.data[i].id, self.data[i].problem) for i in take]
             seed = derive_seed(self.cfg.seed, 4, step, self.names.index(name), rounds)
-            more = self._call(name, "generate", more_prompts, self.sampling, seed)
+            more, gen_s = self._call(name, "generate_timed", more_prompts, self.sampling, seed)
+            times["time_generate"] += gen_s
             extra_rollouts += len(more) * self.cfg.n
+            t0 = time.perf_counter()
             st = self._verify(more)
+            times["time_reward"] += time.perf_counter() - t0
             for k, v in st.items():
                 vstats[k] = vstats.get(k, 0) + v
             keep.extend(gr for gr in more if 0 < gr.k < gr.n)
@@ -253,22 +252,22 @@ class Trainer:
         prompts = self.prompts_for_step(step)
         groups: dict[str, list[RolloutGroup]] = {}
         lines: dict[str, dict] = {name: {"step": step, "policy": name} for name in self.policies}
-        # all policies generate at once (overlapping in time with Ray; one after another in-process)
-        t0 = time.perf_counter()
+        # all policies generate at once (overlapping in time with Ray; one after another in-process);
+        # time_generate is measured in the worker, where the generation runs (Table 5's compute)
         pending = {
-            name: self._submit(name, "generate", prompts, self.sampling, self._generation_seed(name, step))
+            name: self._submit(name, "generate_timed", prompts, self.sampling, self._generation_seed(name, step))
             for name in self.policies
         }
         for name in self.policies:
-            gs = self._result(pending[name])
+            gs, gen_s = self._result(pending[name])
             rollouts = len(gs) * self.cfg.n
-            lines[name]["time_generate"] = self._elapsed.pop(name, time.perf_counter() - t0)
             t0 = time.perf_counter()
             vst = self._verify(gs)
+            times = {"time_generate": gen_s, "time_reward": time.perf_counter() - t0}
             if self.cfg.method.dynamic_sampling:
-                gs, _, extra = self._dynamic_sampling(name, prompts, gs, step, vst)
+                gs, _, extra = self._dynamic_sampling(name, prompts, gs, step, vst, times)
                 rollouts += extra
-            lines[name]["time_reward"] = time.perf_counter() - t0
+            lines[name].update(times)
             lines[name].update(vst)
             lines[name]["rollouts"] = rollouts
             groups[name] = gs
@@ -372,14 +371,7 @@ class Trainer:
         return lines
 
     def _best_from_log(self) -> dict[str, dict]:
-        best: dict[str, dict] = {}
-        for d in read_log(self.run_dir / "validation.jsonl")[0]:
-            if d["step"] == 0 and not self.cfg.validation.select_initial:
-                continue
-            b = best.get(d["policy"])
-            if b is None or d["val/score"] > b["score"]:
-                best[d["policy"]] = {"step": d["step"], "score": d["val/score"]}
-        return best
+        return best_steps(read_log(self.run_dir / "validation.jsonl")[0], self.cfg.validation.select_initial)
 
     # ------------------------------------------------------------------ run
     def run(self, max_steps: int | None = None) -> list[dict]:
@@ -408,6 +400,7 @@ class Trainer:
                     self.validate(step)
                 if step % self.cfg.checkpoint_every == 0 or step == self.total_steps or stop.signum:
                     self.save_checkpoint(step)
+                self.start_step = step + 1  # a later run() call continues here
                 if stop.signum:
                     bar.close()
                     print(f"graft train: stopped after step {step} ({signal.Signals(stop.signum).name}); "

@@ -19,7 +19,23 @@ from graft_rl.exchange import ReceiverBatch, Weighting, build_exchange
 from graft_rl.objectives import Objective, RowTensors, build_objective
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch
 
-__all__ = ["PolicyWorker"]
+__all__ = ["PolicyWorker", "prompt_budget"]
+
+
+def prompt_budget(policy: Policy, problems, max_new_tokens: int) -> tuple[int, str | None]:
+    """``(new tokens, note)``: ``max_new_tokens``, clamped to what the model's context leaves after the
+    longest prompt (the note says so); a prompt longer than the context is a ``ValueError``."""
+    c = getattr(getattr(policy, "model", None), "config", None)
+    ctx = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+    if ctx is None or not problems:
+        return max_new_tokens, None
+    longest = max(len(policy.prompt_token_ids(p.problem, p.id)) for p in problems)
+    if longest + max_new_tokens <= ctx:
+        return max_new_tokens, None
+    if ctx - longest < 1:
+        raise ValueError(f"{policy.name}: a {longest}-token prompt is over the model's {ctx}-token context")
+    return ctx - longest, (f"{policy.name} has a {ctx}-token context: max_new_tokens {max_new_tokens} -> {ctx - longest} "
+                           f"(longest prompt {longest} tokens)")
 
 
 class PolicyWorker:
@@ -58,6 +74,13 @@ class PolicyWorker:
     def generate(self, prompts, sampling: SamplingParams, seed: int):
         return self.policy.generate(prompts, sampling, seed=seed)
 
+    def generate_timed(self, prompts, sampling: SamplingParams, seed: int):
+        """``(groups, seconds)``: the generation and its wall time measured here, where it runs (so a
+        policy's time under Ray is its own, not the time until the driver got to its result)."""
+        t0 = time.perf_counter()
+        groups = self.policy.generate(prompts, sampling, seed=seed)
+        return groups, time.perf_counter() - t0
+
     def save(self, path: str) -> str:
         return str(self.policy.save(path))
 
@@ -65,11 +88,17 @@ class PolicyWorker:
         self.policy.load_state(path)
 
     def evaluate(self, problems, verifier: str, samples: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, timeout: float) -> dict:
+                 seed: int, timeout: float = 5.0) -> dict:
         from graft_rl.evaluation import evaluate_policy
 
         return evaluate_policy(self.policy, problems, verifier, samples, temperature, top_p, max_new_tokens, seed=seed,
                                timeout=timeout)
+
+    def rollout_check(self, prompts, max_new_tokens: int = 16, seed: int = 0) -> dict:
+        return self.policy.rollout_check(prompts, max_new_tokens, seed)
+
+    def prompt_budget(self, problems, max_new_tokens: int) -> tuple[int, str | None]:
+        return prompt_budget(self.policy, problems, max_new_tokens)
 
     def state_digest(self) -> list[float]:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""

@@ -1,17 +1,20 @@
 """``graft_rl.policy``: one model + tokenizer + optimiser, rollout backends, tiny test models."""
 
 from graft_rl.policy.policy import (
+    POLICY_SETTINGS,
     Policy,
     PolicyConfig,
     PolicyError,
     PromptTooLongError,
     auto_micro_batch_tokens,
+    saved_policy_config,
     token_logprobs_from_logits,
 )
 from graft_rl.policy.rollout import HFBackend, RolloutBackend, Sample, VLLMBackend, make_backend, sampling_logprobs
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
 __all__ = [
+    "POLICY_SETTINGS",
     "HFBackend",
     "Policy",
     "PolicyConfig",
@@ -26,5 +29,6 @@ __all__ = [
     "auto_micro_batch_tokens",
     "make_backend",
     "sampling_logprobs",
+    "saved_policy_config",
     "token_logprobs_from_logits",
 ]

@@ -195,6 +195,7 @@ class ShardedPolicy(Policy):
             out.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(out, state_dict=sd)
             self.tokenizer.save_pretrained(out)
+            self.save_settings(out)
         dist.barrier()
         state = {"optimizer": _to_local(self.optimizer.state_dict()), "torch_rng": torch.get_rng_state(),
                  "world_size": self.world}

@@ -25,11 +25,32 @@ from graft_rl.policy.rollout import make_backend
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
 __all__ = [
-    "Policy", "PolicyConfig", "PolicyError", "PromptTooLongError", "auto_micro_batch_tokens", "disable_dropout",
+    "POLICY_SETTINGS", "Policy", "PolicyConfig", "PolicyError", "saved_policy_config", "PromptTooLongError", "auto_micro_batch_tokens", "disable_dropout",
     "token_logprobs_from_logits",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+#: File in every saved policy directory holding the policy's settings (prompt format etc.).
+POLICY_SETTINGS = "graft_policy.json"
+
+
+def saved_policy_config(model_dir: str | Path, **overrides) -> PolicyConfig | None:
+    """The :class:`PolicyConfig` a checkpoint was saved with (its ``graft_policy.json``), pointed at
+    ``model_dir`` and run as one process; None if the directory has no such file."""
+    import dataclasses
+    import json
+
+    f = Path(model_dir).expanduser() / POLICY_SETTINGS
+    if not f.is_file():
+        return None
+    saved = json.loads(f.read_text())
+    known = {fl.name for fl in dataclasses.fields(PolicyConfig)}
+    kw = {k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k in known}
+    kw.update(model=str(model_dir), world_size=1)
+    kw.update(overrides)
+    return PolicyConfig(**kw)
 
 
 class PolicyError(ValueError):
@@ -580,18 +601,63 @@ class Policy:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
         return [float(p.detach().double().sum()) for p in self.model.parameters()]
 
+    def rollout_check(self, prompts: Sequence[tuple[str, str]], max_new_tokens: int = 16, seed: int = 0) -> dict:
+        """Does the rollout engine sample from the trainer's current weights? (``graft preflight``)
+
+        Pushes the weights if they changed (as a step's generation does), samples two responses per
+        prompt at temperature 1 / top-p 1 (where generation log-probs are the model's own), and scores
+        them with the trainer's model and with the initial weights (the KL reference, loaded at the
+        first call). Returns the mean and max ``|generation log-prob - trainer log-prob|`` per token
+        (``now_*``), the same against the initial weights (``init_*``) and the token count: after an
+        update, a pushed engine is close to ``now`` and far from ``init``; a stale one the reverse.
+        """
+        if self.reference is None:
+            self.init_reference()
+        saved_t = self.logprob_temperature
+        self.logprob_temperature = 1.0
+        try:
+            groups = self.generate(list(prompts), SamplingParams(n=2, max_new_tokens=max_new_tokens), seed=seed)
+            batch = self.encode_own(groups)
+            now, mask = self.token_logprobs(batch)
+            init, _ = self.reference_logprobs(batch)
+        finally:
+            self.logprob_temperature = saved_t
+        gen = torch.zeros_like(now)
+        for i, lp in enumerate(x for g in groups for x in g.gen_logprobs):
+            gen[i, : len(lp)] = torch.tensor(lp)
+        tokens = float(mask.sum())
+        out = {"tokens": tokens}
+        for key, lp in (("now", now), ("init", init)):
+            d = (gen - lp).abs() * mask
+            out[f"{key}_mean"] = float(d.sum()) / max(tokens, 1.0)
+            out[f"{key}_max"] = float(d.max()) if tokens else 0.0
+        return out
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, out_dir: str | Path) -> Path:
-        """``save_pretrained`` model + tokenizer, plus ``policy_state.pt`` (optimiser, RNG)."""
+        """``save_pretrained`` model + tokenizer, ``graft_policy.json`` (how this policy formats
+        prompts, so ``graft eval CHECKPOINT`` prompts it as training did), and ``policy_state.pt``
+        (optimiser, RNG)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
+        self.save_settings(out)
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
         tmp = out / "policy_state.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, out / "policy_state.pt")
         return out
+
+    def save_settings(self, out: Path) -> None:
+        """Write ``graft_policy.json``: this policy's config (prompt format, template, suffix, lengths,
+        backend, dtype), read back by :func:`saved_policy_config`."""
+        import dataclasses
+        import json
+
+        keep = {k: v for k, v in dataclasses.asdict(self.config).items()
+                if k not in ("model", "gguf_file", "tokenizer", "reference_model", "reference_gguf_file")}
+        (Path(out) / POLICY_SETTINGS).write_text(json.dumps(keep, indent=1))
 
     def load_state(self, ckpt_dir: str | Path) -> None:
         """Restore optimiser and RNG from :meth:`save` (weights come from loading the directory)."""
