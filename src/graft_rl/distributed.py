@@ -184,12 +184,14 @@ def start_replicas(cfg, pc, replicas: int) -> list:
     extra = {k: v for k, v in _actor_options(cfg, pc).items() if k not in ("num_cpus", "num_gpus", "resources")}
     threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
     remote_cls = ray.remote(PolicyWorker)
+    method = MethodConfig(name="grpo")  # an evaluator: no exchange, no KL reference
+    method.validate()
     actors = []
     for b in policy_bundles(cfg, spread):
         custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
         opts = {"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0), "resources": custom or None, "max_restarts": 0, **extra}
         actors.append(remote_cls.options(**{k: v for k, v in opts.items() if v is not None}).remote(
-            replace(pc, world_size=1), MethodConfig(), 1, "skip", None, None, threads))
+            replace(pc, world_size=1), method, 1, "skip", None, None, threads))
     for r, a in enumerate(actors):
         _NAMES[a._actor_id.hex()] = (pc.name, r)
     get(GroupRef([a.name.remote() for a in actors], pc.name))

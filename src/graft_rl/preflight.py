@@ -318,6 +318,7 @@ def run_preflight(config: str, overrides: list[str] | None = None, run_dir: str 
     out: dict = {"config": config, "overrides": list(overrides or []), "notes": [], "plan": ""}
     cfg = toy = trainer = None
     names_seen: dict = {}
+    checks_before: dict = {}
     try:
         with cl.stage("config") as st:
             cfg = load_config(config, overrides)
@@ -361,13 +362,11 @@ def run_preflight(config: str, overrides: list[str] | None = None, run_dir: str 
         with cl.stage("model build") as st:
             if st is not None:
                 trainer = Trainer(toy.cfg, show_progress=False)
+                prompts = trainer.prompts_for_step(1)[:2]  # the engine before any update (weight push row)
+                checks_before = {name: trainer._call(name, "rollout_check", prompts, TOY["max_new_tokens"], 1)
+                                 for name in trainer.policies}
                 st.detail = "; ".join(f"{pc.name}: {pc.backend}, {pc.device}, {pc.dtype}, world {pc.world_size}"
                                       for pc in toy.cfg.policies)
-        checks_before = {}
-        if trainer is not None and not cl.failed:
-            prompts = trainer.prompts_for_step(1)[:2]
-            for name in trainer.policies:
-                checks_before[name] = trainer._call(name, "rollout_check", prompts, TOY["max_new_tokens"], 1)
         lines: list[dict] = []
         with cl.stage("generate") as st:
             if st is not None:
@@ -495,23 +494,24 @@ def _shutdown_ray() -> None:
 
 
 def _weight_push(trainer, before: dict, cfg: TrainConfig) -> str:
-    """After step 1's update: the engine's log-probs of fresh samples match the updated weights."""
+    """After step 1's update: the engine's log-probs of fresh samples match the updated weights, and
+    the update moved the trainer's log-probs of the samples drawn before it by more than that (so a
+    stale engine would have been caught)."""
     prompts = trainer.prompts_for_step(1)[:2]
     parts = []
     for pc in cfg.policies:
-        after = trainer._call(pc.name, "rollout_check", prompts, TOY["max_new_tokens"], 2)
-        tol = 2e-3 if pc.dtype == "float32" else 0.1
-        b = before.get(pc.name, {})
-        _check(b.get("now_mean", 0.0) <= tol, f"{pc.name}: before training the engine already differs from the trainer "
-                                              f"({b.get('now_mean', 0):.3g} per token > {tol:g})")
+        b = before[pc.name]
+        after = trainer._call(pc.name, "rollout_check", prompts, TOY["max_new_tokens"], 2, b)
+        tol = 2e-3 if pc.dtype == "float32" else 0.05
+        _check(b["now_mean"] <= tol, f"{pc.name}: before any update the engine's log-probs already differ from the "
+                                     f"trainer's by {b['now_mean']:.3g} per token (> {tol:g})")
         _check(after["now_mean"] <= tol, f"{pc.name}: after the update the engine's log-probs differ from the trainer's by "
                                          f"{after['now_mean']:.3g} per token (> {tol:g}): the weights did not reach it")
-        moved = after["init_mean"] > 2 * tol
-        if moved:
-            _check(after["now_mean"] < after["init_mean"] / 3, f"{pc.name}: the engine is closer to the initial weights "
-                                                               f"({after['init_mean']:.3g}) than to the updated ones")
-        parts.append(f"{pc.name} ({pc.backend}): engine log-probs within {after['now_mean']:.1e} per token of the "
-                     f"updated weights ({after['init_mean']:.1e} of the initial)")
+        moved = after["moved_mean"]
+        _check(moved > 3 * after["now_mean"], f"{pc.name}: the update moved the log-probs by only {moved:.3g} per token, "
+                                              f"not enough to tell a pushed engine ({after['now_mean']:.3g}) from a stale one")
+        parts.append(f"{pc.name} ({pc.backend}): engine within {after['now_mean']:.1e} per token of the updated "
+                     f"weights (the update moved them {moved:.1e})")
     return "; ".join(parts)
 
 

@@ -135,7 +135,7 @@ class Trainer:
             self.policies = {pc.name: pc for pc in pcs}  # type: ignore[misc]  # names only: no model here
         else:
             for pc in pcs:
-                self.policies[pc.name] = Policy(pc)
+                self.policies[pc.name] = Policy(pc, with_reference=cfg.method.kl_coef > 0)
                 self.workers[pc.name] = PolicyWorker(
                     self.policies[pc.name], cfg.method, cfg.minibatch, cfg.nonfinite_loss, self.objective, self.exchange.weighting
                 )

@@ -51,20 +51,23 @@ class PolicyWorker:
     ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        # the KL reference is the policy as built, before any update or resume; loaded with the policy
+        # (before its rollout engine: see graft_rl.policy.rollout.shield_from_vllm_patches)
+        ref = method.kl_coef > 0
         if isinstance(policy, Policy):
             self.policy = policy
         elif policy.world_size > 1:  # one rank of a sharded policy (torch.distributed is initialised)
             from graft_rl.policy.fsdp import ShardedPolicy
 
-            self.policy = ShardedPolicy(policy)
+            self.policy = ShardedPolicy(policy, with_reference=ref)
         else:
-            self.policy = Policy(policy)
+            self.policy = Policy(policy, with_reference=ref)
         self.method = method
         self.minibatch = minibatch
         self.nonfinite_loss = nonfinite_loss
         self.objective = objective or build_objective(method)
         self.weighting = weighting or build_exchange(method).weighting
-        if method.kl_coef > 0:  # the reference is the policy as built, before any update or resume
+        if ref:  # an in-process Policy handed in (no-op when it was built with its reference)
             self.policy.init_reference()
 
     # ------------------------------------------------------------------ simple remote-able calls
@@ -94,8 +97,8 @@ class PolicyWorker:
         return evaluate_policy(self.policy, problems, verifier, samples, temperature, top_p, max_new_tokens, seed=seed,
                                timeout=timeout)
 
-    def rollout_check(self, prompts, max_new_tokens: int = 16, seed: int = 0) -> dict:
-        return self.policy.rollout_check(prompts, max_new_tokens, seed)
+    def rollout_check(self, prompts, max_new_tokens: int = 16, seed: int = 0, reference: dict | None = None) -> dict:
+        return self.policy.rollout_check(prompts, max_new_tokens, seed, reference)
 
     def prompt_budget(self, problems, max_new_tokens: int) -> tuple[int, str | None]:
         return prompt_budget(self.policy, problems, max_new_tokens)

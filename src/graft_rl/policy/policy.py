@@ -21,7 +21,7 @@ import torch
 from graft_rl.data import PROMPT_SUFFIX, make_prompt
 from graft_rl.policy import zoo
 from graft_rl.policy.heads import logprob_head
-from graft_rl.policy.rollout import make_backend
+from graft_rl.policy.rollout import make_backend, shield_from_vllm_patches
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
 __all__ = [
@@ -207,7 +207,9 @@ def _quiet_transformers() -> None:
 class Policy:
     """One trainable model with its tokenizer, optimiser and rollout backend."""
 
-    def __init__(self, config: PolicyConfig):
+    def __init__(self, config: PolicyConfig, with_reference: bool = False):
+        """``with_reference``: load the frozen KL reference too (:meth:`init_reference`), before the
+        rollout engine is built (see :func:`~graft_rl.policy.rollout.shield_from_vllm_patches`)."""
         from transformers import AutoTokenizer
 
         _quiet_transformers()
@@ -263,7 +265,11 @@ class Policy:
         self._setup_parallel()
         self.fused_head = (uses_fused_head(config.fused_logprobs, vocab, self.micro_batch_tokens) and self._keeps_logits
                            and self._fused_head_matches())
+        if with_reference:
+            self.init_reference()
         self.backend = make_backend(config.backend, self)
+        if config.backend == "vllm":  # the engine may have patched this process's transformers classes
+            shield_from_vllm_patches(self.model, self.reference, getattr(self, "rollout_model", None))
 
     def _setup_parallel(self) -> None:
         """Hook for sharded subclasses (FSDP2): called after the model is built, before any forward."""
@@ -601,37 +607,46 @@ class Policy:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
         return [float(p.detach().double().sum()) for p in self.model.parameters()]
 
-    def rollout_check(self, prompts: Sequence[tuple[str, str]], max_new_tokens: int = 16, seed: int = 0) -> dict:
+    def rollout_check(self, prompts: Sequence[tuple[str, str]], max_new_tokens: int = 16, seed: int = 0,
+                      reference: dict | None = None) -> dict:
         """Does the rollout engine sample from the trainer's current weights? (``graft preflight``)
 
         Pushes the weights if they changed (as a step's generation does), samples two responses per
-        prompt at temperature 1 / top-p 1 (where generation log-probs are the model's own), and scores
-        them with the trainer's model and with the initial weights (the KL reference, loaded at the
-        first call). Returns the mean and max ``|generation log-prob - trainer log-prob|`` per token
-        (``now_*``), the same against the initial weights (``init_*``) and the token count: after an
-        update, a pushed engine is close to ``now`` and far from ``init``; a stale one the reverse.
+        prompt at temperature 1 / top-p 1 (where generation log-probs are the model's own) and scores
+        them with the trainer's model: ``now_mean``/``now_max`` are the per-token ``|generation
+        log-prob - trainer log-prob|``. The result also carries the sampled sequences and their
+        trainer log-probs; given an earlier result as ``reference``, ``moved_mean`` is how far the
+        trainer's log-probs of *those* sequences moved since (what a stale engine would be off by).
         """
-        if self.reference is None:
-            self.init_reference()
         saved_t = self.logprob_temperature
         self.logprob_temperature = 1.0
         try:
             groups = self.generate(list(prompts), SamplingParams(n=2, max_new_tokens=max_new_tokens), seed=seed)
             batch = self.encode_own(groups)
             now, mask = self.token_logprobs(batch)
-            init, _ = self.reference_logprobs(batch)
+            moved = None
+            if reference is not None:
+                ref_batch = TokenBatch(*map(list, zip(*reference["sequences"], strict=True)))
+                lp, ref_mask = self.token_logprobs(ref_batch)
+                before = torch.zeros_like(lp)
+                for i, row in enumerate(reference["logprobs"]):
+                    before[i, : len(row)] = torch.tensor(row)
+                moved = float(((lp - before).abs() * ref_mask).sum()) / max(float(ref_mask.sum()), 1.0)
         finally:
             self.logprob_temperature = saved_t
         gen = torch.zeros_like(now)
         for i, lp in enumerate(x for g in groups for x in g.gen_logprobs):
             gen[i, : len(lp)] = torch.tensor(lp)
         tokens = float(mask.sum())
-        out = {"tokens": tokens}
-        for key, lp in (("now", now), ("init", init)):
-            d = (gen - lp).abs() * mask
-            out[f"{key}_mean"] = float(d.sum()) / max(tokens, 1.0)
-            out[f"{key}_max"] = float(d.max()) if tokens else 0.0
-        return out
+        d = (gen - now).abs() * mask
+        return {
+            "tokens": tokens,
+            "now_mean": float(d.sum()) / max(tokens, 1.0),
+            "now_max": float(d.max()) if tokens else 0.0,
+            "moved_mean": moved,
+            "sequences": [[p, r] for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)],
+            "logprobs": [now[i, : len(r)].tolist() for i, r in enumerate(batch.response_ids)],
+        }
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, out_dir: str | Path) -> Path:

@@ -28,7 +28,7 @@ import torch
 from graft_rl.policy.types import SamplingParams
 
 __all__ = ["Sample", "RolloutBackend", "HFBackend", "VLLMBackend", "sampling_logprobs", "make_backend",
-           "GEN_MEMORY_BUDGET_BYTES", "kv_bytes_per_token", "auto_gen_batch_rows"]
+           "GEN_MEMORY_BUDGET_BYTES", "kv_bytes_per_token", "auto_gen_batch_rows", "shield_from_vllm_patches"]
 
 #: Bytes of KV cache plus sampling logits one HF generate call may hold when ``gen_batch_size`` is
 #: automatic (null): every row of a testbed step in one call, ~70 rows of SmolLM2-135M at 512 new tokens.
@@ -306,6 +306,29 @@ class VLLMBackend:
                 group.append(Sample(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
             result.append(group)
         return result
+
+
+def shield_from_vllm_patches(*models) -> int:
+    """Keep the trainer's modules callable after a vLLM engine was built in this process.
+
+    vLLM's Transformers backend (the models it has no implementation of its own for, e.g. SmolLM3
+    in vLLM 0.32) decorates the *transformers* decoder class for ``torch.compile``: it adds a base
+    class whose ``__call__`` reads an attribute set only by the patched ``__init__``, so modules
+    of that class built earlier (the trainer's own model) raise ``AttributeError: ... has no
+    attribute 'do_not_compile'``, and modules built later need a vLLM config (so a KL reference is
+    loaded before the engine). Marks each earlier-built module of a patched class ``do_not_compile``:
+    it then runs its plain ``forward``, as it did before. Returns how many modules were marked.
+    """
+    marked = 0
+    for model in models:
+        if model is None:
+            continue
+        for m in model.modules():
+            patched = any(c.__name__ == "TorchCompileWithNoGuardsWrapper" for c in type(m).__mro__)
+            if patched and "do_not_compile" not in vars(m):
+                m.do_not_compile = True
+                marked += 1
+    return marked
 
 
 def make_backend(kind: str, policy) -> RolloutBackend:
