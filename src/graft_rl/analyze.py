@@ -177,8 +177,10 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     ax.set_ylabel("fraction of the receiver's all-fail prompts")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    if comp:
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
+    else:  # no step had an all-fail prompt with a peer group beside it (e.g. a stored peer's run)
+        ax.text(0.5, 0.5, "no all-fail prompt with a live peer", ha="center", va="center", transform=ax.transAxes)
     _save(fig, out / "complementarity.png")
 
     # 2. exchange volume
