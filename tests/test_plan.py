@@ -76,3 +76,18 @@ def test_world_size_above_one_needs_ray_execution():
 
 def test_cpu_configs_pass_the_resource_check():
     check_resources(load_config({"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}}))
+
+
+def test_eval_estimate_of_the_paper_protocol():
+    """Issue 21: `graft plan` says how long the paper's eval protocol takes on the run's GPUs."""
+    from pathlib import Path
+
+    from graft_rl.plan import eval_estimate
+
+    ROOT = Path(__file__).resolve().parents[1]
+    cfg = load_config(ROOT / "configs" / "paper" / "pair1" / "graft.yaml")
+    line = eval_estimate(cfg)
+    # 872 problems x 8 x 5 = 34,880 responses; at 10k tokens/s/GPU on 4 GPUs: 1,000 tokens -> 15 min, 4,096 -> 60 min
+    assert "872 problems" in line and "34,880 responses" in line and "4 GPU(s)" in line
+    assert "~15 min at 1,000" in line and "~60 min if every response runs to 4,096" in line
+    assert eval_estimate(load_config(ROOT / "configs" / "testbed" / "graft.yaml")) is None  # a CPU run

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--backend", default=None, choices=["hf", "vllm"], help="rollout backend (default: the run's, else hf)")
     e.add_argument("--world-size", type=int, default=None, metavar="W",
                    help="Ray actors to spread the work over, one model and rollout engine each (one GPU each on a GPU "
-                        "machine; default: the devices the run's policy trained on, else 1)")
+                        "machine; default: the devices the run trained on, all its policies' world_size, else 1)")
     e.add_argument("--prompt-format", default=None, choices=["auto", "chat", "plain"])
     pl = sub.add_parser("plan", help="memory per GPU and GPUs per policy for a config (nothing is loaded)")
     pl.add_argument("config", help="YAML config")
@@ -198,11 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         return _eval(ns)
     if ns.command == "plan":
         from graft_rl.config import ConfigError, load_config
-        from graft_rl.plan import format_plan, plan
+        from graft_rl.plan import eval_estimate, format_plan, plan
 
         try:
             cfg = load_config(ns.config, ns.overrides)
             print(format_plan(plan(cfg), ns.gpu_memory, shared=cfg.execution == "local"))
+            line = eval_estimate(cfg)
+            if line:
+                print("\n" + line)
         except ConfigError as exc:
             print(f"graft plan: {exc}", file=sys.stderr)
             return 2

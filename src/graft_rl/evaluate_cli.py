@@ -71,15 +71,15 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
 
 
 def default_replicas(target: str, policy: PolicyConfig) -> int:
-    """Devices a run's policy trained on (its ``world_size`` under ``execution: ray``), else 1."""
+    """The devices a run trained on (the sum of its policies' ``world_size`` under ``execution: ray``):
+    evaluation runs one policy at a time, so each may use all of them. Else 1 (in-process)."""
     cfg_file = Path(target).expanduser() / "config.yaml"
     if not cfg_file.is_file():
         return 1
     from graft_rl.config import load_config
 
     cfg = load_config(cfg_file, [f"run_dir={target}"])
-    sizes = {pc.name: pc.world_size for pc in cfg.policies}
-    return sizes.get(policy.name, 1) if cfg.execution == "ray" else 1
+    return sum(pc.world_size for pc in cfg.policies) if cfg.execution == "ray" else 1
 
 
 def _benchmarks(names: list[str]) -> dict[str, str]:
@@ -169,7 +169,7 @@ def run_eval(
 
     Settings left ``None`` come from :func:`eval_defaults`. A ``max_new_tokens`` beyond a model's
     context is clamped to what its longest prompt leaves, with one line saying so. ``replicas``
-    (default: the devices the run's policy trained on, :func:`default_replicas`) spreads the work
+    (default: the devices the run trained on, :func:`default_replicas`) spreads the work
     over that many Ray actors, each a whole model with its own rollout engine (one GPU each): the
     problems go out in chunks of :data:`~graft_rl.evaluation.EVAL_CHUNK`, each sampled with the seed
     one process would give it, so the scores do not depend on how many replicas ran them.

@@ -38,7 +38,14 @@ from graft_rl.config import ConfigError, TrainConfig
 from graft_rl.policy import PolicyConfig
 from graft_rl.policy.policy import auto_micro_batch_tokens, uses_fused_head
 
-__all__ = ["ModelShape", "PolicyPlan", "plan", "format_plan", "check_resources", "KNOWN_SHAPES"]
+__all__ = ["ModelShape", "PolicyPlan", "plan", "format_plan", "check_resources", "KNOWN_SHAPES", "eval_estimate",
+           "EVAL_TOKENS_PER_GPU_S"]
+
+#: Planning figure for ``graft eval``'s throughput: generated tokens per second per GPU for a 1.7-3B
+#: model in bf16 under vLLM on an H100/H200 class GPU with hundreds of sequences in flight. An
+#: assumption (not measured in this project: no GPU has run it), on the low side of what a decode
+#: bound by memory bandwidth allows; scale the estimate by your own measured figure.
+EVAL_TOKENS_PER_GPU_S = 10_000
 
 GiB = 1 << 30
 
@@ -203,6 +210,32 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = 
                  f"a GPU of {gpu_gib:g} GiB; train peak = master+grad+Adam + compute copy + activations "
                  f"({'with' if all(p.gradient_checkpointing for p in plans) else 'as configured:'} checkpointing) + logits chunk.")
     return "\n".join(lines)
+
+
+def eval_estimate(cfg: TrainConfig, samples: int = 8, runs: int = 5, typical_tokens: int = 1000,
+                  tokens_per_gpu_s: float = EVAL_TOKENS_PER_GPU_S) -> str | None:
+    """One line: the time ``graft eval RUN_DIR`` needs with the paper's protocol (``samples`` x ``runs``
+    on every problem of the run's validation sets) per checkpoint, on the run's GPUs, from
+    :data:`EVAL_TOKENS_PER_GPU_S`; None when the run validates on nothing or runs on no GPU."""
+    from graft_rl.data import DatasetError, load_dataset
+
+    if not cfg.validation.data or not any(pc.device.startswith("cuda") for pc in cfg.policies):
+        return None
+    try:
+        problems = sum(len(load_dataset(name)) for name in cfg.validation.data)
+    except DatasetError:
+        return None
+    gpus = sum(pc.world_size for pc in cfg.policies) if cfg.execution == "ray" else 1
+    responses = problems * samples * runs
+    cap = cfg.validation.max_new_tokens
+
+    def minutes(tokens: int) -> float:
+        return responses * tokens / (tokens_per_gpu_s * gpus) / 60
+
+    return (f"graft eval, paper protocol ({problems} problems x {samples} samples x {runs} runs = {responses:,} responses "
+            f"per checkpoint, spread over the run's {gpus} GPU(s)): ~{minutes(typical_tokens):.0f} min at {typical_tokens:,} "
+            f"tokens per response, ~{minutes(cap):.0f} min if every response runs to {cap:,}; per policy, assuming "
+            f"{tokens_per_gpu_s:,.0f} generated tokens/s per GPU (vLLM, bf16; a planning figure, not measured here).")
 
 
 def check_resources(cfg: TrainConfig) -> None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
-from graft_rl.plan import KNOWN_SHAPES, format_plan, model_shape, plan
+from graft_rl.plan import KNOWN_SHAPES, eval_estimate, format_plan, model_shape, plan
 from graft_rl.policy.policy import uses_fused_head
 
 __all__ = ["Stage", "toy_config", "run_preflight", "format_checklist", "STAGES", "ARCHITECTURES"]
@@ -338,6 +338,9 @@ def run_preflight(config: str, overrides: list[str] | None = None, run_dir: str 
         with cl.stage("plan") as st:
             if st is not None:
                 out["plan"] = format_plan(plan(cfg), gpu_memory, shared=cfg.execution == "local")
+                estimate = eval_estimate(cfg)
+                if estimate:
+                    out["plan"] += "\n\n" + estimate
                 fits = "NO" not in out["plan"] and "does NOT fit" not in out["plan"]
                 gpus = sum(pc.world_size for pc in cfg.policies) if cfg.execution == "ray" else 1
                 if not any(pc.device.startswith("cuda") for pc in cfg.policies):

@@ -169,7 +169,7 @@ def test_eval_of_a_checkpoint_keeps_its_prompt_format(make_cfg, fake_rewards, tm
     for _ in range(2):
         (pc,) = ev.resolve_targets(str(ckpt))
         assert (pc.name, pc.prompt_format, pc.plain_template, pc.prompt_suffix, pc.model) == ("B", "plain", template, None, str(ckpt))
-        (ckpt / "graft_policy.json").unlink()  # second pass: a checkpoint from before the file existed
+        (ckpt / "graft_policy.json").unlink(missing_ok=True)  # second pass: a checkpoint from before the file existed
     (a, b) = ev.resolve_targets(str(tr.run_dir), backend="vllm", device="cpu")
     assert (a.backend, b.backend, b.plain_template, b.world_size) == ("vllm", "vllm", template, 1)
     assert ev.default_replicas(str(tr.run_dir), b) == 1
@@ -190,7 +190,7 @@ def test_eval_spread_over_replicas_equals_one_process(tmp_path):
         two = ev.run_eval("zoo:testbed-a", out_dir=str(tmp_path / "two"), replicas=2, **kw)
     finally:
         ray.shutdown()
-    a, b = one["policies"]["testbed-a"], two["policies"]["testbed-a"]
+    a, b = one["policies"]["zoo:testbed-a"], two["policies"]["zoo:testbed-a"]
     assert b["replicas"] == 2 and a["replicas"] == 1
     assert a["benchmarks"]["testbed_heldout"]["pass@1_runs"] == b["benchmarks"]["testbed_heldout"]["pass@1_runs"]
     assert 0 < a["average"] < 1  # the shipped model solves some of them: the comparison is not 0 == 0
