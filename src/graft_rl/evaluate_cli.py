@@ -231,6 +231,11 @@ def _start(target: str, pc: PolicyConfig, replicas: int) -> tuple[list, bool]:
     """``(workers, are Ray actors)``: one in-process evaluator, or ``replicas`` Ray actors."""
     if replicas == 1:
         return [_Local(pc)], False
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(f"spreading {pc.name} over {replicas} devices needs Ray (pip install 'graft-rl[ray]'); "
+                         f"--world-size 1 evaluates in this process")
     from graft_rl.distributed import start_replicas
 
     return start_replicas(_ray_config(target, pc, replicas), pc, replicas), True
