@@ -175,7 +175,7 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     ax.set_title("complementarity (faint: per step; bold: moving mean)")
     ax.set_xlabel("step")
     ax.set_ylabel("fraction of the receiver's all-fail prompts")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, 1.03)  # a line at 1.0 is drawn inside the frame, not on its edge
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
