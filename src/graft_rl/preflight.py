@@ -97,6 +97,9 @@ def build_toy_model(out: Path, family: str, tokenizer_kind: int, seed: int = 0) 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from graft_rl.policy.tiny import CHATML_TEMPLATE, bpe_tokenizer, char_tokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bars in the checklist
 
     tok = char_tokenizer() if tokenizer_kind == 0 else bpe_tokenizer(chat_template=CHATML_TEMPLATE)
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
