@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -23,21 +22,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER = ROOT / "configs" / "paper"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from build_testbed import cpu_model  # noqa: E402  (the CPU name every recorded number states)
 
 
 def default_presets() -> list[str]:
     pair1 = sorted(p.name for p in (PAPER / "pair1").glob("*.yaml") if p.name != "base.yaml")
     return [f"pair1/{p}" for p in pair1] + ["pair2/graft.yaml", "pair3/graft.yaml"]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> int:

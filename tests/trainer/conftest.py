@@ -72,3 +72,12 @@ def make_cfg(tmp_path, tiny_pair, tiny_data):
         return load_config(data)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local 2-CPU Ray cluster for the tests of one module (skipped where Ray is not installed)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()

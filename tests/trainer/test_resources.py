@@ -53,11 +53,6 @@ def test_custom_resources_are_the_policys_total_split_over_its_ranks():
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
 
 
 def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, capsys, tmp_path):
