@@ -356,7 +356,7 @@ _ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\w*): (
 def _cause_from_text(text: str) -> BaseException:
     """The exception a creation-task traceback ends with (``ValueError: message``), rebuilt."""
     lines = text.splitlines()
-    for i, line in enumerate(lines):
+    for line in reversed(lines):  # the last one: with chained exceptions, the one that was raised
         m = _ERROR_LINE.match(line.strip())
         if m and not line.startswith(" "):
             return ActorError(f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}")

@@ -147,7 +147,9 @@ def _ray_config(target: str, pc: PolicyConfig, replicas: int):
             ray.init(address=ray_cfg.address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         ray_cfg.num_gpus = 0.0
         ray_cfg.num_cpus = min(ray_cfg.num_cpus, int(ray.cluster_resources().get("CPU", 1) / replicas * 1e4) / 1e4)
-    return type("EvalRay", (), {"ray": ray_cfg})()
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ray=ray_cfg)
 
 
 def run_eval(

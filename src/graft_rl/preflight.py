@@ -450,7 +450,7 @@ def run_preflight(config: str, overrides: list[str] | None = None, run_dir: str 
                 pngs = sorted(p.name for p in (run / "analysis").glob("*.png"))
                 if toy.cfg.validation.data:
                     best = json.loads((run / "best" / "best.json").read_text())
-                    for name in trainer_names(toy.cfg):
+                    for name in (pc.name for pc in toy.cfg.policies):
                         _check(summary["policies"][name]["best_step"] == best[name]["step"],
                                f"analyze's best step of {name} differs from the trainer's")
                 st.detail = f"report.md and {len(pngs)} plots; best steps equal the trainer's"
@@ -464,10 +464,6 @@ def run_preflight(config: str, overrides: list[str] | None = None, run_dir: str 
     out["ok"] = not cl.failed
     out["seconds"] = time.perf_counter() - t_start
     return out
-
-
-def trainer_names(cfg: TrainConfig) -> list[str]:
-    return [pc.name for pc in cfg.policies]
 
 
 def _placement(toy: Toy) -> str:

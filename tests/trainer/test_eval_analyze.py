@@ -181,8 +181,6 @@ def test_eval_spread_over_replicas_equals_one_process(tmp_path):
     pytest.importorskip("ray")
     import ray
 
-    from graft_rl.testbed import PAIRS  # noqa: F401  (the shipped pair resolves through zoo:)
-
     kw = dict(benchmarks=["testbed_heldout"], samples=2, runs=2, limit=12, max_new_tokens=24, show=False)
     one = ev.run_eval("zoo:testbed-a", out_dir=str(tmp_path / "one"), **kw)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)

@@ -50,9 +50,6 @@ def test_custom_resources_are_the_policys_total_split_over_its_ranks():
     check_cluster(cfg, cfg.policies, nodes=[{"CPU": 8.0, "GPU": 2.0, "node_a": 1.0}, {"CPU": 8.0, "GPU": 2.0, "node_b": 1.0}])
 
 
-ray = pytest.importorskip("ray")
-
-
 
 
 def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, capsys, tmp_path):
@@ -89,7 +86,6 @@ def test_error_inside_an_actor_is_one_line_naming_policy_and_rank(make_cfg, ray_
         Trainer(bad, show_progress=False)
     assert "\n" not in str(err.value)
     # a rollout engine that cannot be built inside the actor (vLLM missing, or failing to start)
-    pytest.importorskip("graft_rl")
     try:
         import vllm  # noqa: F401
 
