@@ -17,6 +17,7 @@ SRC = ROOT / "src" / "graft_rl"
 #: policies and their rollouts, so they sit just below the methods that use them.
 LAYERS: dict[str, float] = {
     "algo": 1,
+    "seeding": 1,
     "rewards": 2,
     "data": 2,
     "policy": 3,
@@ -30,6 +31,8 @@ LAYERS: dict[str, float] = {
     "worker": 5,
     "distributed": 5,
     "trainer": 5,
+    "checkpointing": 5,
+    "validation": 5,
     "testbed": 5,
     "report": 5,
     "analyze": 5,

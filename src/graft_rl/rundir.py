@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
 import zipfile
@@ -22,7 +23,7 @@ from pathlib import Path
 
 __all__ = [
     "RunDirError", "RunLock", "read_log", "rewrite_log", "replace_dir", "remove_dir", "checkpoint_problem",
-    "clean_stale", "config_changes", "HARMLESS_KEYS", "best_steps",
+    "clean_stale", "config_changes", "HARMLESS_KEYS", "best_steps", "write_text_atomic", "finite_json",
 ]
 
 
@@ -202,3 +203,22 @@ def best_steps(validation: list[dict], select_initial: bool = False) -> dict[str
         if b is None or d["val/score"] > b["score"]:
             best[d["policy"]] = {"step": d["step"], "score": d["val/score"]}
     return best
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def finite_json(x):
+    """NaN/inf become null, so the JSONL logs stay strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [finite_json(v) for v in x]
+    return x

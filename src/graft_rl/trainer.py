@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import signal
 import statistics
 import time
@@ -33,40 +31,23 @@ from tqdm.auto import tqdm
 
 from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.data import Problem, load_dataset, verifier_for
-from graft_rl.evaluation import families, pass1_by_family
+from graft_rl.evaluation import families
 from graft_rl.exchange import ReceiverBatch, build_exchange
 from graft_rl.objectives import build_objective
 from graft_rl.plan import check_resources
-from graft_rl.rundir import (
-    HARMLESS_KEYS,
-    RunLock,
-    best_steps,
-    checkpoint_problem,
-    clean_stale,
-    config_changes,
-    read_log,
-    remove_dir,
-    replace_dir,
-    rewrite_log,
-)
+from graft_rl.checkpointing import CheckpointError, Checkpointing
 from graft_rl.policy import Policy, PolicyConfig, RolloutGroup, SamplingParams
 from graft_rl.rewards import score_responses
+from graft_rl.rundir import RunLock, clean_stale, finite_json, write_text_atomic
+from graft_rl.seeding import derive_seed
 from graft_rl.store import RecordStore
+from graft_rl.validation import Validation
 from graft_rl.worker import PolicyWorker
 
 __all__ = ["Trainer", "RunInterrupted", "CheckpointError", "derive_seed"]
 
 
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (splitmix-style), stable across runs and platforms."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x ^= (p + 0x9E3779B97F4A7C15 + (x << 6) + (x >> 2)) & 0xFFFFFFFFFFFFFFFF
-        x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    return x & 0x7FFFFFFFFFFFFFFF
-
-
-class Trainer:
+class Trainer(Checkpointing, Validation):
     """Co-train the configured policies with the configured method."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, show_progress: bool = True):
@@ -118,7 +99,7 @@ class Trainer:
             else:  # killed before its first checkpoint: start again from step 1 with the saved config
                 print(f"graft train: {self.run_dir} has no checkpoint yet; starting the run from step 1")
                 self._restart_from_scratch()
-        _write_text_atomic(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        write_text_atomic(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
         pcs = []
         for pc in cfg.policies:
             if ckpt is not None:
@@ -231,11 +212,16 @@ class Trainer:
         return keep, [(gr.prompt_id, gr.prompt) for gr in keep], extra_rollouts
 
     # ------------------------------------------------------------------ one receiver
-    def _train_receiver(self, name: str, batch: ReceiverBatch, step: int) -> dict:
-        """Score, weight and update one receiver (where its model lives); record what it grafted."""
+    def _train_receiver(self, name: str, batch: ReceiverBatch, step: int):
+        """Start scoring, weighting and updating one receiver where its model lives: a Ray future
+        (the call runs while the driver starts the next receiver's), or in-process the result."""
         seed = derive_seed(self.cfg.seed, 5, step, self.names.index(name))
         caps = {n: self._capability(n) for n in self.names}
-        stats, weights, exchange_rows = self._call(name, "train", batch, step, seed, caps, self.cfg.temperature)
+        return self._submit(name, "train", batch, step, seed, caps, self.cfg.temperature)
+
+    def _finish_receiver(self, name: str, batch: ReceiverBatch, step: int, handle) -> dict:
+        """Wait for a receiver's update; record its peer rows' weights and what it grafted."""
+        stats, weights, exchange_rows = self._result(handle)
         for r, w in zip(batch.rows, weights, strict=True):
             r.weight = w
         self.store.write_exchange(step, name, exchange_rows)
@@ -284,12 +270,13 @@ class Trainer:
             self.success_history[name].append(sum(g.k for g in gs) / max(1, sum(g.n for g in gs)))
         if isinstance(getattr(self.exchange, "capability", None), dict):
             self.exchange.capability.update({n: self._capability(n) for n in groups})
+        batches: dict[str, ReceiverBatch] = {}
         for name in self.policies:
             gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 6, step, self.names.index(name)))
             own = groups[name]
             # GRPO + dynamic sampling trains each policy on its own filtered batch
             view = groups if not self.cfg.method.dynamic_sampling else {name: own}
-            batch = self.exchange.build(name, view, self.live, self.cfg.n, gen)
+            batches[name] = self.exchange.build(name, view, self.live, self.cfg.n, gen)
             line = lines[name]
             rewards = [r for g in own for r in g.rewards]
             line["reward_mean"] = statistics.fmean(rewards)
@@ -298,9 +285,13 @@ class Trainer:
             lengths = [len(ids) for g in own for ids in g.token_ids]
             line["response_len_mean"] = statistics.fmean(lengths)
             line["truncated_frac"] = sum(1 for g in own for f in g.finish_reasons if f == "length") / len(lengths)
-            line.update(self._train_receiver(name, batch, step))
+        # every receiver's update is started before any is awaited: under Ray each policy's devices
+        # score and train at the same time (in-process they run one after the other)
+        pending = {name: self._train_receiver(name, batches[name], step) for name in self.policies}
+        for name in self.policies:
+            lines[name].update(self._finish_receiver(name, batches[name], step, pending[name]))
             if self._family:
-                line.update(self._family_stats(own, batch))
+                lines[name].update(self._family_stats(groups[name], batches[name]))
         return [lines[n] for n in self.policies]
 
     def _family_stats(self, own: list[RolloutGroup], batch: ReceiverBatch) -> dict:
@@ -325,53 +316,6 @@ class Trainer:
             add("grafted_rows", fam, len(peer))
             add("admitted_rows", fam, sum(1 for r in peer if r.weight > 0))
         return out
-
-    # ------------------------------------------------------------------ validation
-    def validate(self, step: int) -> list[dict]:
-        """Evaluate every policy on the validation sets; keep each policy's best checkpoint."""
-        if not self.val_sets:
-            return []
-        v = self.cfg.validation
-        lines = []
-        for name in self.policies:
-            line: dict = {"step": step, "policy": name}
-            t0 = time.perf_counter()
-            scores, variances = [], []
-            for ds, problems in self.val_sets.items():
-                res = self._call(
-                    name, "evaluate", problems, verifier_for(ds, problems[0]), v.samples, v.temperature, v.top_p,
-                    v.max_new_tokens, derive_seed(self.cfg.seed, 7, step, self.names.index(name)), self.cfg.data.verify_timeout,
-                )
-                line[f"val/{Path(ds).stem}"] = res["pass@1"]
-                if self._val_family[ds] and res.get("correct") is not None:
-                    for fam, score in pass1_by_family(problems, res["correct"], v.samples).items():
-                        line[f"val/{Path(ds).stem}/{fam}"] = score
-                scores.append(res["pass@1"])
-                variances.append(_pass1_variance(res.get("correct"), v.samples))
-            line["val/score"] = statistics.fmean(scores)
-            if all(x is not None for x in variances):  # the mean of the datasets' scores: its standard error
-                line["val/score_se"] = math.sqrt(sum(variances)) / len(variances)
-            line["time_validate"] = time.perf_counter() - t0
-            best = self.best.get(name)
-            candidate = step > 0 or v.select_initial  # "best" is a trained checkpoint unless asked
-            if candidate and (best is None or line["val/score"] > best["score"]):
-                self.best[name] = {"step": step, "score": line["val/score"]}
-                # written under a temporary name and renamed: best/<policy> is always complete
-                tmp = self.run_dir / "best" / f".{name}.tmp"
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                self._call(name, "save", str(tmp))
-                replace_dir(tmp, self.run_dir / "best" / name)
-                _write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
-            line["best_step"] = self.best[name]["step"] if name in self.best else None
-            lines.append(line)
-        with (self.run_dir / "validation.jsonl").open("a") as f:
-            for line in lines:
-                f.write(json.dumps(_finite(line)) + "\n")
-        return lines
-
-    def _best_from_log(self) -> dict[str, dict]:
-        return best_steps(read_log(self.run_dir / "validation.jsonl")[0], self.cfg.validation.select_initial)
 
     # ------------------------------------------------------------------ run
     def run(self, max_steps: int | None = None) -> list[dict]:
@@ -438,7 +382,7 @@ class Trainer:
     def _write_metrics(self, lines: list[dict]) -> None:
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             for line in lines:
-                f.write(json.dumps(_finite(line), default=_json_default) + "\n")
+                f.write(json.dumps(finite_json(line), default=_json_default) + "\n")
         if self._tb is not None:
             for line in lines:
                 for k, v in line.items():
@@ -453,82 +397,6 @@ class Trainer:
             return None
         return SummaryWriter(self.run_dir / "tensorboard")
 
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int) -> Path:
-        """Write ``checkpoints/step_N`` under a temporary name, rename it, then prune old ones."""
-        root = self.run_dir / "checkpoints"
-        final = root / f"step_{step:06d}"
-        tmp = root / f".step_{step:06d}.tmp"
-        try:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            for name in self.policies:
-                self._call(name, "save", str(tmp / name))
-            state = {"step": step, "success_history": {k: list(v) for k, v in self.success_history.items()},
-                     "config": to_dict(self.cfg)}
-            (tmp / "trainer_state.json").write_text(json.dumps(state))
-            replace_dir(tmp, final)
-        except (OSError, RuntimeError) as exc:
-            if isinstance(exc, RuntimeError) and not _is_write_error(exc):
-                raise
-            raise CheckpointError(f"cannot write checkpoint {final}: {_first_line(exc)}") from None
-        kept = sorted(p for p in root.glob("step_*") if p.is_dir())
-        for old in kept[: -self.cfg.keep_checkpoints]:
-            remove_dir(old)  # renamed away first: never a half-deleted step_N
-        return final
-
-    def _latest_checkpoint(self, announce: bool = False) -> Path | None:
-        """The newest checkpoint every file of which is there and readable (damaged ones are skipped)."""
-        root = self.run_dir / "checkpoints"
-        steps = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
-        names = [pc.name for pc in self.cfg.policies]
-        for ckpt in steps:
-            problem = checkpoint_problem(ckpt, names)
-            if problem is None:
-                return ckpt
-            if announce:
-                print(f"graft train: checkpoint {ckpt.name} is damaged ({problem}); trying the one before it")
-        return None
-
-    def _check_config(self, ckpt: Path) -> None:
-        """Refuse to resume with a config whose results would differ from the checkpointed run's."""
-        saved = json.loads((ckpt / "trainer_state.json").read_text()).get("config")
-        if saved is None:
-            return  # a checkpoint from before configs were recorded in it
-        changes = config_changes(saved, to_dict(self.cfg))
-        if changes:
-            key, before, now = changes[0]
-            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
-            raise ConfigError(
-                f"{self.run_dir}: config key {key} changed since checkpoint {ckpt.name} ({before!r} -> {now!r}){more}; "
-                f"a resumed run may change only {', '.join(HARMLESS_KEYS[1:])}"
-            )
-
-    def _restart_from_scratch(self) -> None:
-        """A run with no checkpoint: drop its logs, records, validation and best, as a fresh run would."""
-        for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl"):
-            log.unlink(missing_ok=True)
-        self.store.truncate_after(0)
-        remove_dir(self.run_dir / "best")
-
-    def _restore(self, ckpt: Path) -> None:
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        step = int(state["step"])
-        for name in self.policies:
-            self._call(name, "load_state", str(ckpt / name))
-        for k, v in state["success_history"].items():
-            if k in self.success_history:
-                self.success_history[k].extend(v)
-        self.start_step = step + 1
-        # drop what the interrupted run wrote after the checkpoint: it is recomputed identically
-        for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl"):
-            records, torn = read_log(log)
-            if torn:
-                print(f"graft train: {log.name}: dropped a torn last line (the machine stopped mid-write)")
-            if log.exists():
-                rewrite_log(log, [r for r in records if r["step"] <= step])
-        self.store.truncate_after(step)
-
     @classmethod
     def resume(cls, run_dir: str | Path, show_progress: bool = True, overrides: list[str] | None = None) -> Trainer:
         """Continue a run; ``overrides`` may change only :data:`~graft_rl.rundir.HARMLESS_KEYS` (e.g. ``steps=200``)."""
@@ -539,32 +407,12 @@ class Trainer:
         return cls(cfg, resume=True, show_progress=show_progress)
 
 
-def _pass1_variance(correct: list[int] | None, samples: int) -> float | None:
-    """Sampling variance of a dataset's pass@1 (mean over problems of ``c_i / k``).
-
-    With ``k > 1`` samples per problem: ``sum_i p_i (1 - p_i) / (k - 1) / N^2`` (unbiased per
-    problem); with ``k = 1``: ``p (1 - p) / N``, the Bernoulli bound over problems.
-    """
-    if not correct:
-        return None
-    n = len(correct)
-    p = [c / samples for c in correct]
-    if samples > 1:
-        return sum(x * (1 - x) for x in p) / (samples - 1) / n**2
-    mean = statistics.fmean(p)
-    return mean * (1 - mean) / n
-
-
 class RunInterrupted(KeyboardInterrupt):
     """The run stopped cleanly at a step boundary after a signal (``graft train`` exits 128 + signum)."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
-
-
-class CheckpointError(OSError):
-    """A checkpoint could not be written (disk full, read-only directory, ...); the message says which."""
 
 
 class _GracefulStop:
@@ -603,35 +451,6 @@ def _check_fresh_run_dir(run_dir: Path) -> None:
     if held:
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise ConfigError(f"run_dir {run_dir} already holds a run ({shown}); use --resume {run_dir} or another run_dir")
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _is_write_error(exc: BaseException) -> bool:
-    """torch.save reports a full disk as a RuntimeError from its zip writer."""
-    text = str(exc)
-    return any(k in text for k in ("PytorchStreamWriter", "enforce fail", "No space left", "file write failed"))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def _finite(x):
-    """NaN/inf become null, so metrics.jsonl stays strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
 
 
 def _json_default(x):

@@ -11,7 +11,8 @@ import signal
 import pytest
 import torch
 
-from graft_rl import trainer as trainer_mod
+from graft_rl import checkpointing as checkpointing_mod
+from graft_rl import validation as validation_mod
 from graft_rl.cli import main
 from graft_rl.config import ConfigError
 from graft_rl.rundir import RunDirError, read_log
@@ -97,8 +98,8 @@ PHASES = {
     "update": (Trainer, "_train_receiver", lambda self, name, batch, step: step == 2 and name == "B"),
     "validate": (Trainer, "validate", lambda self, step: step == 2),
     "checkpoint": (Trainer, "save_checkpoint", lambda self, step: step == 2),
-    "best-write": (trainer_mod, "replace_dir", lambda tmp, final: final.parent.name == "best" and "step2" in str(os.environ.get("PHASE_STEP"))),
-    "prune": (trainer_mod, "remove_dir", lambda path: True),
+    "best-write": (validation_mod, "replace_dir", lambda tmp, final: final.parent.name == "best" and "step2" in str(os.environ.get("PHASE_STEP"))),
+    "prune": (checkpointing_mod, "remove_dir", lambda path: True),
 }
 
 

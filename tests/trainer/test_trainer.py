@@ -67,6 +67,33 @@ def test_every_method_runs_two_steps(method, make_cfg, fake_rewards):
         assert all(ln["rollouts"] == 2 * 4 * 4 for ln in lines)  # one extra round of 4 prompts x 4, counted
 
 
+def test_every_receiver_update_is_started_before_any_is_awaited(make_cfg, fake_rewards, tiny_data, monkeypatch):
+    """Issue 22: the driver starts every policy's update (a Ray future under execution: ray) before it
+    waits for the first, so the policies' devices train at once; validation and checkpoint writes too."""
+    events = []
+    for method in ("_train_receiver", "_finish_receiver", "_submit", "_result"):
+        real = getattr(Trainer, method)
+
+        def spy(self, *args, _real=real, _method=method):
+            if _method == "_submit":
+                events.append(("submit", args[1], args[0]))
+            elif _method == "_result":
+                events.append(("result",))
+            else:
+                events.append((_method, args[0]))
+            return _real(self, *args)
+
+        monkeypatch.setattr(Trainer, method, spy)
+    val = {"data": [str(tiny_data)], "every": 1, "samples": 1, "max_new_tokens": 4, "limit": 2}
+    tr = Trainer(make_cfg({"name": "graft"}, steps=1, validation=val), show_progress=False)
+    tr.run()
+    trains = [e for e in events if e[0] in ("_train_receiver", "_finish_receiver")]
+    assert trains == [("_train_receiver", "A"), ("_train_receiver", "B"), ("_finish_receiver", "A"), ("_finish_receiver", "B")]
+    for method in ("train", "evaluate", "save"):  # each phase: every policy's call submitted, then the results
+        i = [k for k, e in enumerate(events) if e[:2] == ("submit", method)]
+        assert len(i) >= 2 and not any(e == ("result",) for e in events[i[0] : i[1]]), method
+
+
 def test_graft_replaces_exactly_the_complementary_groups_with_source_advantages_last(make_cfg, fake_rewards, monkeypatch):
     cfg = make_cfg({"name": "graft"}, steps=1)
     tr = Trainer(cfg, show_progress=False)

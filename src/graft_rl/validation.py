@@ -1,0 +1,104 @@
+"""Validation during training and the best checkpoint (paper Section 5.1, App. B: checkpoint
+selection on held-out data; SPEC §4 layer 5).
+
+:class:`Validation` is a part of :class:`~graft_rl.trainer.Trainer`: every ``validation.every``
+steps each policy is scored on every validation set (pass@1 over ``validation.samples`` samples,
+per prompt family too when the data names a few), ``validation.jsonl`` gets one line per policy,
+and a policy whose mean score beats its best so far is saved to ``best/<policy>`` (under a
+temporary name, then renamed) with ``best/best.json``. With Ray, every policy's evaluation runs at
+once on its own devices.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+from pathlib import Path
+
+from graft_rl.data import verifier_for
+from graft_rl.evaluation import pass1_by_family
+from graft_rl.seeding import derive_seed
+from graft_rl.rundir import best_steps, finite_json, read_log, replace_dir, write_text_atomic
+
+__all__ = ["Validation", "pass1_variance"]
+
+
+class Validation:
+    """Validation and best-checkpoint keeping; mixed into the trainer, whose ``cfg``, ``run_dir``,
+    ``policies``, ``names``, ``val_sets``, ``_val_family``, ``best`` and ``_submit``/``_result``/``_call``
+    it uses."""
+
+    def validate(self, step: int) -> list[dict]:
+        """Evaluate every policy on the validation sets; keep each policy's best checkpoint."""
+        if not self.val_sets:
+            return []
+        v = self.cfg.validation
+        # every policy's evaluations submitted before any is awaited (at once under Ray)
+        pending = {
+            (name, ds): self._submit(
+                name, "evaluate", problems, verifier_for(ds, problems[0]), v.samples, v.temperature, v.top_p,
+                v.max_new_tokens, derive_seed(self.cfg.seed, 7, step, self.names.index(name)), self.cfg.data.verify_timeout,
+            )
+            for name in self.policies for ds, problems in self.val_sets.items()
+        }
+        lines, improved = [], []
+        for name in self.policies:
+            line: dict = {"step": step, "policy": name}
+            scores, variances, seconds = [], [], 0.0
+            for ds, problems in self.val_sets.items():
+                res = self._result(pending[(name, ds)])
+                line[f"val/{Path(ds).stem}"] = res["pass@1"]
+                if self._val_family[ds] and res.get("correct") is not None:
+                    for fam, score in pass1_by_family(problems, res["correct"], v.samples).items():
+                        line[f"val/{Path(ds).stem}/{fam}"] = score
+                scores.append(res["pass@1"])
+                variances.append(pass1_variance(res.get("correct"), v.samples))
+                seconds += res.get("seconds", 0.0)
+            line["val/score"] = statistics.fmean(scores)
+            if all(x is not None for x in variances):  # the mean of the datasets' scores: its standard error
+                line["val/score_se"] = math.sqrt(sum(variances)) / len(variances)
+            line["time_validate"] = seconds  # measured in the worker, where the evaluation ran
+            best = self.best.get(name)
+            candidate = step > 0 or v.select_initial  # "best" is a trained checkpoint unless asked
+            if candidate and (best is None or line["val/score"] > best["score"]):
+                self.best[name] = {"step": step, "score": line["val/score"]}
+                improved.append(name)
+            line["best_step"] = self.best[name]["step"] if name in self.best else None
+            lines.append(line)
+        if improved:  # written under a temporary name and renamed: best/<policy> is always complete
+            tmp = {name: self.run_dir / "best" / f".{name}.tmp" for name in improved}
+            for t in tmp.values():
+                if t.exists():
+                    shutil.rmtree(t)
+            saving = [self._submit(name, "save", str(tmp[name])) for name in improved]
+            for name, handle in zip(improved, saving, strict=True):
+                self._result(handle)
+                replace_dir(tmp[name], self.run_dir / "best" / name)
+            write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
+        with (self.run_dir / "validation.jsonl").open("a") as f:
+            for line in lines:
+                f.write(json.dumps(finite_json(line)) + "\n")
+        return lines
+
+    def _best_from_log(self) -> dict[str, dict]:
+        return best_steps(read_log(self.run_dir / "validation.jsonl")[0], self.cfg.validation.select_initial)
+
+
+def pass1_variance(correct: list[int] | None, samples: int) -> float | None:
+    """Sampling variance of a dataset's pass@1 (mean over problems of ``c_i / k``).
+
+    With ``k > 1`` samples per problem: ``sum_i p_i (1 - p_i) / (k - 1) / N^2`` (unbiased per
+    problem); with ``k = 1``: ``p (1 - p) / N``, the Bernoulli bound over problems.
+    """
+    if not correct:
+        return None
+    n = len(correct)
+    p = [c / samples for c in correct]
+    if samples > 1:
+        return sum(x * (1 - x) for x in p) / (samples - 1) / n**2
+    mean = statistics.fmean(p)
+    return mean * (1 - mean) / n
+
+
