@@ -139,6 +139,10 @@ class RayConfig:
     # seconds to wait for the cluster to place a policy's actors when it has the resources but they are
     # busy (a misfit, e.g. too few CPUs or an unknown custom resource, fails at once without waiting)
     placement_timeout: float = 120.0
+    # seconds a rank of a sharded policy waits in a collective (torch.distributed's process-group
+    # timeout; NCCL's default is 10 minutes): long enough for the ranks' generation shares to finish
+    # apart and for rank 0 to write a 4B checkpoint while the others wait
+    collective_timeout: float = 3600.0
 
 
 @dataclass
@@ -209,6 +213,8 @@ class TrainConfig:
             raise ConfigError(f"data.verify_timeout and data.verify_budget must be > 0, got {self.data.verify_timeout}, {self.data.verify_budget}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1 (or null for all cores), got {self.torch_threads}")
+        if not self.ray.collective_timeout > 0:
+            raise ConfigError(f"ray.collective_timeout must be > 0 seconds, got {self.ray.collective_timeout}")
         if not self.ray.placement_timeout > 0 or self.ray.num_cpus < 0 or self.ray.num_gpus < 0:
             raise ConfigError(f"ray.placement_timeout must be > 0 and ray.num_cpus, ray.num_gpus >= 0, got "
                               f"{self.ray.placement_timeout}, {self.ray.num_cpus}, {self.ray.num_gpus}")

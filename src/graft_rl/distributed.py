@@ -153,7 +153,8 @@ def start_actors(cfg, policy_configs) -> dict:
         threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
         worker_args = (pc, cfg.method, cfg.minibatch, cfg.nonfinite_loss, None, None, threads)
         if pc.world_size > 1:
-            actors[pc.name] = ActorGroup.start(pc.name, policy_bundles(cfg, pc), opts, worker_args, cfg.ray.placement_timeout)
+            actors[pc.name] = ActorGroup.start(pc.name, policy_bundles(cfg, pc), opts, worker_args, cfg.ray.placement_timeout,
+                                               cfg.ray.collective_timeout)
             for r, a in enumerate(actors[pc.name].actors):
                 _NAMES[a._actor_id.hex()] = (pc.name, r)
             continue
@@ -216,7 +217,10 @@ class RankWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, addr: str, port: int, worker_args: tuple) -> None:
+    def setup(self, addr: str, port: int, worker_args: tuple, timeout: float = 3600.0) -> None:
+        """Join the policy's process group (``timeout``: seconds a collective may wait, ``ray.collective_timeout``)."""
+        from datetime import timedelta
+
         import torch
         import torch.distributed as dist
 
@@ -226,7 +230,8 @@ class RankWorker:
         if pc.device.startswith("cuda"):
             torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
         backend = "nccl" if pc.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world)
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=timeout))
         self.worker = PolicyWorker(*worker_args)
 
     def call(self, method: str, *args):
@@ -256,7 +261,8 @@ class ActorGroup:
         self.policy, self.actors, self.placement_group = policy, actors, placement_group
 
     @classmethod
-    def start(cls, name: str, bundles: list[dict], opts: dict, worker_args: tuple, timeout: float = 120.0) -> ActorGroup:
+    def start(cls, name: str, bundles: list[dict], opts: dict, worker_args: tuple, timeout: float = 120.0,
+              collective_timeout: float = 3600.0) -> ActorGroup:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -284,7 +290,7 @@ class ActorGroup:
         group = cls(name, actors, pg)
         try:
             addr, port = get(actors[0].address.remote(), name)
-            get(GroupRef([a.setup.remote(addr, port, worker_args) for a in actors], name))
+            get(GroupRef([a.setup.remote(addr, port, worker_args, collective_timeout) for a in actors], name))
         except BaseException:
             group.shutdown()
             raise

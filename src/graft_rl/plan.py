@@ -16,16 +16,27 @@ activations            with checkpointing: ``c t H L`` (each layer's input) + on
 logits chunk           ``k V (c + 4 + 4)``: one chunk of ``k = logprob_chunk`` tokens (compute
                        logits, float32 copy, float32 gradient); naive scoring would need ``t V``
                        of each instead
+KL reference           ``4 N / W`` when ``method.kl_coef > 0`` (HACPO rows): the frozen initial
+                       weights, sharded like the master weights
+hf rollout copy        ``4 N`` on every rank of a sharded policy with the ``hf`` backend (an
+                       unsharded float32 copy, sampled under autocast), held throughout
 vLLM (generation)      with ``sleep`` the engine frees its memory during training and the
-                       trainer's state stays; during generation the engine's weights (``c N / TP``)
-                       and KV cache live beside the sharded training state
+                       trainer's state stays; during generation the engine's share of the GPU
+                       (``gpu_memory_utilization``: its weights ``c N``, a workspace, the KV cache)
+                       lives beside the master weights and Adam moments
+runtime                :data:`RUNTIME_BYTES` per GPU (CUDA context, NCCL buffers, cuBLAS
+                       workspaces) and :data:`ALLOCATOR_MARGIN` of the tensors' peak (the caching
+                       allocator's retained, fragmented blocks): stated margins, not measured here
 =====================  =========================================================================
 
 ``t`` = ``micro_batch_tokens`` (padded tokens per forward pass), ``H`` hidden size, ``I``
 MLP size, ``L`` layers, ``V`` vocabulary. Model shapes come from the model's ``config.json``
 when it is a local directory, else from the published configs of the paper's models below.
-These are planning figures (no allocator fragmentation, no CUDA context ~0.5-1 GB): keep 10-20 %
-headroom.
+
+KV cache: an awake engine holds ``(share x GPU - c N - workspace) / (2 L kv_heads head_dim c)``
+tokens; a step asks each rank for ``prompt_batch / W x (P + n x max_new_tokens)`` at most (prefix
+caching keeps one copy of a prompt's ``P`` <= :data:`PROMPT_TOKENS` tokens for its ``n`` samples).
+When the second is larger, vLLM runs the step's sequences in waves (the plan says how many at most).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from graft_rl.policy import PolicyConfig
 from graft_rl.policy.policy import auto_micro_batch_tokens, uses_fused_head
 
 __all__ = ["ModelShape", "PolicyPlan", "plan", "format_plan", "check_resources", "KNOWN_SHAPES", "eval_estimate",
-           "EVAL_TOKENS_PER_GPU_S"]
+           "EVAL_TOKENS_PER_GPU_S", "RUNTIME_BYTES", "ALLOCATOR_MARGIN", "PROMPT_TOKENS", "ENGINE_WORKSPACE_BYTES"]
 
 #: Planning figure for ``graft eval``'s throughput: generated tokens per second per GPU for a 1.7-3B
 #: model in bf16 under vLLM on an H100/H200 class GPU with hundreds of sequences in flight. An
@@ -48,6 +59,20 @@ __all__ = ["ModelShape", "PolicyPlan", "plan", "format_plan", "check_resources",
 EVAL_TOKENS_PER_GPU_S = 10_000
 
 GiB = 1 << 30
+
+#: Per GPU, outside the tensors the plan counts: the CUDA context (~0.5-0.8 GiB on H100/H200), NCCL's
+#: communication buffers and cuBLAS/cuDNN workspaces. A stated margin (typical figures), not measured here.
+RUNTIME_BYTES = 1.5 * GiB
+
+#: The PyTorch caching allocator keeps freed blocks and fragments: planned as this share of the tensors' peak.
+ALLOCATOR_MARGIN = 0.10
+
+#: vLLM's own non-KV memory beside its weights while awake (activations of a max-size batch, sampler
+#: buffers, CUDA graphs): a planning figure.
+ENGINE_WORKSPACE_BYTES = 2 * GiB
+
+#: Prompt tokens planned per prompt for the KV cache (a MATH prompt with the paper's suffix is ~100-300).
+PROMPT_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -133,20 +158,36 @@ class PolicyPlan:
     activations_no_ckpt: float
     logits_chunk: float
     naive_logits: float
-    train_peak: float
-    vllm_weights: float
+    train_peak: float  # the tensors at the training peak (runtime and allocator margin not included)
+    vllm_weights: float  # an engine's compute-dtype weights (0: hf backend)
     gradient_checkpointing: bool
     vllm_share: float = 0.0  # gpu_memory_utilization of an awake engine (0 = hf backend)
     sleep: bool = True
+    reference: float = 0.0  # the sharded frozen KL reference (method.kl_coef > 0)
+    hf_copy: float = 0.0  # a sharded hf policy's unsharded float32 rollout copy, on every rank
+    kv_bytes_per_token: float = 0.0
+    rollout_tokens: float = 0.0  # per rank per step, every response at max_new_tokens
 
     def generate_peak(self, gpu_bytes: float) -> float:
-        """During generation: master weights + Adam (gradients are freed after each step), plus an
-        awake vLLM engine's share of the GPU (its weights and KV cache), or the hf backend's
-        unsharded compute-dtype copy; without sleep the engine's share is also held in training."""
-        resident = 12 * self.params / self.world_size
-        if self.vllm_share:
-            return resident + self.vllm_share * gpu_bytes
-        return resident + self.vllm_weights
+        """Tensors during generation: master weights + Adam (gradients are freed after each update),
+        the KL reference and hf rollout copy if any, plus an awake vLLM engine's share of the GPU."""
+        resident = 12 * self.params / self.world_size + self.reference + self.hf_copy
+        return resident + (self.vllm_share * gpu_bytes if self.vllm_share else 0.0)
+
+    def training_peak(self, gpu_bytes: float) -> float:
+        """Tensors at the training peak; an engine that does not sleep keeps its share of the GPU."""
+        return self.train_peak + (self.vllm_share * gpu_bytes if self.vllm_share and not self.sleep else 0.0)
+
+    def peak(self, gpu_bytes: float) -> float:
+        """The planned per-GPU peak: the larger phase's tensors, plus the allocator margin and the runtime."""
+        return max(self.training_peak(gpu_bytes), self.generate_peak(gpu_bytes)) * (1 + ALLOCATOR_MARGIN) + RUNTIME_BYTES
+
+    def kv_tokens(self, gpu_bytes: float) -> float | None:
+        """Tokens an awake engine's KV cache holds on one GPU (None: hf backend)."""
+        if not self.vllm_share or not self.kv_bytes_per_token:
+            return None
+        free = self.vllm_share * gpu_bytes - self.vllm_weights - ENGINE_WORKSPACE_BYTES
+        return max(free, 0.0) / self.kv_bytes_per_token
 
     @property
     def gpus(self) -> int:
@@ -170,13 +211,16 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
     naive = t * s.vocab * (c + 8)
     act = act_ckpt if pc.gradient_checkpointing else act_full
     logits = chunk if uses_fused_head(pc.fused_logprobs, s.vocab, budget_tokens) else naive
-    tp = int(pc.vllm_kwargs.get("tensor_parallel_size", 1)) if pc.backend == "vllm" else 1
-    vllm = c * N / tp if pc.backend == "vllm" else 0.0
+    vllm = c * N if pc.backend == "vllm" else 0.0
     share = float(pc.vllm_kwargs.get("gpu_memory_utilization", 0.4)) if pc.backend == "vllm" else 0.0
     sleep = bool(pc.vllm_kwargs.get("sleep", True))
-    hf_copy = c * N if pc.backend == "hf" else vllm
-    return PolicyPlan(pc.name, N, W, sharded, compute, act_ckpt, act_full, chunk, naive, sharded + compute + act + logits,
-                      hf_copy, pc.gradient_checkpointing, share, sleep)
+    reference = 4 * N / W if cfg.method.kl_coef > 0 else 0.0
+    hf_copy = 4 * N if pc.backend == "hf" and W > 1 else 0.0  # one process samples from its own model
+    kv = 2 * s.layers * s.kv_heads * s.head_dim * c
+    rollout = cfg.prompt_batch / W * (min(PROMPT_TOKENS, pc.max_prompt_tokens) + cfg.n * cfg.max_new_tokens)
+    return PolicyPlan(pc.name, N, W, sharded, compute, act_ckpt, act_full, chunk, naive,
+                      sharded + compute + act + logits + reference + hf_copy, vllm, pc.gradient_checkpointing, share,
+                      sleep, reference, hf_copy, kv, rollout)
 
 
 def plan(cfg: TrainConfig) -> list[PolicyPlan]:
@@ -184,31 +228,43 @@ def plan(cfg: TrainConfig) -> list[PolicyPlan]:
 
 
 def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = False) -> str:
-    """A Markdown table (GiB per GPU) and the GPUs the run needs; ``shared``: the policies run in
-    one process on one device (``execution: local``), so their memory adds up on it."""
+    """A Markdown table (GiB per GPU), the KV cache against a step's rollouts, and the GPUs the run
+    needs; ``shared``: the policies run in one process on one device (``execution: local``), so
+    their memory adds up on it."""
+    G = gpu_gib * GiB
     head = ("| policy | params | GPUs | master+grad+Adam | compute copy | activations (ckpt / none) | logits chunk "
-            "(naive) | train peak | generate peak | fits |")
-    lines = [head, "|" + "---|" * 10]
+            "(naive) | KL ref + hf copy | train peak | generate peak | + runtime, margin | fits |")
+    lines = [head, "|" + "---|" * 12]
     for p in plans:
         act = f"{p.activations / GiB:.1f} / {p.activations_no_ckpt / GiB:.1f}"
-        gen = p.generate_peak(gpu_gib * GiB)
-        train = p.train_peak + (p.vllm_share * gpu_gib * GiB if p.vllm_share and not p.sleep else 0.0)
-        fits = "yes" if max(train, gen) <= 0.9 * gpu_gib * GiB else "NO"
+        fits = "yes" if p.peak(G) <= G else "NO"
         lines.append(
             f"| {p.name} | {p.params / 1e9:.2f} B | {p.gpus} | {p.sharded_state / GiB:.1f} | {p.compute_copy / GiB:.1f} | "
-            f"{act} | {p.logits_chunk / GiB:.2f} ({p.naive_logits / GiB:.1f}) | {train / GiB:.1f} | "
-            f"{gen / GiB:.1f} | {fits} |"
+            f"{act} | {p.logits_chunk / GiB:.2f} ({p.naive_logits / GiB:.1f}) | {(p.reference + p.hf_copy) / GiB:.1f} | "
+            f"{p.training_peak(G) / GiB:.1f} | {p.generate_peak(G) / GiB:.1f} | {p.peak(G) / GiB:.1f} | {fits} |"
         )
     lines.append("")
+    lines.append(f"+ runtime, margin: the larger peak + {ALLOCATOR_MARGIN:.0%} (caching allocator) + "
+                 f"{RUNTIME_BYTES / GiB:g} GiB (CUDA context, NCCL, workspaces): stated margins, not measured.")
+    for p in plans:
+        kv = p.kv_tokens(G)
+        if kv is None:
+            continue
+        waves = -(-p.rollout_tokens // kv) if kv > 0 else float("inf")
+        verdict = ("fits in one wave" if waves <= 1 else f"up to {waves:.0f} waves of generation (vLLM queues the rest; "
+                   f"raise gpu_memory_utilization or world_size to cut them)")
+        lines.append(f"{p.name}: KV cache ~{kv / 1e6:.2f} M tokens per rank (gpu_memory_utilization {p.vllm_share:g}) vs "
+                     f"up to {p.rollout_tokens / 1e6:.2f} M per rank per step (every response at max_new_tokens): {verdict}.")
     if shared:
-        peak = sum(max(p.train_peak, p.generate_peak(gpu_gib * GiB)) for p in plans)
+        peak = sum(p.peak(G) for p in plans)
         lines.append(f"execution local: the policies share one device, about {peak / GiB:.1f} GiB at peak in all "
-                     f"({'fits' if peak <= 0.9 * gpu_gib * GiB else 'does NOT fit'} a GPU of {gpu_gib:g} GiB).")
+                     f"({'fits' if peak <= G else 'does NOT fit'} a GPU of {gpu_gib:g} GiB).")
         return "\n".join(lines)
     total = sum(p.gpus for p in plans)
     lines.append(f"GPUs: {total} in all ({', '.join(f'{p.name}: {p.gpus}' for p in plans)}); "
                  f"a GPU of {gpu_gib:g} GiB; train peak = master+grad+Adam + compute copy + activations "
-                 f"({'with' if all(p.gradient_checkpointing for p in plans) else 'as configured:'} checkpointing) + logits chunk.")
+                 f"({'with' if all(p.gradient_checkpointing for p in plans) else 'as configured:'} checkpointing) + logits chunk "
+                 f"+ KL reference + hf rollout copy.")
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ run reproduces an uninterrupted one."""
 
 from __future__ import annotations
 
-__all__ = ["derive_seed"]
+__all__ = ["derive_seed", "rank_seed"]
 
 
 def derive_seed(*parts: int) -> int:
@@ -14,3 +14,9 @@ def derive_seed(*parts: int) -> int:
         x ^= (p + 0x9E3779B97F4A7C15 + (x << 6) + (x >> 2)) & 0xFFFFFFFFFFFFFFFF
         x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     return x & 0x7FFFFFFFFFFFFFFF
+
+
+def rank_seed(seed: int, rank: int, world: int) -> int:
+    """The sampling seed of one rank's share of a generation call: ``seed`` itself in one process,
+    a seed of the rank's own when ``world > 1`` (so the ranks' samples are independent)."""
+    return seed if world == 1 else derive_seed(seed, rank)

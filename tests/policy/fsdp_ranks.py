@@ -29,6 +29,10 @@ def loss_fn(old, adv, total_tokens):
     return fn
 
 
+# sharded: rank 0 samples p1 and p3 (the same text: independent groups), rank 1 p2
+GEN_PROMPTS = [("p1", "What is 2+3?"), ("p2", "Q: 6*7=?"), ("p3", "What is 2+3?")]
+
+
 def exercise(pol) -> dict:
     """Score, two minibatch updates, score again, generate: what the test compares across layouts."""
     pol.init_reference()  # the KL reference (HACPO presets): the policy as built
@@ -38,7 +42,7 @@ def exercise(pol) -> dict:
     stats = [pol.update(batch, loss_fn(old, adv, float(mask.sum()))) for _ in range(2)]
     new, _ = pol.token_logprobs(batch)
     ref, _ = pol.reference_logprobs(batch)
-    groups = pol.generate([("p1", "What is 2+3?"), ("p2", "Q: 6*7=?")], SamplingParams(n=3, max_new_tokens=6), seed=5)
+    groups = pol.generate(GEN_PROMPTS, SamplingParams(n=3, max_new_tokens=6), seed=5)
     return {"old": old.tolist(), "new": new.tolist(), "ref": ref.tolist(), "stats": stats, "texts": [g.texts for g in groups],
             "digest": pol.param_digest(), "fused": pol.fused_head}
 

@@ -1,6 +1,6 @@
 """FSDP2 data parallelism inside one policy (issue 11): 2 CPU ranks (gloo) compute what one process
 computes — old log-probs, the update (global token-mean loss, gradients summed over ranks), the
-weights after it, generation — and the checkpoint loads as a plain transformers directory."""
+weights after it, generation of each rank's share — and the checkpoint loads as a plain transformers directory."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from graft_rl.policy import Policy, PolicyConfig, PolicyError
+from graft_rl.policy import Policy, PolicyConfig, PolicyError, SamplingParams
+from graft_rl.seeding import rank_seed
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from fsdp_ranks import exercise  # noqa: E402
+from fsdp_ranks import GEN_PROMPTS, exercise  # noqa: E402
 
 
 def _torchrun(model, out, dtype, ckpt, port):
@@ -49,8 +50,13 @@ def test_two_fsdp_ranks_match_one_process(tiny_pair, tmp_path, arch):
         assert s["loss"] == pytest.approx(t["loss"], rel=1e-5, abs=1e-7)
         assert s["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-5)
         assert s["skipped"] == t["skipped"] == 0
-    # generation after the updates: the same samples as one process (rank 0's synced rollout copy)
-    assert sharded["texts"] == one["texts"]
+    # generation after the updates: each rank samples its share (rows rank, rank + 2) with its own seed
+    # from its synced float32 copy -- what one process with those weights samples for that share
+    sp = SamplingParams(n=3, max_new_tokens=6)
+    share0 = single.generate([GEN_PROMPTS[0], GEN_PROMPTS[2]], sp, seed=rank_seed(5, 0, 2))
+    share1 = single.generate([GEN_PROMPTS[1]], sp, seed=rank_seed(5, 1, 2))
+    assert sharded["texts"] == [share0[0].texts, share1[0].texts, share0[1].texts]
+    assert sharded["texts"][0] != sharded["texts"][2]  # one prompt twice: independent groups
     # rank 0 wrote the full weights as an ordinary save_pretrained directory; each rank its optimiser shard
     assert (ckpt / "policy_state.rank0.pt").is_file() and (ckpt / "policy_state.rank1.pt").is_file()
     reloaded = Policy(PolicyConfig("A", str(ckpt)))

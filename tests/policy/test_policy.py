@@ -164,6 +164,17 @@ def test_automatic_micro_batch_budget_follows_the_vocabulary(pol_a):
         PolicyConfig("X", "m", micro_batch_tokens=0)
 
 
+def test_identical_prompts_in_one_call_get_independent_groups(pol_a, pol_b):
+    """Issue 22: no two prompts of a call share a random stream (two copies of one prompt get different
+    groups), and the call reproduces from its seed."""
+    same = [("x1", "What is 2+3?"), ("x2", "What is 2+3?")]
+    for pol in (pol_a, pol_b):
+        g = pol.generate(same, SamplingParams(n=4, max_new_tokens=12), seed=11)
+        assert g[0].token_ids != g[1].token_ids
+        again = pol.generate(same, SamplingParams(n=4, max_new_tokens=12), seed=11)
+        assert [x.token_ids for x in again] == [x.token_ids for x in g]
+
+
 def test_automatic_generation_batch_follows_the_kv_cache(pol_a, pol_b, monkeypatch):
     """gen_batch_size null: rows per generate call from the model's KV-cache size and a memory budget."""
     from graft_rl.policy import rollout

@@ -84,7 +84,7 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
             {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "micro_batch_tokens": 64}]
     local = Trainer(make_cfg({"name": "graft"}, steps=3, run="local3", policies=pols), show_progress=False)
     local_lines = local.run()
-    sharded = [{**p, "world_size": 2} for p in pols]
+    sharded = [{**p, "world_size": 2, "rollout_on_rank0": True} for p in pols]  # samples as one process does
     remote = Trainer(
         make_cfg({"name": "graft"}, steps=3, run="fsdp", policies=sharded, execution="ray",
                  ray={"num_cpus": 0.5, "torch_threads": 1}),

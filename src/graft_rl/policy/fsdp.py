@@ -15,10 +15,12 @@ Each rank (one GPU, or one CPU process with gloo) runs a :class:`ShardedPolicy` 
   still the token mean over the whole minibatch, weights and peer-last order unchanged.
   Ranks run the same number of forward/backward passes (padding with zero-weight passes), as
   FSDP's collectives require.
-- **Rollouts.** ``hf``: rank 0 keeps an unsharded copy of the weights, refreshed once per step
-  from the shards, and generates for the whole group (exactly what a single process samples);
-  ``vllm``: every rank's engine generates its share of the prompts (vLLM seeds per request).
-  The groups are broadcast, so every rank returns the same result.
+- **Rollouts.** Every rank samples its share of the prompts (``rank, rank + W, ...``) with a seed
+  of its own (:func:`~graft_rl.seeding.rank_seed`): ``vllm`` in its engine, ``hf`` from an
+  unsharded float32 copy of the weights under the compute dtype's autocast, refreshed once per
+  step from the shards (an all-gather per tensor). The groups are gathered, so every rank
+  returns the whole batch. ``rollout_on_rank0`` makes rank 0 sample the whole batch with the
+  run's seed, as one process does (a sharded run then equals a one-process run).
 - **Checkpoints.** Rank 0 writes the full weights in ``save_pretrained`` format (transformers and
   vLLM load them); every rank writes its optimiser shard (``policy_state.rank{r}.pt``). Resuming
   needs the same ``world_size``.
@@ -36,6 +38,7 @@ import torch.distributed as dist
 
 from graft_rl.policy.policy import Policy, PolicyError
 from graft_rl.policy.types import TokenBatch
+from graft_rl.seeding import rank_seed
 
 __all__ = ["ShardedPolicy", "shard_model"]
 
@@ -71,8 +74,9 @@ class ShardedPolicy(Policy):
                 f"policy {self.name!r}: world_size={self.config.world_size} but the process group has {dist.get_world_size()} ranks"
             )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # rank 0's unsharded rollout copy for the hf backend (vLLM engines hold their own copy)
-        self.rollout_model = copy.deepcopy(self.model).eval() if self.config.backend == "hf" and self.rank == 0 else None
+        # the unsharded rollout copy of the hf backend, on every rank that samples (vLLM engines hold their own)
+        samples = self.rank == 0 or not self.config.rollout_on_rank0
+        self.rollout_model = copy.deepcopy(self.model).eval() if self.config.backend == "hf" and samples else None
         self.model = shard_model(self.model, self.compute_dtype)
         # the sharded (DTensor) parameters: after a forward, FSDP2 may leave the root's parameters
         # registered unsharded on the module, so the optimiser, clipping and digests use these
@@ -150,27 +154,28 @@ class ShardedPolicy(Policy):
         if self._synced_version == self.weights_version:
             return
         if self.config.backend == "hf":
-            sd = self.full_state_dict()  # collective; rank 0 holds the rollout copy
-            if self.rollout_model is not None:
-                device = next(self.rollout_model.parameters()).device
-                self.rollout_model.load_state_dict({k: v.to(device) for k, v in sd.items()})
+            copy_sd = self.rollout_model.state_dict() if self.rollout_model is not None else {}
+            with torch.no_grad():
+                for name, full in self.rollout_weights():  # collective, one tensor at a time
+                    if name in copy_sd:
+                        copy_sd[name].copy_(full)
         else:
             self.backend.sync_weights()  # each rank's engine, fed by rollout_weights()
         self._synced_version = self.weights_version
 
     def generate(self, prompts, sampling, seed: int = 0):
-        self.sync_rollout_weights()
-        if self.config.backend == "hf":
-            groups = super().generate(prompts, sampling, seed) if self.rank == 0 else None
-        else:  # every rank's engine takes a share of the prompts
-            mine = super().generate([prompts[i] for i in self._local(len(prompts))], sampling, seed)
-            parts: list = [None] * self.world
-            dist.all_gather_object(parts, mine)
-            by_id = {g.prompt_id: g for part in parts for g in part}
-            groups = [by_id[pid] for pid, _ in prompts] if self.rank == 0 else None
-        box = [groups]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Every rank samples its share (``rank, rank + W, ...``) seeded :func:`rank_seed`; all ranks
+        return the whole batch in prompt order (``rollout_on_rank0``: rank 0 samples it all)."""
+        self.sync_rollout_weights()  # collective: every rank takes part, sampling or not
+        if self.config.rollout_on_rank0:
+            box = [super().generate(prompts, sampling, seed) if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        mine = super().generate([prompts[i] for i in self._local(len(prompts))], sampling,
+                                rank_seed(seed, self.rank, self.world))
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, mine)
+        return [parts[i % self.world][i // self.world] for i in range(len(prompts))]
 
     def param_digest(self) -> list[float]:
         sums = torch.tensor([float(p.detach().to_local().double().sum()) for p in self.sharded_params],

@@ -109,6 +109,10 @@ class PolicyConfig:
     reference_gguf_file: str | None = None
     backend: str = "hf"  # hf | vllm
     vllm_kwargs: dict = field(default_factory=dict)
+    # world_size > 1: every rank samples its share of the prompts (rows rank, rank + W, ...) with a
+    # seed of its own (default). True: rank 0 samples the whole batch with the run's seed, as one
+    # process does (a sharded run then equals a one-process run: for checking sharding; slower)
+    rollout_on_rank0: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -128,6 +132,12 @@ class PolicyConfig:
             raise PolicyError(f"policy {self.name!r}: plain_template must contain {{prompt}}")
         if self.gen_batch_size is not None and self.gen_batch_size < 1:
             raise PolicyError(f"policy {self.name!r}: gen_batch_size must be >= 1 (or null for automatic), got {self.gen_batch_size}")
+        tp = self.vllm_kwargs.get("tensor_parallel_size", 1) if isinstance(self.vllm_kwargs, dict) else 1
+        if tp != 1:
+            raise PolicyError(
+                f"policy {self.name!r}: vllm_kwargs.tensor_parallel_size={tp} is not supported: each vLLM engine lives in "
+                f"one rank actor with one GPU; shard the policy with world_size (every rank's engine samples its share)"
+            )
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise PolicyError(f"policy {self.name!r}: micro_batch_tokens must be >= 1 (or null for automatic), got {self.micro_batch_tokens}")
 
@@ -281,6 +291,11 @@ class Policy:
 
     def compute_context(self):
         """Autocast to the compute dtype when the master weights are float32 (mixed precision)."""
+        return self.autocast_context()
+
+    def autocast_context(self):
+        """Autocast to the compute dtype when the master weights are float32; the ``hf`` rollout copy
+        of a sharded policy (float32, unsharded) samples under it too."""
         if self.compute_dtype == self.master_dtype:
             return contextlib.nullcontext()
         return torch.autocast(device_type=torch.device(self.config.device).type, dtype=self.compute_dtype)

@@ -224,7 +224,8 @@ class VLLMBackend:
     sleeps (vLLM sleep mode, level 1: weights to CPU, KV cache freed) from the end of each
     generation until the next one, so scoring and updates have the GPU to themselves; weights are
     pushed into it once per step, before generation (:meth:`Policy.sync_rollout_weights`).
-    Extra keys of ``vllm_kwargs`` go to ``vllm.LLM``, e.g. ``tensor_parallel_size``.
+    Extra keys of ``vllm_kwargs`` go to ``vllm.LLM``, e.g. ``max_model_len``. Tensor parallelism is
+    refused (:class:`~graft_rl.policy.PolicyConfig`): each engine lives in one rank actor with one GPU.
     """
 
     def __init__(self, model, model_dir: str, dtype: str = "float32", gpu_memory_utilization: float = 0.4,
@@ -260,10 +261,14 @@ class VLLMBackend:
             self.sleeping = {"weights", "kv_cache"}
 
     def _wake(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
-        todo = [t for t in tags if t in self.sleeping]  # never wake a tag twice
-        if todo:
-            self.llm.wake_up(tags=todo)
-            self.sleeping -= set(todo)
+        """Wake ``tags`` one at a time (never one twice), handing the caching allocator's free blocks
+        back to the GPU before each (as verl does), so the engine's weights and then its KV cache find
+        the memory the trainer's scoring and updates left cached."""
+        for tag in [t for t in tags if t in self.sleeping]:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.llm.wake_up(tags=[tag])
+            self.sleeping.discard(tag)
 
     def sync_weights(self) -> None:
         """Reload the trainer's weights into the engine in place (vLLM's ``reload_weights``).
@@ -294,8 +299,12 @@ class VLLMBackend:
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
             max_tokens=sampling.max_new_tokens,
             logprobs=0,
-            seed=seed,
         )
+        # unseeded requests on a reseeded engine: every sample draws its own noise (no two prompts
+        # share a random stream, as one per-request seed would give: vLLM seeds child i of a request
+        # with seed + i) and vLLM's batched sampler runs (per-request generators take a per-row loop
+        # and, on GPUs, lose FlashInfer's sampler). A call reproduces given its seed and prompts.
+        self.llm.collective_rpc(_reseed_worker, args=(seed,))
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp, use_tqdm=False)
         result = []
         for o in outs:
@@ -306,6 +315,11 @@ class VLLMBackend:
                 group.append(Sample(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
             result.append(group)
         return result
+
+
+def _reseed_worker(worker, seed: int) -> None:
+    """Run in each vLLM worker (``collective_rpc``): seed the default generators its sampler draws from."""
+    torch.manual_seed(seed)
 
 
 def shield_from_vllm_patches(*models) -> int:
@@ -334,10 +348,10 @@ def shield_from_vllm_patches(*models) -> int:
 def make_backend(kind: str, policy) -> RolloutBackend:
     """``hf`` or ``vllm`` for a :class:`~graft_rl.policy.Policy`."""
     if kind == "hf":
-        # a sharded policy samples from its unsharded rollout copy (FSDP2, rank 0)
-        model = getattr(policy, "rollout_model", None) or policy.model
-        return HFBackend(model, policy.eos_token_ids, policy.tokenizer.pad_token_id, policy.config.gen_batch_size,
-                         policy.compute_context)
+        # a sharded policy samples from its unsharded float32 rollout copy (FSDP2), under autocast
+        copy = getattr(policy, "rollout_model", None)
+        return HFBackend(copy or policy.model, policy.eos_token_ids, policy.tokenizer.pad_token_id,
+                         policy.config.gen_batch_size, policy.autocast_context if copy is not None else policy.compute_context)
     if kind == "vllm":
         weights_fn = getattr(policy, "rollout_weights", None)  # a sharded policy's gathered full weights
         return VLLMBackend(policy.model, policy.model_dir, dtype=policy.config.dtype, weights_fn=weights_fn,
