@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from graft_rl.policy.policy import Policy, PolicyError
+from graft_rl.policy.policy import Policy, PolicyError, length_micro_batches
 from graft_rl.policy.types import TokenBatch
 from graft_rl.seeding import rank_seed
 
@@ -106,11 +106,12 @@ class ShardedPolicy(Policy):
 
     # ------------------------------------------------------------------ scoring and updates
     def _passes(self, batch: TokenBatch) -> list[list[int] | None]:
-        """This rank's rows (``rank, rank + W, ...``) in micro-batches, padded with ``None`` passes
-        to the largest count over the ranks: FSDP's collectives need every rank in every pass."""
-        local = self._local(len(batch))
-        micro = [[local[i] for i in rows] for rows in self._micro_batches(batch.select(local))] if local else []
-        return micro + [None] * (self._max_over_ranks(len(micro)) - len(micro))
+        """This rank's rows of every pass: the passes are cut for the whole group by length
+        (:func:`~graft_rl.policy.policy.length_micro_batches` with ``ranks = W``) and each is dealt
+        over the ranks, so every rank runs the same number of passes of like size (FSDP's collectives
+        need every rank in every pass; a rank with no row in a pass runs a padding pass, ``None``)."""
+        passes = length_micro_batches(batch.lengths(), self.micro_batch_tokens, self.world)
+        return [p[self.rank :: self.world] or None for p in passes]
 
     def _gather_rows(self, logprobs: torch.Tensor) -> torch.Tensor:
         # each rank filled its own rows, the others are zero: a sum gathers the whole matrix

@@ -25,7 +25,7 @@ from graft_rl.policy.rollout import make_backend, shield_from_vllm_patches
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
 __all__ = [
-    "POLICY_SETTINGS", "Policy", "PolicyConfig", "PolicyError", "saved_policy_config", "PromptTooLongError", "auto_micro_batch_tokens", "disable_dropout",
+    "POLICY_SETTINGS", "length_micro_batches", "PASS_OVERHEAD", "Policy", "PolicyConfig", "PolicyError", "saved_policy_config", "PromptTooLongError", "auto_micro_batch_tokens", "disable_dropout",
     "token_logprobs_from_logits",
 ]
 
@@ -181,6 +181,52 @@ def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, chun
         tgt = targets[:, s : s + chunk]
         out.append(part.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - part.logsumexp(-1))
     return torch.cat(out, dim=1) if out else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+
+
+#: A forward/backward pass's fixed cost, in tokens' worth of compute, as a share of the pass budget:
+#: kernel launches, reading the weights, FSDP's all-gather of each layer. A planning figure: on an
+#: H200 a 3B model's 32k-token pass takes ~1 s, its all-gathers ~10-20 ms.
+PASS_OVERHEAD = 1 / 64
+
+
+def length_micro_batches(lengths: Sequence[int], budget: int, ranks: int = 1,
+                         overhead: float = PASS_OVERHEAD) -> list[list[int]]:
+    """Rows in forward passes of at most ``budget`` padded tokens per rank (rows x longest row),
+    formed by length; with ``ranks`` > 1 each pass is dealt over the ranks (rows ``r, r + ranks, ...``
+    of it to rank ``r``), which run it in lock step (FSDP's collectives).
+
+    A pass pads every row to its longest, so passes are runs of the rows sorted by length (longest
+    first, ties in arrival order): some optimal split is such a run (swapping a longer row of a
+    shorter-max pass with a shorter row of a longer-max pass never costs more), and over runs the
+    split minimising ``computed tokens + overhead x budget x passes`` is exact by dynamic
+    programming. Each pass then holds rows of similar length: its padding is what one length class
+    differs by, not what the batch's shortest and longest responses differ by (math RL responses run
+    from tens of tokens to the 4,096 cap). A batch that fits one pass stays one pass in arrival
+    order; a row longer than ``budget`` is a pass of its own. The loss does not depend on the order
+    (every pass scores its rows by index); ``benchmarks/padding.py`` measures useful / computed tokens.
+    """
+    n = len(lengths)
+    if n == 0:
+        return []
+    if max(lengths) * -(-n // ranks) <= budget:
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    ln = [lengths[i] for i in order]
+    fixed = overhead * budget
+    best = [0.0] + [math.inf] * n  # best[j]: cost of the j longest rows in passes
+    cut = [0] * (n + 1)
+    for i in range(n):  # a pass starting at row i (its longest) takes rows i .. j-1
+        rows = max(1, budget // ln[i]) * ranks
+        base = best[i] + fixed
+        for j in range(i + 1, min(n, i + rows) + 1):
+            c = base + -(-(j - i) // ranks) * ranks * ln[i]  # every rank computes the pass's widest share
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    out, j = [], n
+    while j > 0:
+        out.append(order[cut[j] : j])
+        j = cut[j]
+    return out[::-1]
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -439,19 +485,9 @@ class Policy:
 
     # ------------------------------------------------------------------ log-probs
     def _micro_batches(self, batch: TokenBatch) -> list[list[int]]:
-        budget = self.micro_batch_tokens
-        out, cur, cur_max = [], [], 0
-        for i in range(len(batch)):
-            length = len(batch.prompt_ids[i]) + len(batch.response_ids[i])
-            new_max = max(cur_max, length)
-            if cur and new_max * (len(cur) + 1) > budget:
-                out.append(cur)
-                cur, new_max = [], length
-            cur.append(i)
-            cur_max = new_max
-        if cur:
-            out.append(cur)
-        return out
+        """Row lists of the forward passes over ``batch``: :func:`length_micro_batches` within
+        ``micro_batch_tokens`` padded tokens per pass."""
+        return length_micro_batches(batch.lengths(), self.micro_batch_tokens)
 
     def _forward(self, batch: TokenBatch, model=None, fused: bool | None = None) -> torch.Tensor:
         """Response-token log-probs ``[M, T]`` (float32) for a batch that fits one forward pass.

@@ -107,6 +107,10 @@ class TokenBatch:
         rows = [int(r) for r in rows]
         return TokenBatch([self.prompt_ids[r] for r in rows], [self.response_ids[r] for r in rows])
 
+    def lengths(self) -> list[int]:
+        """Tokens per sequence (prompt + response): what a forward pass computes for each row."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids, strict=True)]
+
     @property
     def max_response_len(self) -> int:
         return max((len(r) for r in self.response_ids), default=0)

@@ -1,0 +1,110 @@
+"""Device-hours of a GRAFT run against the two GRPO runs it replaces (paper Table 5: 43.3 vs 29.9
+GPU-hours, 1.45x), on CPU with Ray: each policy its own actor on its own core ("device").
+
+    python benchmarks/device_hours.py [--steps 6]     # ~4 min on 2 cores
+
+- GRAFT: both policies of the shipped natural testbed pair, ``execution: ray``, one actor of one
+  CPU (one torch thread) each: 2 devices for the run's wall time.
+- GRPO x 2: policy A alone, then policy B alone, the same steps and settings, one actor of one CPU
+  each: 1 device for each run's wall time (run one after the other, each alone on the machine).
+- device-seconds = devices x wall time of the step loop (``Trainer.run``: generation, rewards,
+  exchange, scoring, updates and the final checkpoint; actor start-up and model loading are shown
+  apart). Ratio = GRAFT device-seconds / (GRPO A + GRPO B device-seconds).
+
+"before" is the previous driver, emulated here by waiting for each receiver's update before
+starting the next (the policies' devices then take turns idling); "after" is the trainer as it is
+(every receiver's update started before any is awaited). Prints a Markdown table and ends with the
+headline line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from build_testbed import cpu_model  # noqa: E402
+
+PAPER_RATIO = 43.3 / 29.9
+
+
+def sequential_updates(monkeypatch_target) -> None:
+    """Emulate the driver before issue 22: each receiver's update awaited before the next starts."""
+    import ray
+
+    real = monkeypatch_target._train_receiver
+
+    def blocking(self, name, batch, step):
+        handle = real(self, name, batch, step)
+        ray.wait([handle], num_returns=1)
+        return handle
+
+    monkeypatch_target._train_receiver = blocking
+
+
+def one_run(policies: list[str], steps: int, prompt_batch: int, method: str) -> dict:
+    from graft_rl.config import load_config
+    from graft_rl.testbed import shipped_testbed
+    from graft_rl.trainer import Trainer
+
+    base = shipped_testbed().train_config(run_dir=tempfile.mkdtemp() + "/run", method=method)
+    base.update(steps=steps, prompt_batch=prompt_batch, checkpoint_every=10_000, validation={"data": []},
+                execution="ray", ray={"num_cpus": 1, "torch_threads": 1})
+    base["policies"] = [p for p in base["policies"] if p["name"] in policies]
+    t0 = time.perf_counter()
+    tr = Trainer(load_config(base), show_progress=False)
+    start = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lines = tr.run()
+    wall = time.perf_counter() - t0
+    tr.close()
+    grafted = sum(ln.get("exchanged_in", 0) or 0 for ln in lines)
+    return {"devices": len(policies), "wall": wall, "start": start, "grafted": grafted}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--prompt-batch", type=int, default=32)
+    args = ap.parse_args()
+    import ray
+
+    from graft_rl.trainer import Trainer
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    real = Trainer._train_receiver
+    try:
+        grpo = {p: one_run([p], args.steps, args.prompt_batch, "grpo") for p in ("A", "B")}
+        graft = {"after": one_run(["A", "B"], args.steps, args.prompt_batch, "graft")}
+        sequential_updates(Trainer)
+        graft["before"] = one_run(["A", "B"], args.steps, args.prompt_batch, "graft")
+    finally:
+        Trainer._train_receiver = real
+        ray.shutdown()
+    pair = sum(r["devices"] * r["wall"] for r in grpo.values())
+    print(f"CPU: {cpu_model()}; shipped natural testbed pair, {args.steps} steps of {args.prompt_batch} prompts x n = 8, "
+          f"one actor of 1 CPU (1 torch thread) per policy")
+    print()
+    print("| run | devices | step-loop wall s | device-s | start-up s | grafted groups | ratio to the two GRPO runs |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in (("GRPO, policy A alone", grpo["A"]), ("GRPO, policy B alone", grpo["B"])):
+        print(f"| {name} | 1 | {r['wall']:.1f} | {r['wall']:.1f} | {r['start']:.1f} | - | |")
+    print(f"| GRPO A + GRPO B | | | {pair:.1f} | | | 1.00 |")
+    for label in ("before", "after"):
+        r = graft[label]
+        ds = r["devices"] * r["wall"]
+        print(f"| GRAFT, {label} (updates {'one after the other' if label == 'before' else 'at once'}) | 2 | {r['wall']:.1f} | "
+              f"{ds:.1f} | {r['start']:.1f} | {r['grafted']:.0f} | {ds / pair:.2f} |")
+    print()
+    after = 2 * graft["after"]["wall"] / pair
+    print(f"headline: GRAFT / two GRPO runs device-time = {after:.2f} (before the change "
+          f"{2 * graft['before']['wall'] / pair:.2f}; the paper's Table 5: {PAPER_RATIO:.2f})")
+
+
+if __name__ == "__main__":
+    main()
