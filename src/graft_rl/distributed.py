@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["start_actors", "start_replicas", "get", "check_cluster", "policy_bundles", "ActorError", "ActorDied",
+__all__ = ["start_actors", "start_replicas", "get", "completion_order", "check_cluster", "policy_bundles", "ActorError", "ActorDied",
            "ActorGroup", "RankWorker", "ResourceError"]
 
 #: Ray resources are counted to 1e-4; fractions are rounded down to this grid.
@@ -310,6 +310,24 @@ class ActorGroup:
         if method.startswith("_"):
             raise AttributeError(method)
         return _GroupMethod(self, method)
+
+
+def completion_order(handles: dict):
+    """Yield the names of ``handles`` (an actor call's future, or a group's :class:`GroupRef`) as
+    their calls finish (a group's when every rank's has); a failed call counts as finished
+    (:func:`get` raises its error)."""
+    import ray
+
+    left = {name: list(h) if isinstance(h, GroupRef) else [h] for name, h in handles.items()}
+    while left:
+        refs = [r for rs in left.values() for r in rs]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if not any(all(r in ready for r in rs) for rs in left.values()):
+            ray.wait(refs, num_returns=min(len(refs), len(ready) + 1))  # block until one more call is done
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for name in [n for n, rs in left.items() if all(r in ready for r in rs)]:
+            del left[name]
+            yield name
 
 
 def get(ref, name: str | None = None):

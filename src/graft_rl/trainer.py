@@ -88,6 +88,9 @@ class Trainer(Checkpointing, Validation):
         self.objective = build_objective(cfg.method)
         self.sampling = SamplingParams(cfg.n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens)
         self.start_step = 1
+        # Ray: generations started for the next step as each policy's update finished (see step)
+        self._prefetched: dict[tuple[str, int], object] = {}
+        self._prefetch_until = 0  # the last step of the current run() call
         self.success_history: dict[str, deque] = {}
         ckpt = None
         if resume:
@@ -185,6 +188,10 @@ class Trainer(Checkpointing, Validation):
     def _generation_seed(self, name: str, step: int) -> int:
         return derive_seed(self.cfg.seed, 2, step, self.names.index(name))
 
+    def _start_generation(self, name: str, step: int):
+        return self._submit(name, "generate_timed", self.prompts_for_step(step), self.sampling,
+                            self._generation_seed(name, step))
+
     def _dynamic_sampling(self, name, prompts, groups, step, vstats, times) -> tuple[list, list, int]:
         """DAPO: keep non-zero-variance groups; draw more prompts (capped rounds) until the batch is full.
         ``times`` accumulates the extra rounds' ``time_generate`` (measured in the worker) and ``time_reward``."""
@@ -239,11 +246,10 @@ class Trainer(Checkpointing, Validation):
         groups: dict[str, list[RolloutGroup]] = {}
         lines: dict[str, dict] = {name: {"step": step, "policy": name} for name in self.policies}
         # all policies generate at once (overlapping in time with Ray; one after another in-process);
-        # time_generate is measured in the worker, where the generation runs (Table 5's compute)
-        pending = {
-            name: self._submit(name, "generate_timed", prompts, self.sampling, self._generation_seed(name, step))
-            for name in self.policies
-        }
+        # time_generate is measured in the worker, where the generation runs (Table 5's compute).
+        # Under Ray a policy's generation may have started already, when its last update finished
+        pending = {name: self._prefetched.pop((name, step), None) or self._start_generation(name, step)
+                   for name in self.policies}
         for name in self.policies:
             gs, gen_s = self._result(pending[name])
             rollouts = len(gs) * self.cfg.n
@@ -288,6 +294,13 @@ class Trainer(Checkpointing, Validation):
         # every receiver's update is started before any is awaited: under Ray each policy's devices
         # score and train at the same time (in-process they run one after the other)
         pending = {name: self._train_receiver(name, batches[name], step) for name in self.policies}
+        if self.cfg.execution == "ray" and step < self._prefetch_until:
+            from graft_rl.distributed import completion_order
+
+            # a policy whose update is done starts generating the next step at once (its weights are
+            # final for the step), rather than idle until the slower policy's update is done too
+            for name in completion_order(pending):
+                self._prefetched[(name, step + 1)] = self._start_generation(name, step + 1)
         for name in self.policies:
             lines[name].update(self._finish_receiver(name, batches[name], step, pending[name]))
             if self._family:
@@ -332,6 +345,7 @@ class Trainer(Checkpointing, Validation):
         bar = tqdm(range(self.start_step, end + 1), desc="graft train", unit="step", disable=not self.show_progress,
                    initial=self.start_step - 1, total=self.total_steps)
         stop = _GracefulStop()
+        self._prefetch_until = end
         try:
             if self.start_step == 1 and self.cfg.validation.at_start and self.val_sets:
                 self.validate(0)
@@ -358,6 +372,8 @@ class Trainer(Checkpointing, Validation):
                       f"{'step ' + last.name.split('_')[1].lstrip('0') if last else 'the start'} in {self.run_dir}")
             raise
         finally:
+            self._prefetch_until = 0
+            self._prefetched.clear()  # a generation started for a step this call does not run: dropped
             stop.restore()
             bar.close()
             self.lock.release()

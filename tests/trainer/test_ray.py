@@ -30,7 +30,17 @@ def test_ray_matches_in_process(make_cfg, ray_local, monkeypatch):
         make_cfg({"name": "graft"}, steps=2, run="ray", execution="ray", ray={"num_cpus": 1, "torch_threads": threads}),
         show_progress=False,
     )
+    events = []
+    gen, finish = Trainer._start_generation, Trainer._finish_receiver
+    monkeypatch.setattr(Trainer, "_start_generation", lambda self, name, step: (
+        events.append(("gen", name, step)), gen(self, name, step))[1])
+    monkeypatch.setattr(Trainer, "_finish_receiver", lambda self, name, batch, step, handle: (
+        events.append(("finish", name, step)), finish(self, name, batch, step, handle))[1])
     remote_lines = remote.run()
+    # issue 22: each policy's step-2 generation starts as soon as its step-1 update is done, before
+    # the driver has collected step 1's updates (the faster policy does not wait for the slower)
+    for name in ("A", "B"):
+        assert events.index(("gen", name, 2)) < events.index(("finish", "A", 1))
     # same selections and weights (exchange records), losses, metrics
     for name in ("A", "B"):
         a = RecordStore(local.run_dir).read_exchange(name)
