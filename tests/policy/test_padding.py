@@ -4,6 +4,8 @@ padding than arrival order on a math-RL length mix, and the same update as today
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,20 +15,8 @@ from hypothesis import strategies as st
 from graft_rl.policy import Policy, PolicyConfig
 from graft_rl.policy.policy import PASS_OVERHEAD, length_micro_batches
 
-
-def arrival_order_micro_batches(lengths, budget):
-    """The previous rule: rows in arrival order, a new pass when the padded size would pass the budget."""
-    out, cur, cur_max = [], [], 0
-    for i, length in enumerate(lengths):
-        new_max = max(cur_max, length)
-        if cur and new_max * (len(cur) + 1) > budget:
-            out.append(cur)
-            cur, new_max = [], length
-        cur.append(i)
-        cur_max = new_max
-    if cur:
-        out.append(cur)
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from padding import arrival_order_micro_batches  # noqa: E402  (the rule before issue 22, as the benchmark runs it)
 
 
 def computed(lengths, passes):

@@ -98,3 +98,50 @@ def test_error_inside_an_actor_is_one_line_naming_policy_and_rank(make_cfg, ray_
     with pytest.raises(ActorError, match=r"^policy 'B' rank [01]: ImportError: rollout backend 'vllm' needs vLLM") as err:
         Trainer(eng, show_progress=False)
     assert "\n" not in str(err.value)
+
+
+def test_a_rank_joins_its_process_group_with_the_configured_collective_timeout(monkeypatch):
+    """Issue 22: ray.collective_timeout reaches torch.distributed (NCCL's default would abort a rank
+    that waits 10 minutes for its peers' generation shares)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from graft_rl.distributed import RankWorker
+    from graft_rl.policy import PolicyConfig
+
+    seen = {}
+
+    class Joined(Exception):
+        pass
+
+    def fake_init(backend, **kw):
+        seen.update(kw, backend=backend)
+        raise Joined
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with pytest.raises(Joined):
+        RankWorker(1, 2).setup("127.0.0.1", 1234, (PolicyConfig("A", "m", world_size=2),), 5400.0)
+    assert seen["timeout"] == timedelta(seconds=5400) and seen["backend"] == "gloo" and seen["rank"] == 1
+
+
+def test_the_engine_wakes_one_memory_tag_at_a_time_after_emptying_the_cache(monkeypatch):
+    """Issue 22: torch.cuda.empty_cache() before each wake_up (weights, then KV cache), as verl does."""
+    import torch
+
+    from graft_rl.policy.rollout import VLLMBackend
+
+    calls = []
+
+    class FakeLLM:
+        def wake_up(self, tags):
+            calls.append(("wake", tuple(tags)))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    backend = object.__new__(VLLMBackend)
+    backend.llm, backend.sleeping = FakeLLM(), {"weights", "kv_cache"}
+    backend._wake(("weights",))  # the weight push wakes the weights only
+    backend._wake()
+    assert calls == [("empty_cache",), ("wake", ("weights",)), ("empty_cache",), ("wake", ("kv_cache",))]
+    assert backend.sleeping == set()
