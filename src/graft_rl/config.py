@@ -9,6 +9,7 @@ token-mean loss, no KL/entropy, delta 0.8).
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import typing
 from dataclasses import dataclass, field
@@ -81,7 +82,8 @@ class MethodConfig:
 
     _NAMES = ("grpo", "graft", "sgt", "luffy", "hacpo")
 
-    def validate(self) -> None:
+    def validate(self, unused_keys: bool = True) -> None:
+        """Names, ranges, and (``unused_keys``) no key the method does not read set away from its default."""
         choices = {
             "name": self._NAMES,
             "selection": ("auto", "complementary", "random", "sgt", "graft", "all"),
@@ -95,10 +97,42 @@ class MethodConfig:
                 raise ConfigError(f"method.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if self.selection == "auto":
             self.selection = {"sgt": "sgt", "hacpo": "all"}.get(self.name, "complementary")
-        if not 0 <= self.delta:
-            raise ConfigError(f"method.delta must be >= 0, got {self.delta}")
-        if not 0 <= self.kl_coef:
-            raise ConfigError(f"method.kl_coef must be >= 0, got {self.kl_coef}")
+        ranges = {  # key: (low, high, low inclusive); NaN fails every comparison
+            "delta": (0.0, math.inf, True), "eps_low": (0.0, 1.0, True), "eps_high": (0.0, math.inf, True),
+            "adv_eps": (0.0, math.inf, False), "kl_coef": (0.0, math.inf, True), "sgt_coef": (0.0, math.inf, True),
+            "luffy_gamma": (0.0, math.inf, False), "hacpo_self_clip_low": (0.0, 1.0, True),
+            "hacpo_self_clip_high": (0.0, math.inf, True), "hacpo_peer_clip_start": (0.0, 1.0, True),
+            "hacpo_peer_clip_increment": (0.0, 1.0, True),
+        }
+        for key, (lo, hi, closed) in ranges.items():
+            v = getattr(self, key)
+            if not ((lo <= v if closed else lo < v) and v < hi):
+                raise ConfigError(f"method.{key} must be in {'[' if closed else '('}{lo:g}, {hi:g}), got {v}")
+        for key in ("hacpo_capability_window",):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"method.{key} must be >= 1, got {getattr(self, key)}")
+        if self.dynamic_max_rounds < 0:
+            raise ConfigError(f"method.dynamic_max_rounds must be >= 0, got {self.dynamic_max_rounds}")
+        # a key the chosen method never reads is an error (it would be silently ignored)
+        default = MethodConfig()
+        for key, users in _METHOD_KEYS.items() if unused_keys else ():
+            unchanged = getattr(self, key) == getattr(default, key) or (key == "selection" and self.selection == "complementary")
+            if self.name not in users and not unchanged:
+                raise ConfigError(f"method.{key} is not used by method {self.name!r} (it is used by: {', '.join(users)})")
+
+
+#: Method keys read by some methods only: key -> the methods (``method.name``) that read it.
+#: The exchange switches (selection, balance, gate, ...) are read by every method with a peer.
+_PEER_METHODS = ("graft", "sgt", "luffy", "hacpo")
+_METHOD_KEYS = {
+    **{k: _PEER_METHODS for k in ("selection", "balance", "gate", "floor", "admission", "delta", "ratio", "position",
+                                  "pooled", "success_only", "compatibility")},
+    "sgt_coef": ("sgt",),
+    "luffy_gamma": ("luffy",),
+    **{k: ("hacpo",) for k in ("hacpo_self_clip_low", "hacpo_self_clip_high", "hacpo_peer_clip_start",
+                               "hacpo_peer_clip_increment", "hacpo_capability_window")},
+    **{k: ("grpo",) for k in ("dynamic_sampling", "dynamic_max_rounds")},  # DAPO: GRPO's own batch only
+}
 
 
 @dataclass
@@ -181,8 +215,8 @@ class TrainConfig:
     policies: list[PolicyConfig] = field(default_factory=list)
     peers: list[PeerRecords] = field(default_factory=list)
 
-    def validate(self) -> None:
-        self.method.validate()
+    def validate(self, saved: bool = False) -> None:
+        self.method.validate(unused_keys=not saved)
         if not self.policies:
             raise ConfigError("policies: at least one policy is required")
         names = [p.name for p in self.policies] + [p.name or p.policy for p in self.peers]
@@ -203,6 +237,10 @@ class TrainConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.data.limit is not None and self.data.limit < 1:
+            raise ConfigError(f"data.limit must be >= 1 (or null for every problem), got {self.data.limit}")
+        if self.validation.limit is not None and self.validation.limit < 1:
+            raise ConfigError(f"validation.limit must be >= 1 (or null for every problem), got {self.validation.limit}")
         v = self.validation
         for key in ("every", "samples", "max_new_tokens"):
             if getattr(v, key) < 1:
@@ -354,8 +392,10 @@ def _read_yaml(p: Path, depth: int = 0) -> dict:
     return data
 
 
-def load_config(path: str | Path | dict | None, overrides: list[str] | None = None) -> TrainConfig:
-    """A validated :class:`TrainConfig` from a YAML file (or dict) plus overrides."""
+def load_config(path: str | Path | dict | None, overrides: list[str] | None = None, saved: bool = False) -> TrainConfig:
+    """A validated :class:`TrainConfig` from a YAML file (or dict) plus overrides. ``saved``: a run
+    directory's own ``config.yaml`` (resume, eval, analyze), where a method key the method does not
+    read is tolerated, so runs written before that check stay usable."""
     if path is None:
         data: dict = {}
     elif isinstance(path, dict):
@@ -364,5 +404,5 @@ def load_config(path: str | Path | dict | None, overrides: list[str] | None = No
         data = _read_yaml(Path(path))
     data = apply_overrides(data, overrides or [])
     cfg = _build(TrainConfig, data, "")
-    cfg.validate()
+    cfg.validate(saved)
     return cfg

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from graft_rl.data import BENCHMARKS, BUILTIN, TESTBED_DATA, DatasetError, load_dataset, verifier_for
+from graft_rl.data import BENCHMARKS, BUILTIN, TESTBED_DATA, DatasetError, check_answers, load_dataset, verifier_for
 from graft_rl.evaluation import EVAL_CHUNK, evaluate_policy, pass_at_k
 from graft_rl.policy import Policy, PolicyConfig, saved_policy_config
 
@@ -42,7 +42,7 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
     if (path / "config.yaml").is_file():
         from graft_rl.config import load_config
 
-        cfg = load_config(path / "config.yaml", [f"run_dir={path}"])
+        cfg = load_config(path / "config.yaml", [f"run_dir={path}"], saved=True)
         ckpts = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file())
         out = []
         for pc in cfg.policies:
@@ -64,7 +64,7 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
         run, name = owner
         from graft_rl.config import load_config
 
-        pcs = [pc for pc in load_config(run / "config.yaml", [f"run_dir={run}"]).policies if pc.name == name]
+        pcs = [pc for pc in load_config(run / "config.yaml", [f"run_dir={run}"], saved=True).policies if pc.name == name]
         if pcs:
             return [replace(pcs[0], **{**one, "model": str(path), **overrides})]
     return [PolicyConfig(name=policy or Path(target).name or target, model=target, **overrides)]
@@ -78,7 +78,7 @@ def default_replicas(target: str, policy: PolicyConfig) -> int:
         return 1
     from graft_rl.config import load_config
 
-    cfg = load_config(cfg_file, [f"run_dir={target}"])
+    cfg = load_config(cfg_file, [f"run_dir={target}"], saved=True)
     return sum(pc.world_size for pc in cfg.policies) if cfg.execution == "ray" else 1
 
 
@@ -106,7 +106,7 @@ def eval_defaults(target: str) -> tuple[dict, str]:
         return dict(PAPER), "the paper's protocol"
     from graft_rl.config import load_config
 
-    v = load_config(cfg_file, [f"run_dir={Path(target)}"]).validation
+    v = load_config(cfg_file, [f"run_dir={Path(target)}"], saved=True).validation
     out = dict(PAPER)
     if v.data:
         out.update(benchmarks=list(v.data), temperature=v.temperature, top_p=v.top_p, max_new_tokens=v.max_new_tokens)
@@ -136,7 +136,7 @@ def _ray_config(target: str, pc: PolicyConfig, replicas: int):
     from graft_rl.config import RayConfig, load_config
 
     cfg_file = Path(target).expanduser() / "config.yaml"
-    cfg = load_config(cfg_file, [f"run_dir={target}"]) if cfg_file.is_file() else None
+    cfg = load_config(cfg_file, [f"run_dir={target}"], saved=True) if cfg_file.is_file() else None
     ray_cfg = dc_replace(cfg.ray) if cfg is not None else RayConfig()
     if pc.device.startswith("cuda"):
         ray_cfg.num_gpus = ray_cfg.num_gpus or 1.0
@@ -178,6 +178,9 @@ def run_eval(
     """
     from tqdm.auto import tqdm
 
+    for flag, value in (("--samples", samples), ("--runs", runs), ("--limit", limit), ("--max-new-tokens", max_new_tokens)):
+        if value is not None and value < 1:  # 0 would silently mean "the default" (or one problem)
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     defaults, source = eval_defaults(target)
     benchmarks = list(benchmarks) if benchmarks else defaults["benchmarks"]
     samples = samples or defaults["samples"]
@@ -192,6 +195,8 @@ def run_eval(
               f"max_new_tokens={max_new_tokens}" + (f", first {limit} problems" if limit else "") + f" (defaults: {source})")
     bench = _benchmarks(benchmarks)
     data = {label: load_dataset(name, limit) for label, name in bench.items()}
+    for label, name in bench.items():
+        check_answers(data[label], verifier_for(name, data[label][0]), name)
     targets = resolve_targets(target, policy, **(policy_overrides or {}))
     results: dict = {"target": target, "samples": samples, "runs": runs, "temperature": temperature, "top_p": top_p,
                      "limit": limit, "max_new_tokens": max_new_tokens, "policies": {}}

@@ -30,7 +30,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
-from graft_rl.data import Problem, load_dataset, verifier_for
+from graft_rl.data import Problem, check_answers, load_dataset, verifier_for
 from graft_rl.evaluation import families
 from graft_rl.exchange import ReceiverBatch, build_exchange
 from graft_rl.objectives import build_objective
@@ -82,6 +82,7 @@ class Trainer(Checkpointing, Validation):
         self._by_id = {p.id: p for p in self.data}
         self._family = families(self.data)  # prompt id -> family, when the data names a few (testbed kinds)
         self.verifier = cfg.data.verifier if cfg.data.verifier != "auto" else verifier_for(cfg.data.train, self.data[0])
+        check_answers(self.data, self.verifier, cfg.data.train)  # a reference no response could match: one line
         self.steps_per_epoch = len(self.data) // cfg.prompt_batch
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
         self.exchange = build_exchange(cfg.method)
@@ -132,6 +133,8 @@ class Trainer(Checkpointing, Validation):
             self._restore(ckpt)
         self._tb = self._tensorboard() if cfg.tensorboard else None
         self.val_sets = {name: load_dataset(name, cfg.validation.limit) for name in cfg.validation.data}
+        for name, problems in self.val_sets.items():
+            check_answers(problems, verifier_for(name, problems[0]), name)
         self._val_family = {name: bool(families(ps)) for name, ps in self.val_sets.items()}  # scored per family too
         if not self._family:  # a pool of one family that validation scores among others (the lookup pair)
             val_fams = {p.subject for name, ps in self.val_sets.items() if self._val_family[name] for p in ps}
@@ -419,7 +422,7 @@ class Trainer(Checkpointing, Validation):
         cfg_path = Path(run_dir) / "config.yaml"
         if not cfg_path.is_file():
             raise ConfigError(f"{run_dir}: not a run directory (no config.yaml)")
-        cfg = load_config(cfg_path, [*(overrides or []), f"run_dir={run_dir}"])
+        cfg = load_config(cfg_path, [*(overrides or []), f"run_dir={run_dir}"], saved=True)
         return cls(cfg, resume=True, show_progress=show_progress)
 
 

@@ -3,7 +3,7 @@
 Every dataset is a list of :class:`Problem` rows with the schema of the shipped files
 (``files/PROVENANCE.md``): ``id``, ``problem``, ``answer`` and optional ``solution``,
 ``level``, ``subject``, ``source``. Built-in names: ``math_train`` (the default training
-set, 7,500), the five benchmarks ``math500``, ``aime24``, ``aime25``, ``amc23``,
+set, 7,500 less the 2 with an empty reference: ``BUILTIN_LEFT_OUT``), the five benchmarks ``math500``, ``aime24``, ``aime25``, ``amc23``,
 ``minerva``, and ``gsm8k_train`` / ``gsm8k_test``. Any JSONL file with the schema can be
 loaded by path; ``reasoning_gym:NAME`` builds a procedural task (:class:`ReasoningGymTask`).
 """
@@ -20,6 +20,7 @@ __all__ = [
     "DatasetError",
     "PROMPT_SUFFIX",
     "BUILTIN",
+    "BUILTIN_LEFT_OUT",
     "TESTBED_DATA",
     "TESTBED_FILES",
     "BENCHMARKS",
@@ -27,6 +28,7 @@ __all__ = [
     "load_dataset",
     "make_prompt",
     "verifier_for",
+    "check_answers",
     "ReasoningGymTask",
     "files_dir",
 ]
@@ -150,10 +152,21 @@ def _read_rows(f, path: Path, limit: int | None) -> list[Problem]:
     return rows
 
 
+#: Built-in problems left out at load, with the reason (files/PROVENANCE.md, "Known issues"): their
+#: reference answer is empty in the source (the original MATH solutions say ``\boxed{}``), so no
+#: response could ever score on them.
+BUILTIN_LEFT_OUT = {"math_train": ("train/number_theory/7115.json", "train/number_theory/7117.json")}
+
+
 def load_dataset(name_or_path: str, limit: int | None = None) -> list[Problem]:
-    """A built-in dataset by name, ``reasoning_gym:NAME[:SIZE[:SEED]]``, or a JSONL file by path."""
+    """A built-in dataset by name, ``reasoning_gym:NAME[:SIZE[:SEED]]``, or a JSONL file by path;
+    ``limit``: its first N problems (>= 1; None for all)."""
+    if limit is not None and limit < 1:
+        raise DatasetError(f"{name_or_path}: limit must be >= 1 (or null for every problem), got {limit}")
     if name_or_path in BUILTIN:
-        return load_jsonl(_FILES / BUILTIN[name_or_path][0], limit)
+        rows = load_jsonl(_FILES / BUILTIN[name_or_path][0])
+        rows = [r for r in rows if r.id not in BUILTIN_LEFT_OUT.get(name_or_path, ())]
+        return rows[:limit] if limit is not None else rows
     if name_or_path in TESTBED_DATA:
         return load_jsonl(TESTBED_FILES / TESTBED_DATA[name_or_path][0], limit)
     if name_or_path.startswith("reasoning_gym:"):
@@ -182,6 +195,27 @@ def verifier_for(name_or_path: str, problem: Problem | None = None) -> str:
     if name_or_path.startswith("reasoning_gym:"):
         return "gym"
     return "gsm8k" if "gsm8k" in Path(name_or_path).name else "math"
+
+
+def check_answers(problems: list[Problem], verifier: str, name: str) -> None:
+    """Refuse reference answers the verifier that will score them can never match (one line naming
+    the dataset and problem): an empty or NaN answer for ``math``; for ``gsm8k`` anything but one
+    number, by the rule responses are held to (:func:`~graft_rl.rewards.extract.parse_whole_number`:
+    ``1/2``, ``12-5``, ``3 or 4`` or ``2^{10}`` are not one number, and a response's boxed ``1``
+    must not match them). ``gym`` answers are scored by reasoning-gym itself."""
+    import math
+
+    from graft_rl.rewards.extract import parse_whole_number
+
+    for p in problems:
+        text = p.answer.strip()
+        if verifier == "gsm8k":
+            value = parse_whole_number(text)
+            if value is None or not math.isfinite(value):
+                raise DatasetError(f"{name}: problem {p.id!r} has answer {p.answer!r}, which is not one number; the gsm8k "
+                                   f"verifier compares a response's one number with it, so it could never score")
+        elif verifier == "math" and (not text or text.lower() in ("nan", "none", "null")):
+            raise DatasetError(f"{name}: problem {p.id!r} has answer {p.answer!r}; the math verifier could never match it")
 
 
 def make_prompt(problem: str, suffix: str | None = PROMPT_SUFFIX) -> str:

@@ -124,6 +124,13 @@ class PolicyConfig:
             )
         if self.world_size < 1:
             raise PolicyError(f"policy {self.name!r}: world_size must be >= 1, got {self.world_size}")
+        if not (0 < self.lr < math.inf):  # NaN fails too
+            raise PolicyError(f"policy {self.name!r}: lr must be a finite number > 0, got {self.lr}")
+        if not (0 < self.max_grad_norm < math.inf) or not (0 <= self.weight_decay < math.inf):
+            raise PolicyError(f"policy {self.name!r}: max_grad_norm must be > 0 and weight_decay >= 0, got "
+                              f"{self.max_grad_norm}, {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise PolicyError(f"policy {self.name!r}: betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.logprob_chunk < 1:
             raise PolicyError(f"policy {self.name!r}: logprob_chunk must be >= 1, got {self.logprob_chunk}")
         if self.prompt_format not in ("auto", "chat", "plain"):

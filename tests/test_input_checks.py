@@ -1,0 +1,124 @@
+"""Nothing wrong is silent (issue 24, first items): GSM8K references are held to the response's
+one-number rule, answers no response could match are refused at load, limits of 0 are errors, and
+method values out of range or read by no part of the chosen method are refused, each in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graft_rl.config import ConfigError, load_config
+from graft_rl.data import DatasetError, check_answers, load_dataset
+from graft_rl.rewards import verify_gsm8k
+
+
+@pytest.mark.parametrize("reference, first_number", [("1/2", "1"), (r"\frac{1}{2}", "1"), ("1e+20", "1"),
+                                                     ("12-5", "12"), ("3 or 4", "3"), ("2^{10}", "2")])
+def test_gsm8k_reference_is_not_read_by_its_first_number(reference, first_number):
+    assert verify_gsm8k([rf"\boxed{{{first_number}}}"], [reference]) == [0.0]
+
+
+def test_gsm8k_fraction_reference_matches_its_value_only():
+    assert verify_gsm8k([r"\boxed{0.5}", r"\boxed{1}"], ["1/2", "1/2"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("answer", ["abc", "", "NaN", "12-5", "3 or 4", "1e+20"])
+def test_answers_a_gsm8k_response_could_never_match_are_refused_at_load(tmp_path, answer):
+    from graft_rl.data import Problem
+
+    with pytest.raises(DatasetError, match=r"train\.jsonl: problem 'q1' has answer .* not one number"):
+        check_answers([Problem("q0", "1+1", "2"), Problem("q1", "x", answer)], "gsm8k", "train.jsonl")
+
+
+@pytest.mark.parametrize("answer", ["", "  ", "nan"])
+def test_empty_math_answers_are_refused(answer):
+    from graft_rl.data import Problem
+
+    with pytest.raises(DatasetError, match="could never match"):
+        check_answers([Problem("q0", "x", answer)], "math", "d.jsonl")
+
+
+def test_the_training_data_is_checked_before_anything_loads(tmp_path):
+    from graft_rl.trainer import Trainer
+
+    data = tmp_path / "gsm8k_bad.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "problem": "p", "answer": "abc" if i == 3 else "4"}) + "\n"
+                            for i in range(8)))
+    cfg = load_config({"run_dir": str(tmp_path / "run"), "data": {"train": str(data)}, "prompt_batch": 4,
+                       "method": {"name": "grpo"}, "policies": [{"name": "A", "model": str(tmp_path / "none")}]})
+    with pytest.raises(DatasetError, match="problem 'q3' has answer 'abc'"):
+        Trainer(cfg, show_progress=False)
+    assert not (tmp_path / "run").exists()  # nothing left behind
+
+
+def test_builtin_math_train_leaves_out_its_two_empty_references():
+    rows = load_dataset("math_train")
+    assert len(rows) == 7498 and all(r.answer.strip() for r in rows)
+    check_answers(rows, "math", "math_train")
+
+
+@pytest.mark.parametrize("limit", [0, -3])
+def test_a_limit_below_one_is_an_error_not_one_problem(limit):
+    with pytest.raises(DatasetError, match=f"limit must be >= 1.*got {limit}"):
+        load_dataset("gsm8k_test", limit)
+    for key in ("data.limit", "validation.limit"):
+        with pytest.raises(ConfigError, match=rf"{key} must be >= 1"):
+            load_config({"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}}, [f"{key}={limit}"])
+
+
+@pytest.mark.parametrize("flag", ["samples", "runs", "limit", "max_new_tokens"])
+def test_graft_eval_refuses_zero_counts(flag, capsys):
+    from graft_rl.cli import main
+
+    assert main(["eval", "zoo:testbed-a", "--benchmarks", "testbed_heldout", f"--{flag.replace('_', '-')}", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--{flag.replace('_', '-')} must be >= 1, got 0" in err
+
+
+@pytest.mark.parametrize("override, match", [
+    ("method.eps_low=-1", r"method.eps_low must be in \[0, 1\), got -1"),
+    ("method.eps_high=nan", r"method.eps_high must be in"),
+    ("method.adv_eps=0", r"method.adv_eps must be in \(0"),
+    ("method.delta=-0.1", r"method.delta must be in"),
+    ("method.hacpo_capability_window=0", r"hacpo_capability_window must be >= 1"),
+])
+def test_method_values_out_of_range_are_refused(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({"policies": [{"name": "A", "model": "x"}, {"name": "B", "model": "y"}],
+                     "method": {"name": "hacpo"}}, [override])
+
+
+@pytest.mark.parametrize("method, key, value, users", [
+    ("grpo", "delta", 0.5, "graft, sgt, luffy, hacpo"),
+    ("sgt", "luffy_gamma", 0.3, "luffy"),
+    ("graft", "sgt_coef", 0.5, "sgt"),
+    ("graft", "dynamic_sampling", True, "grpo"),
+])
+def test_a_method_key_the_method_does_not_read_is_refused(method, key, value, users, tmp_path):
+    data = {"policies": [{"name": "A", "model": "x"}, {"name": "B", "model": "y"}], "method": {"name": method, key: value}}
+    with pytest.raises(ConfigError, match=rf"method.{key} is not used by method '{method}' \(it is used by: {users}\)"):
+        load_config(data)
+    # a run directory's own config.yaml (written before the check) still loads for resume / eval
+    path = tmp_path / "config.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(data))
+    assert getattr(load_config(path, saved=True).method, key) == value
+
+
+def test_every_shipped_config_passes_the_method_key_check():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for path in sorted(root.rglob("*.yaml")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override, match", [("policies.0.lr=-1e-3", "lr must be a finite number > 0"),
+                                             ("policies.0.lr=nan", "lr must be a finite number > 0"),
+                                             ("policies.0.betas=[0.9, 1.5]", r"betas must be two numbers in \[0, 1\)"),
+                                             ("policies.0.max_grad_norm=0", "max_grad_norm must be > 0")])
+def test_bad_optimiser_values_are_one_line_config_errors(override, match):
+    with pytest.raises(ConfigError, match=rf"policy 'A': {match}"):
+        load_config({"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}}, [override])
