@@ -15,7 +15,16 @@ import shutil
 from pathlib import Path
 
 from graft_rl.config import ConfigError, to_dict
-from graft_rl.rundir import HARMLESS_KEYS, checkpoint_problem, config_changes, read_log, remove_dir, replace_dir, rewrite_log
+from graft_rl.rundir import (
+    HARMLESS_KEYS,
+    checkpoint_problem,
+    config_changes,
+    read_log,
+    remove_dir,
+    replace_dir,
+    rewrite_log,
+    write_manifest,
+)
 
 __all__ = ["Checkpointing", "CheckpointError"]
 
@@ -42,6 +51,7 @@ class Checkpointing:
             state = {"step": step, "success_history": {k: list(v) for k, v in self.success_history.items()},
                      "config": to_dict(self.cfg)}
             (tmp / "trainer_state.json").write_text(json.dumps(state))
+            write_manifest(tmp)  # every file's sha256: resume trusts a checkpoint only if they still match
             replace_dir(tmp, final)
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError) and not _is_write_error(exc):
@@ -53,16 +63,23 @@ class Checkpointing:
         return final
 
     def _latest_checkpoint(self, announce: bool = False) -> Path | None:
-        """The newest checkpoint every file of which is there and readable (damaged ones are skipped)."""
+        """The newest checkpoint whose files match their checksums and are readable (damaged ones are
+        skipped, saying so); None if there is none. Checkpoints that are all damaged raise
+        :class:`CheckpointError` when ``announce`` (resume): nothing is deleted or retrained then."""
         root = self.run_dir / "checkpoints"
         steps = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
         names = [pc.name for pc in self.cfg.policies]
+        problems = []
         for ckpt in steps:
             problem = checkpoint_problem(ckpt, names)
             if problem is None:
                 return ckpt
+            problems.append(f"{ckpt.name}: {problem}")
             if announce:
                 print(f"graft train: checkpoint {ckpt.name} is damaged ({problem}); trying the one before it")
+        if steps and announce:
+            raise CheckpointError(f"{root}: every checkpoint is damaged ({'; '.join(problems)}); nothing was deleted. "
+                                  f"Restore a copy of one, or start a new run in another run_dir")
         return None
 
     def _check_config(self, ckpt: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from graft_rl.data import BENCHMARKS, BUILTIN, TESTBED_DATA, DatasetError, check_answers, load_dataset, verifier_for
 from graft_rl.evaluation import EVAL_CHUNK, evaluate_policy, pass_at_k
 from graft_rl.policy import Policy, PolicyConfig, saved_policy_config
+from graft_rl.rundir import manifest_problem
 
 __all__ = ["resolve_targets", "run_eval", "eval_defaults", "default_replicas", "PAPER"]
 
@@ -52,10 +53,17 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
             model = best if (best / "config.json").is_file() else (ckpts[-1] / pc.name if ckpts else None)
             if model is None:
                 raise DatasetError(f"{path}: run has no checkpoint of policy {pc.name!r} to evaluate")
+            problem = manifest_problem(model) if model == best else manifest_problem(model.parent, only=pc.name)
+            if problem is not None:  # weights that are not what the run wrote are never evaluated
+                raise DatasetError(f"{model}: {problem}; not evaluated (evaluate an intact checkpoint directory instead)")
             out.append(replace(pc, **{**one, "model": str(model), **overrides}))
         if not out:
             raise DatasetError(f"{path}: no policy named {policy!r} (have: {', '.join(p.name for p in cfg.policies)})")
         return out
+    if path.is_dir():  # a checkpoint's policy directory, or best/<policy>: its files as written?
+        problem = manifest_problem(path) or manifest_problem(path.parent, only=path.name)
+        if problem is not None:
+            raise DatasetError(f"{path}: {problem}; not evaluated")
     saved = saved_policy_config(path, **{k: v for k, v in one.items() if k != "world_size"}, **overrides)
     if saved is not None:
         return [replace(saved, name=policy or saved.name)]

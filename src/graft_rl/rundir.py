@@ -14,6 +14,7 @@ Guarantees (tested in ``tests/trainer/test_reliability.py``, summarised in docs/
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 
 __all__ = [
     "RunDirError", "RunLock", "read_log", "rewrite_log", "replace_dir", "remove_dir", "checkpoint_problem",
-    "clean_stale", "config_changes", "HARMLESS_KEYS", "best_steps", "write_text_atomic", "finite_json",
+    "clean_stale", "config_changes", "HARMLESS_KEYS", "best_steps", "write_text_atomic", "finite_json", "write_manifest", "manifest_problem", "MANIFEST",
 ]
 
 
@@ -132,8 +133,55 @@ def _loadable_torch_file(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0 and zipfile.is_zipfile(path)
 
 
+#: Every file of a checkpoint (or of ``best/<policy>``) with its size and sha256, written last.
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """Record every file under ``directory`` (size, sha256) in its ``manifest.json`` (atomically)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    write_text_atomic(directory / MANIFEST, json.dumps({"files": entries}, indent=0))
+
+
+def manifest_problem(directory: Path, only: str | None = None) -> str | None:
+    """Why ``directory`` does not match its manifest (a file missing, resized or changed), or None;
+    a directory written before manifests existed (none there) is not judged here. ``only``: check
+    just the files under that subdirectory (one policy of a checkpoint)."""
+    path = directory / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        entries = json.loads(path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is damaged"
+    for rel, want in entries.items():
+        if only is not None and not rel.startswith(only.rstrip("/") + "/"):
+            continue
+        f = directory / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{rel} has {f.stat().st_size} bytes, {want['bytes']} when written"
+        if _sha256(f) != want["sha256"]:
+            return f"{rel} differs from what was written (sha256)"
+    return None
+
+
 def checkpoint_problem(ckpt: Path, policies: list[str]) -> str | None:
-    """Why a checkpoint cannot be resumed from (a cheap check of every file resume reads), or None."""
+    """Why a checkpoint cannot be resumed from, or None: every file against the checksums recorded
+    when it was written (:func:`write_manifest`), then a check of every file resume reads."""
+    problem = manifest_problem(ckpt)
+    if problem is not None:
+        return problem
     state = ckpt / "trainer_state.json"
     try:
         step = json.loads(state.read_text())["step"]

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from graft_rl.data import verifier_for
 from graft_rl.evaluation import pass1_by_family
+from graft_rl.rundir import best_steps, finite_json, read_log, replace_dir, write_manifest, write_text_atomic
 from graft_rl.seeding import derive_seed
-from graft_rl.rundir import best_steps, finite_json, read_log, replace_dir, write_text_atomic
 
 __all__ = ["Validation", "pass1_variance"]
 
@@ -75,6 +75,7 @@ class Validation:
             saving = [self._submit(name, "save", str(tmp[name])) for name in improved]
             for name, handle in zip(improved, saving, strict=True):
                 self._result(handle)
+                write_manifest(tmp[name])  # graft eval checks best/<policy> against it
                 replace_dir(tmp[name], self.run_dir / "best" / name)
             write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
         with (self.run_dir / "validation.jsonl").open("a") as f:

@@ -169,7 +169,9 @@ def test_eval_of_a_checkpoint_keeps_its_prompt_format(make_cfg, fake_rewards, tm
     for _ in range(2):
         (pc,) = ev.resolve_targets(str(ckpt))
         assert (pc.name, pc.prompt_format, pc.plain_template, pc.prompt_suffix, pc.model) == ("B", "plain", template, None, str(ckpt))
-        (ckpt / "graft_policy.json").unlink(missing_ok=True)  # second pass: a checkpoint from before the file existed
+        # second pass: a checkpoint from before graft_policy.json (and the checksum manifest) existed
+        (ckpt / "graft_policy.json").unlink(missing_ok=True)
+        (ckpt.parent / "manifest.json").unlink(missing_ok=True)
     (a, b) = ev.resolve_targets(str(tr.run_dir), backend="vllm", device="cpu")
     assert (a.backend, b.backend, b.plain_template, b.world_size) == ("vllm", "vllm", template, 1)
     assert ev.default_replicas(str(tr.run_dir), b) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -225,16 +226,68 @@ def test_resume_refuses_a_config_change_that_alters_results(cfg_for, fake_reward
     longer.close()
 
 
-def test_resume_falls_back_to_the_previous_checkpoint_when_the_newest_is_damaged(cfg_for, baseline, capsys):
-    tr = Trainer(cfg_for("damaged"), show_progress=False)
+def _zero_inside(path, n=1000):
+    data = bytearray(path.read_bytes())
+    start = len(data) // 2
+    data[start : start + n] = bytes(min(n, len(data) - start))
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {  # how a file of the newest checkpoint is damaged -> what resume says
+    "emptied optimiser state": (lambda d: (d / "A" / "policy_state.pt").write_bytes(b""), r"A/policy_state.pt has 0 bytes"),
+    "zeroed bytes inside the optimiser state": (lambda d: _zero_inside(d / "A" / "policy_state.pt"),
+                                                r"A/policy_state.pt differs from what was written \(sha256\)"),
+    "truncated weights": (lambda d: (d / "B" / "model.safetensors").write_bytes((d / "B" / "model.safetensors").read_bytes()[:500]),
+                          r"B/model.safetensors has 500 bytes"),
+    "changed trainer state": (lambda d: (d / "trainer_state.json").write_text((d / "trainer_state.json").read_text().replace('"step": 4', '"step": 3')),
+                              r"trainer_state.json differs"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_resume_falls_back_to_the_previous_checkpoint_when_the_newest_is_damaged(damage, cfg_for, baseline, capsys):
+    """Issue 24: every checkpoint file is checked against the sha256 recorded when it was written, so
+    damage that leaves a loadable file (zeroed bytes inside, a changed state) is caught too."""
+    tr = Trainer(cfg_for(f"damaged_{damage.replace(' ', '_')}"), show_progress=False)
     tr.run()
     newest = sorted((tr.run_dir / "checkpoints").glob("step_*"))[-1]
-    (newest / "A" / "policy_state.pt").write_bytes(b"")  # the 0-byte file of a crash mid-write
+    harm, message = DAMAGE[damage]
+    harm(newest)
     resumed = Trainer.resume(tr.run_dir, show_progress=False)
-    assert "checkpoint step_000004 is damaged (A/policy_state.pt is empty or damaged)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert re.search(rf"checkpoint step_000004 is damaged \({message}", out), out
     assert resumed.start_step == 3
     resumed.run()
     _same(_snapshot(tr.run_dir), baseline)
+
+
+def test_when_every_checkpoint_is_damaged_resume_refuses_and_deletes_nothing(cfg_for, fake_eval):
+    tr = Trainer(cfg_for("all_damaged", keep_checkpoints=1), show_progress=False)
+    tr.run()
+    (only,) = sorted((tr.run_dir / "checkpoints").glob("step_*"))
+    _zero_inside(only / "A" / "model.safetensors")
+    before = sorted(str(p.relative_to(tr.run_dir)) for p in tr.run_dir.rglob("*") if p.name != ".lock")
+    with pytest.raises(CheckpointError, match=r"every checkpoint is damaged \(step_000004: A/model.safetensors differs.*nothing was deleted"):
+        Trainer.resume(tr.run_dir, show_progress=False)
+    assert sorted(str(p.relative_to(tr.run_dir)) for p in tr.run_dir.rglob("*") if p.name != ".lock") == before
+
+
+def test_graft_eval_refuses_a_best_checkpoint_that_is_not_what_was_written(cfg_for, fake_eval):
+    from graft_rl.data import DatasetError
+    from graft_rl.evaluate_cli import resolve_targets
+
+    tr = Trainer(cfg_for("best_damaged"), show_progress=False)
+    tr.run()
+    assert [pc.model for pc in resolve_targets(str(tr.run_dir))] == [str(tr.run_dir / "best" / n) for n in "AB"]
+    _zero_inside(tr.run_dir / "best" / "B" / "model.safetensors", 64)
+    for target in (tr.run_dir, tr.run_dir / "best" / "B"):  # the run, or the directory itself
+        with pytest.raises(DatasetError, match=r"best/B: model.safetensors differs from what was written.*not evaluated"):
+            resolve_targets(str(target))
+    ckpt = sorted((tr.run_dir / "checkpoints").glob("step_*"))[-1]
+    _zero_inside(ckpt / "A" / "model.safetensors", 64)
+    with pytest.raises(DatasetError, match=r"step_000004/A: A/model.safetensors differs"):
+        resolve_targets(str(ckpt / "A"))
+    assert resolve_targets(str(ckpt / "B"))[0].model == str(ckpt / "B")  # B's files are intact
 
 
 def test_a_torn_last_metrics_line_neither_breaks_resume_nor_analysis(cfg_for, fake_rewards):
