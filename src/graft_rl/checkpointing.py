@@ -11,6 +11,7 @@ resumed run recomputes identically. With Ray, every policy's actors write their 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -24,9 +25,13 @@ from graft_rl.rundir import (
     replace_dir,
     rewrite_log,
     write_manifest,
+    write_text_atomic,
 )
 
-__all__ = ["Checkpointing", "CheckpointError"]
+__all__ = ["Checkpointing", "CheckpointError", "COMMITTED"]
+
+#: ``best/.committed``: the best weights as of the newest checkpoint (see ``Checkpointing._commit_best``).
+COMMITTED = ".committed"
 
 
 class CheckpointError(OSError):
@@ -60,7 +65,52 @@ class Checkpointing:
         kept = sorted(p for p in root.glob("step_*") if p.is_dir())
         for old in kept[: -self.cfg.keep_checkpoints]:
             remove_dir(old)  # renamed away first: never a half-deleted step_N
+        self._commit_best(step)
         return final
+
+    # ------------------------------------------------------------------ best/ and the checkpoint it belongs to
+    def _commit_best(self, step: int) -> None:
+        """After checkpoint ``step``: keep the best weights as of that step in ``best/.committed`` (hard
+        links, no copy). A run resumed from this checkpoint drops the validations after it, so a best/
+        written later (the weights of a step the resumed run recomputes) is replaced by these."""
+        committed = self.run_dir / "best" / COMMITTED
+        record = _read_json(committed / "best.json") or {}
+        changed = False
+        for name, b in self.best.items():
+            if b["step"] <= step and record.get(name) != b and (self.run_dir / "best" / name).is_dir():
+                tmp = committed / f".{name}.tmp"
+                _link_tree(self.run_dir / "best" / name, tmp)
+                replace_dir(tmp, committed / name)
+                record[name] = b
+                changed = True
+        if changed:
+            write_text_atomic(committed / "best.json", json.dumps(record, indent=1))
+
+    def _reconcile_best(self) -> None:
+        """On resume: make ``best/`` hold what the (truncated) validation log names as best. A best/
+        written after the checkpoint gives way to the one committed with it; without one, it is
+        removed (saying so) rather than left naming weights the logs do not mention."""
+        best_dir = self.run_dir / "best"
+        on_disk = _read_json(best_dir / "best.json") or {}
+        if on_disk == self.best:
+            return
+        committed = _read_json(best_dir / COMMITTED / "best.json") or {}
+        for name in set(on_disk) | set(self.best):
+            want = self.best.get(name)
+            if on_disk.get(name) == want:
+                continue
+            if want is not None and committed.get(name) == want:
+                tmp = best_dir / f".{name}.tmp"
+                _link_tree(best_dir / COMMITTED / name, tmp)
+                replace_dir(tmp, best_dir / name)
+                print(f"graft train: best/{name} restored to step {want['step']}'s weights (it held step "
+                      f"{on_disk.get(name, {}).get('step')}'s, from after the checkpoint)")
+                continue
+            remove_dir(best_dir / name)
+            self.best.pop(name, None)
+            print(f"graft train: best/{name} removed: it held step {on_disk.get(name, {}).get('step')}'s weights, from after "
+                  f"the checkpoint; the next validation writes it again")
+        write_text_atomic(best_dir / "best.json", json.dumps(self.best, indent=1))
 
     def _latest_checkpoint(self, announce: bool = False) -> Path | None:
         """The newest checkpoint whose files match their checksums and are readable (damaged ones are
@@ -121,6 +171,26 @@ class Checkpointing:
                 rewrite_log(log, [r for r in records if r["step"] <= step])
         self.store.truncate_after(step)
 
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``dst``: a copy of directory ``src`` made of hard links (a copy where links are not possible).
+    Safe because every file in best/ and checkpoints is replaced by a new file, never written in place."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    def link(s, d):
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+    shutil.copytree(src, dst, copy_function=link)
 
 
 def _is_write_error(exc: BaseException) -> bool:

@@ -141,6 +141,8 @@ class Trainer(Checkpointing, Validation):
             if len({p.subject for p in self.data}) == 1 and self.data[0].subject in val_fams:
                 self._family = {p.id: p.subject for p in self.data}
         self.best: dict[str, dict] = self._best_from_log()
+        if ckpt is not None:
+            self._reconcile_best()  # best/ as the truncated validation log names it
 
     # ------------------------------------------------------------------ workers
     def _submit(self, name: str, method: str, *args):

@@ -15,7 +15,7 @@ import torch
 from graft_rl import checkpointing as checkpointing_mod
 from graft_rl import validation as validation_mod
 from graft_rl.cli import main
-from graft_rl.config import ConfigError
+from graft_rl.config import ConfigError, to_dict
 from graft_rl.rundir import RunDirError, read_log
 from graft_rl.store import RecordStore
 from graft_rl.trainer import CheckpointError, RunInterrupted, Trainer
@@ -25,20 +25,20 @@ from graft_rl.trainer import CheckpointError, RunInterrupted, Trainer
 def fake_eval(monkeypatch, fake_rewards):
     """Validation scores that rise with the step and depend on the weights, so every validation
     writes best/ and a resumed run with wrong weights or a wrong step would score differently."""
-    real_validate, real_call = Trainer.validate, Trainer._call
+    real_validate, real_submit = Trainer.validate, Trainer._submit
 
     def validate(self, step):
         self._val_step = step
         return real_validate(self, step)
 
-    def call(self, name, method, *args):
+    def submit(self, name, method, *args):  # in-process, a submitted call is its result
         if method == "evaluate":
             digest = sum(abs(x) for x in self.policies[name].param_digest())
             return {"pass@1": self._val_step / 100 + (digest % 1.0) / 1000}
-        return real_call(self, name, method, *args)
+        return real_submit(self, name, method, *args)
 
     monkeypatch.setattr(Trainer, "validate", validate)
-    monkeypatch.setattr(Trainer, "_call", call)
+    monkeypatch.setattr(Trainer, "_submit", submit)
 
 
 @pytest.fixture
@@ -373,3 +373,34 @@ def test_disk_full_while_logging_is_one_line(cfg_for, fake_rewards, monkeypatch,
     assert main(["train", str(path), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith("metrics.jsonl: No space left on device")
+
+
+def test_best_matches_the_logs_after_a_resume_that_drops_later_validations(cfg_for, fake_eval, monkeypatch, capsys):
+    """Issue 24: killed right after step 3's validation (best/ then holds step 3's weights), resumed
+    from the step-2 checkpoint with validation.every changed: the log keeps steps <= 2, and best/
+    holds exactly the weights best.json and the log name (step 2's, kept beside that checkpoint)."""
+    real = Trainer.validate
+
+    def killed_after(self, step):
+        lines = real(self, step)
+        if step == 3:
+            raise KeyboardInterrupt  # as kill -9 right after the validation's writes
+        return lines
+
+    monkeypatch.setattr(Trainer, "validate", killed_after)
+    val = {**to_dict(cfg_for("probe").validation), "every": 1}
+    tr = Trainer(cfg_for("best_vs_logs", validation=val), show_progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        tr.run()
+    assert json.loads((tr.run_dir / "best" / "best.json").read_text())["A"]["step"] == 3
+    monkeypatch.setattr(Trainer, "validate", real)
+    resumed = Trainer.resume(tr.run_dir, show_progress=False, overrides=["validation.every=2"])
+    assert "best/A restored to step 2's weights" in capsys.readouterr().out
+    best = json.loads((tr.run_dir / "best" / "best.json").read_text())
+    logged = {r["policy"]: r["step"] for r in read_log(tr.run_dir / "validation.jsonl")[0] if r.get("best_step") == r["step"]}
+    assert {n: best[n]["step"] for n in "AB"} == {"A": 2, "B": 2} == {n: logged[n] for n in "AB"}
+    for n in "AB":
+        for p, q in zip(_load(tr.run_dir / "best" / n), _load(tr.run_dir / "checkpoints" / "step_000002" / n), strict=True):
+            assert torch.equal(p, q)
+    resumed.run()  # and the run goes on to its end
+    assert json.loads((tr.run_dir / "best" / "best.json").read_text())["A"]["step"] == 4
