@@ -52,22 +52,28 @@ def evaluate_policy(
     timeout: float = 5.0,
     batch_prompts: int = EVAL_CHUNK,
     top_k: int = 0,
+    budget: float | None = None,
 ) -> dict:
     """Sample ``samples`` responses per problem and verify them.
 
+    ``budget``: seconds of verification per chunk of ``batch_prompts`` problems, as a training step's
+    ``data.verify_budget`` bounds its batch; answers still unchecked then score 0 and are counted.
     Returns ``{"pass@1", "pass@k": {k: value}, "correct": [c per problem], "samples", "n_problems",
-    "truncated_frac"}``; pass@k for every power of two up to ``samples`` and ``samples`` itself.
+    "truncated_frac", "verify_over_budget"}``; pass@k for every power of two up to ``samples`` and
+    ``samples`` itself.
     """
     sp = SamplingParams(samples, temperature, top_p, top_k, max_new_tokens)  # top_k 1: greedy
     correct: list[int] = []
-    truncated = total = 0
+    truncated = total = over_budget = 0
     for s in range(0, len(problems), batch_prompts):
         chunk = list(problems[s : s + batch_prompts])
         groups = policy.generate([(p.id, p.problem) for p in chunk], sp, seed=seed + s)
         flat = [(p, t) for p, g in zip(chunk, groups, strict=True) for t in g.texts]
-        scores, _ = score_responses(
-            [t for _, t in flat], [p.answer for p, _ in flat], verifier, [p.source for p, _ in flat], [p.id for p, _ in flat], timeout
+        scores, st = score_responses(
+            [t for _, t in flat], [p.answer for p, _ in flat], verifier, [p.source for p, _ in flat], [p.id for p, _ in flat], timeout,
+            budget,
         )
+        over_budget += st.budget
         for i in range(len(chunk)):
             correct.append(int(sum(scores[i * samples : (i + 1) * samples])))
         truncated += sum(f == "length" for g in groups for f in g.finish_reasons)
@@ -80,6 +86,7 @@ def evaluate_policy(
         "samples": samples,
         "n_problems": len(problems),
         "truncated_frac": truncated / max(total, 1),
+        "verify_over_budget": over_budget,
     }
 
 

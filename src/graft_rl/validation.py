@@ -40,13 +40,14 @@ class Validation:
             (name, ds): self._submit(
                 name, "evaluate", problems, verifier_for(ds, problems[0]), v.samples, v.temperature, v.top_p,
                 v.max_new_tokens, derive_seed(self.cfg.seed, 7, step, self.names.index(name)), self.cfg.data.verify_timeout,
+                self.cfg.data.verify_budget,  # per chunk of problems, as a step's batch: validation time is bounded too
             )
             for name in self.policies for ds, problems in self.val_sets.items()
         }
         lines, improved = [], []
         for name in self.policies:
             line: dict = {"step": step, "policy": name}
-            scores, variances, seconds = [], [], 0.0
+            scores, variances, seconds, over = [], [], 0.0, 0
             for ds, problems in self.val_sets.items():
                 res = self._result(pending[(name, ds)])
                 line[f"val/{Path(ds).stem}"] = res["pass@1"]
@@ -56,10 +57,12 @@ class Validation:
                 scores.append(res["pass@1"])
                 variances.append(pass1_variance(res.get("correct"), v.samples))
                 seconds += res.get("seconds", 0.0)
+                over += res.get("verify_over_budget", 0)
             line["val/score"] = statistics.fmean(scores)
             if all(x is not None for x in variances):  # the mean of the datasets' scores: its standard error
                 line["val/score_se"] = math.sqrt(sum(variances)) / len(variances)
             line["time_validate"] = seconds  # measured in the worker, where the evaluation ran
+            line["verify_over_budget"] = over  # answers left unchecked (scored 0) by data.verify_budget
             best = self.best.get(name)
             candidate = step > 0 or v.select_initial  # "best" is a trained checkpoint unless asked
             if candidate and (best is None or line["val/score"] > best["score"]):

@@ -91,13 +91,13 @@ class PolicyWorker:
         self.policy.load_state(path)
 
     def evaluate(self, problems, verifier: str, samples: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, timeout: float = 5.0) -> dict:
+                 seed: int, timeout: float = 5.0, budget: float | None = None) -> dict:
         """:func:`~graft_rl.evaluation.evaluate_policy`, with ``seconds``: its wall time here, where it runs."""
         from graft_rl.evaluation import evaluate_policy
 
         t0 = time.perf_counter()
         res = evaluate_policy(self.policy, problems, verifier, samples, temperature, top_p, max_new_tokens, seed=seed,
-                              timeout=timeout)
+                              timeout=timeout, budget=budget)
         return {**res, "seconds": time.perf_counter() - t0}
 
     def rollout_check(self, prompts, max_new_tokens: int = 16, seed: int = 0, reference: dict | None = None) -> dict:

@@ -10,6 +10,7 @@ import torch
 from graft_rl import algo
 from graft_rl.config import ConfigError, load_config
 from graft_rl.store import RecordError, RecordStore
+from graft_rl.rundir import read_log
 from graft_rl.trainer import Trainer
 
 from .conftest import EXPECTED_A_TO_B, EXPECTED_B_TO_A, K
@@ -307,3 +308,25 @@ def test_overrides_and_resolved_config(make_cfg, fake_rewards):
     with pytest.raises(ConfigError, match="already holds a run"):
         tr.run()
         Trainer(cfg2, show_progress=False)
+
+
+def test_validation_verifies_within_the_steps_budget_and_reports_what_it_skipped(make_cfg, fake_rewards, tiny_data, monkeypatch):
+    """Issue 24: validation shares data.verify_budget with the training step (slow references cannot
+    stall it), per chunk of problems, and its line says how many answers the budget left unchecked."""
+    from graft_rl import evaluation
+    from graft_rl.rewards.pool import VerifyStats
+
+    seen = []
+
+    def fake_score(responses, answers, verifier, sources, ids, timeout, budget=None):
+        seen.append(budget)
+        return [0.0] * len(responses), VerifyStats(total=len(responses), budget=len(responses))
+
+    monkeypatch.setattr(evaluation, "score_responses", fake_score)
+    val = {"data": [str(tiny_data)], "every": 1, "samples": 2, "max_new_tokens": 4, "limit": 3}
+    tr = Trainer(make_cfg({"name": "graft"}, steps=1, validation=val, data={"train": str(tiny_data), "verify_budget": 7.5}),
+                 show_progress=False)
+    tr.run()
+    assert seen and set(seen) == {7.5}
+    lines = read_log(tr.run_dir / "validation.jsonl")[0]
+    assert [ln["verify_over_budget"] for ln in lines] == [6] * len(lines)  # 3 problems x 2 samples, per policy
