@@ -122,3 +122,24 @@ def test_every_shipped_config_passes_the_method_key_check():
 def test_bad_optimiser_values_are_one_line_config_errors(override, match):
     with pytest.raises(ConfigError, match=rf"policy 'A': {match}"):
         load_config({"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}}, [override])
+
+
+def test_a_prompt_longer_than_a_models_context_is_one_line_before_training(tmp_path, tiny_pair, capsys):
+    """Issue 24: a 1,500-character problem under max_prompt_tokens but over a 512-position model's
+    context stops `graft train` before any step (it was an IndexError mid-run), naming the prompt."""
+    import yaml
+
+    from graft_rl.cli import main
+
+    data = tmp_path / "long.jsonl"
+    rows = [{"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)} for i in range(8)]
+    rows[5]["problem"] = "x" * 1500 + " 1+1=?"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"run_dir": str(tmp_path / "run"), "data": {"train": str(data)}, "prompt_batch": 4, "n": 2, "steps": 1,
+           "method": {"name": "graft"}, "policies": [{"name": "A", "model": str(tiny_pair[0])}, {"name": "B", "model": str(tiny_pair[1])}]}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prompt 'q5' has" in err[0] and "over the model's 512-token context" in err[0]
+    assert not (tmp_path / "run").exists()

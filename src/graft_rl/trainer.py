@@ -135,6 +135,10 @@ class Trainer(Checkpointing, Validation):
         self.val_sets = {name: load_dataset(name, cfg.validation.limit) for name in cfg.validation.data}
         for name, problems in self.val_sets.items():
             check_answers(problems, verifier_for(name, problems[0]), name)
+        # every prompt fits every policy's context (and max_prompt_tokens): one line now, not a crash mid-run
+        every = self.data + [p for ps in self.val_sets.values() for p in ps]
+        for handle in [self._submit(name, "prompt_budget", every, 1) for name in self.policies]:
+            self._result(handle)
         self._val_family = {name: bool(families(ps)) for name, ps in self.val_sets.items()}  # scored per family too
         if not self._family:  # a pool of one family that validation scores among others (the lookup pair)
             val_fams = {p.subject for name, ps in self.val_sets.items() if self._val_family[name] for p in ps}

@@ -18,6 +18,7 @@ from graft_rl.config import MethodConfig
 from graft_rl.exchange import ReceiverBatch, Weighting, build_exchange
 from graft_rl.objectives import Objective, RowTensors, build_objective
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch
+from graft_rl.policy.policy import PromptTooLongError
 
 __all__ = ["PolicyWorker", "prompt_budget"]
 
@@ -29,11 +30,12 @@ def prompt_budget(policy: Policy, problems, max_new_tokens: int) -> tuple[int, s
     ctx = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
     if ctx is None or not problems:
         return max_new_tokens, None
-    longest = max(len(policy.prompt_token_ids(p.problem, p.id)) for p in problems)
+    longest, pid = max((len(policy.prompt_token_ids(p.problem, p.id)), p.id) for p in problems)
     if longest + max_new_tokens <= ctx:
         return max_new_tokens, None
     if ctx - longest < 1:
-        raise ValueError(f"{policy.name}: a {longest}-token prompt is over the model's {ctx}-token context")
+        raise PromptTooLongError(f"policy {policy.name!r}: prompt {pid!r} has {longest} tokens, over the model's {ctx}-token "
+                                 f"context (shorten or drop it in the data, or use a model with a longer context)")
     return ctx - longest, (f"{policy.name} has a {ctx}-token context: max_new_tokens {max_new_tokens} -> {ctx - longest} "
                            f"(longest prompt {longest} tokens)")
 
