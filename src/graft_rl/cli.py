@@ -142,6 +142,9 @@ def _eval(ns) -> int:
     except (DatasetError, PolicyError, ValueError) as exc:
         print(f"graft eval: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: what finished is on disk (EvalInterrupted says where)
+        print(f"\ngraft eval: {exc or 'interrupted'}", file=sys.stderr)
+        return 130
     except RuntimeError as exc:
         from graft_rl.distributed import ActorError
 

@@ -206,8 +206,50 @@ def run_eval(
     for label, name in bench.items():
         check_answers(data[label], verifier_for(name, data[label][0]), name)
     targets = resolve_targets(target, policy, **(policy_overrides or {}))
+    out = Path(out_dir) if out_dir else (Path(target) / "eval" if (Path(target) / "config.yaml").is_file() else Path("eval_results"))
+    _check_writable(out)  # before any evaluation: results are never computed only to be lost
     results: dict = {"target": target, "samples": samples, "runs": runs, "temperature": temperature, "top_p": top_p,
-                     "limit": limit, "max_new_tokens": max_new_tokens, "policies": {}}
+                     "limit": limit, "max_new_tokens": max_new_tokens, "complete": False, "policies": {}}
+    try:
+        _evaluate_targets(targets, target, replicas, data, bench, samples, runs, temperature, top_p, max_new_tokens, show,
+                          tqdm, results, out)
+    except KeyboardInterrupt:
+        done = ", ".join(results["policies"]) or "none"
+        raise EvalInterrupted(f"interrupted; finished policies ({done}) written to {out / 'eval.json'}") from None
+    results["complete"] = True
+    _write_results(out, results, list(data))
+    if show:
+        _print(results, list(data))
+        print(f"written: {out / 'eval.json'}, {out / 'eval.md'}")
+    return results
+
+
+class EvalInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``graft eval``: what finished is written; the message says where."""
+
+
+def _check_writable(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory (eval.json and eval.md are written in it)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"cannot write results to {out} ({exc.strerror or exc}); give another directory with --out") from None
+
+
+def _write_results(out: Path, results: dict, labels: list[str]) -> None:
+    """eval.json and eval.md, each whole or not at all (written after every finished policy)."""
+    from graft_rl.rundir import write_text_atomic
+
+    write_text_atomic(out / "eval.json", json.dumps(results, indent=1))
+    write_text_atomic(out / "eval.md", _markdown(results, labels))
+
+
+def _evaluate_targets(targets, target, replicas, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm,
+                      results, out) -> None:
     for pc in targets:
         W = replicas or default_replicas(target, pc)
         workers, actors = _start(target, pc, W)
@@ -231,15 +273,7 @@ def run_eval(
             "average": statistics.fmean(means),
             "average_std": statistics.stdev(agg_runs) if runs > 1 else 0.0,
         }
-    out = Path(out_dir) if out_dir else (Path(target) / "eval" if (Path(target) / "config.yaml").is_file() else Path("eval_results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(results, indent=1))
-    md = _markdown(results, list(data))
-    (out / "eval.md").write_text(md)
-    if show:
-        _print(results, list(data))
-        print(f"written: {out / 'eval.json'}, {out / 'eval.md'}")
-    return results
+        _write_results(out, results, list(data))  # a later interruption keeps this policy's results
 
 
 def _start(target: str, pc: PolicyConfig, replicas: int) -> tuple[list, bool]:

@@ -194,3 +194,36 @@ def test_eval_spread_over_replicas_equals_one_process(tmp_path):
     assert b["replicas"] == 2 and a["replicas"] == 1
     assert a["benchmarks"]["testbed_heldout"]["pass@1_runs"] == b["benchmarks"]["testbed_heldout"]["pass@1_runs"]
     assert 0 < a["average"] < 1  # the shipped model solves some of them: the comparison is not 0 == 0
+
+
+def test_eval_keeps_finished_policies_on_ctrl_c_and_checks_its_output_first(make_cfg, fake_rewards, tiny_data, tmp_path,
+                                                                            monkeypatch, capsys):
+    """Issue 24: each policy's results are written (atomically) as it finishes; Ctrl-C exits 130 in one
+    line and keeps them; an unwritable --out fails before any evaluation."""
+    from graft_rl.cli import main
+
+    tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="ctrlc"), show_progress=False)
+    tr.run()
+    args = ["eval", str(tr.run_dir), "--benchmarks", str(tiny_data), "--samples", "1", "--runs", "1", "--max-new-tokens", "4"]
+    (tmp_path / "afile").write_text("x")
+    assert main([*args, "--out", str(tmp_path / "afile")]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+
+    real, calls = ev._evaluate, []
+
+    def second_interrupted(pc, *a):
+        calls.append(pc.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(pc, *a)
+
+    monkeypatch.setattr(ev, "_evaluate", second_interrupted)
+    assert main(args) == 130
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("graft eval:")]  # (bars aside)
+    assert len(err) == 1 and "interrupted; finished policies (A) written to" in err[0]
+    saved = json.loads((tr.run_dir / "eval" / "eval.json").read_text())
+    assert list(saved["policies"]) == ["A"] and saved["complete"] is False
+    monkeypatch.setattr(ev, "_evaluate", real)
+    assert main(args) == 0
+    saved = json.loads((tr.run_dir / "eval" / "eval.json").read_text())
+    assert list(saved["policies"]) == ["A", "B"] and saved["complete"] is True
