@@ -217,10 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         return _preflight(ns)
     if ns.command == "analyze":
         from graft_rl.analyze import AnalysisError, analyze, print_summary
+        from graft_rl.rundir import RunDirError
+        from graft_rl.store import RecordError
 
         try:
             print_summary(analyze(ns.run_dir, ns.compare, ns.out, ns.cases))
-        except AnalysisError as exc:
+        except (AnalysisError, RunDirError, RecordError) as exc:  # e.g. a damaged log line or record file
             print(f"graft analyze: {exc}", file=sys.stderr)
             return 2
         return 0

@@ -53,6 +53,14 @@ EXCHANGE_SCHEMA = pa.schema(
 )
 
 
+def _read_table(path: Path):
+    """A record file, or one line naming it when it is torn or not Parquet (a copy cut short, a disk error)."""
+    try:
+        return pq.read_table(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise RecordError(f"{path}: not a readable record file ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+
+
 class RecordError(ValueError):
     """Records that cannot be replayed; the message names the run, policy, step or prompt."""
 
@@ -111,7 +119,7 @@ class RecordStore:
         files = sorted((root / receiver).glob("step_*.parquet")) if receiver else sorted(root.glob("*/step_*.parquet"))
         rows: list[dict] = []
         for f in files:
-            rows.extend(pq.read_table(f).to_pylist())
+            rows.extend(_read_table(f).to_pylist())
         return rows
 
     def steps(self, policy: str) -> list[int]:
@@ -131,7 +139,7 @@ class RecordStore:
             if policy not in have:
                 raise RecordError(f"{self.root.parent}: no records for policy {policy!r} (have: {', '.join(have) or 'none'})")
             raise RecordError(f"{self.root.parent}: policy {policy!r} has no record for step {step}")
-        rows = pq.read_table(path).to_pylist()
+        rows = _read_table(path).to_pylist()
         groups: dict[str, dict] = {}
         for r in rows:
             g = groups.setdefault(

@@ -404,3 +404,32 @@ def test_best_matches_the_logs_after_a_resume_that_drops_later_validations(cfg_f
             assert torch.equal(p, q)
     resumed.run()  # and the run goes on to its end
     assert json.loads((tr.run_dir / "best" / "best.json").read_text())["A"]["step"] == 4
+
+
+def test_a_torn_record_file_or_damaged_log_line_is_one_line(cfg_for, fake_rewards, tmp_path, capsys):
+    """Issue 24: a stored peer's record file cut short (graft train) and a damaged middle line of
+    validation.jsonl (graft analyze): one line naming the file, exit 2 -- not a pyarrow traceback."""
+    import yaml
+
+    peer = Trainer(cfg_for("peer_src", steps=2, validation={"data": []}), show_progress=False)
+    peer.run()
+    rec = RecordStore(peer.run_dir).path("A", 1)
+    rec.write_bytes(rec.read_bytes()[: rec.stat().st_size // 2])
+    cfg = to_dict(cfg_for("with_peer", steps=2, validation={"data": []}))
+    cfg["policies"] = [p for p in cfg["policies"] if p["name"] == "B"]
+    cfg["peers"] = [{"records": str(peer.run_dir), "policy": "A"}]
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--no-progress"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("graft")]
+    assert len(err) == 1 and "step_000001.parquet: not a readable record file" in err[0]
+
+    tr = Trainer(cfg_for("damaged_log", steps=4), show_progress=False)
+    tr.run()
+    log = tr.run_dir / "validation.jsonl"
+    lines = log.read_text().splitlines()
+    lines[1] = lines[1][:20]
+    log.write_text("\n".join(lines) + "\n")
+    assert main(["analyze", str(tr.run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "validation.jsonl:2: not valid JSON" in err[0]
