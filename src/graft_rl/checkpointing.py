@@ -28,7 +28,7 @@ from graft_rl.rundir import (
     write_text_atomic,
 )
 
-__all__ = ["Checkpointing", "CheckpointError", "COMMITTED"]
+__all__ = ["Checkpointing", "CheckpointError", "COMMITTED", "is_write_error", "write_error_text"]
 
 #: ``best/.committed``: the best weights as of the newest checkpoint (see ``Checkpointing._commit_best``).
 COMMITTED = ".committed"
@@ -59,9 +59,9 @@ class Checkpointing:
             write_manifest(tmp)  # every file's sha256: resume trusts a checkpoint only if they still match
             replace_dir(tmp, final)
         except (OSError, RuntimeError) as exc:
-            if isinstance(exc, RuntimeError) and not _is_write_error(exc):
+            if isinstance(exc, RuntimeError) and not is_write_error(exc):
                 raise
-            raise CheckpointError(f"cannot write checkpoint {final}: {_first_line(exc)}") from None
+            raise CheckpointError(f"cannot write checkpoint {final}: {write_error_text(exc, root)}") from None
         kept = sorted(p for p in root.glob("step_*") if p.is_dir())
         for old in kept[: -self.cfg.keep_checkpoints]:
             remove_dir(old)  # renamed away first: never a half-deleted step_N
@@ -193,12 +193,26 @@ def _link_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, copy_function=link)
 
 
-def _is_write_error(exc: BaseException) -> bool:
-    """torch.save reports a full disk as a RuntimeError from its zip writer."""
+def is_write_error(exc: BaseException) -> bool:
+    """torch.save and safetensors report a full disk as a RuntimeError (zip writer, serialisation)."""
     text = str(exc)
-    return any(k in text for k in ("PytorchStreamWriter", "enforce fail", "No space left", "file write failed"))
+    return any(k in text for k in ("PytorchStreamWriter", "enforce fail", "No space left", "file write failed",
+                                   "unexpected pos", "Error while serializing", "SafetensorError"))
 
 
-def _first_line(exc: BaseException) -> str:
+def write_error_text(exc: BaseException, where: Path) -> str:
+    """One line for a failed write: the OS's reason, or for torch's zip writer (``inline_container.cc
+    ... unexpected pos``) what it almost always means, with the space left on that disk."""
+    try:
+        free = f"; {shutil.disk_usage(where if where.exists() else where.parent).free / 2**20:,.0f} MB free there"
+    except OSError:
+        free = ""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}{free}"
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    first = text[0] if text else ""
+    if "No space left" in str(exc) or "StorageFull" in str(exc):
+        return f"No space left on device{free}"
+    if is_write_error(exc):
+        return f"the disk is full or failed while writing ({type(exc).__name__} from torch/safetensors){free}"
+    return f"{type(exc).__name__}: {first}{free}"

@@ -75,12 +75,19 @@ class Validation:
             for t in tmp.values():
                 if t.exists():
                     shutil.rmtree(t)
-            saving = [self._submit(name, "save", str(tmp[name])) for name in improved]
-            for name, handle in zip(improved, saving, strict=True):
-                self._result(handle)
-                write_manifest(tmp[name])  # graft eval checks best/<policy> against it
-                replace_dir(tmp[name], self.run_dir / "best" / name)
-            write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
+            try:
+                saving = [self._submit(name, "save", str(tmp[name])) for name in improved]
+                for name, handle in zip(improved, saving, strict=True):
+                    self._result(handle)
+                    write_manifest(tmp[name])  # graft eval checks best/<policy> against it
+                    replace_dir(tmp[name], self.run_dir / "best" / name)
+                write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
+            except (OSError, RuntimeError) as exc:  # a full disk: one line (resume redoes this validation)
+                from graft_rl.checkpointing import CheckpointError, is_write_error, write_error_text
+
+                if isinstance(exc, RuntimeError) and not is_write_error(exc):
+                    raise
+                raise CheckpointError(f"cannot write {self.run_dir / 'best'}: {write_error_text(exc, self.run_dir)}") from None
         with (self.run_dir / "validation.jsonl").open("a") as f:
             for line in lines:
                 f.write(json.dumps(finite_json(line)) + "\n")

@@ -321,7 +321,21 @@ def test_a_full_disk_at_checkpoint_time_is_one_line(cfg_for, fake_rewards, monke
 
     monkeypatch.setattr(torch, "save", full)
     tr = Trainer(cfg_for("full", validation={"data": []}), show_progress=False)
-    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*step_000002: RuntimeError: \[enforce fail"):
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*step_000002: the disk is full or failed while "
+                                               r"writing \(RuntimeError from torch/safetensors\); [\d,]+ MB free there"):
+        tr.run()
+
+
+def test_a_full_disk_while_best_is_written_is_one_line(cfg_for, fake_eval, monkeypatch, capsys):
+    """Issue 24: the best/ write (safetensors) on a full disk: one line from graft train, not a traceback."""
+    from transformers import PreTrainedModel
+
+    def full(self, *a, **k):
+        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    tr = Trainer(cfg_for("full_best"), show_progress=False)
+    with pytest.raises(CheckpointError, match=r"cannot write .*best: No space left on device; [\d,]+ MB free there$"):
         tr.run()
 
 
