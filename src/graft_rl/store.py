@@ -25,7 +25,7 @@ SCHEMA = pa.schema(
         ("prompt_id", pa.string()),
         ("prompt", pa.string()),
         ("policy", pa.string()),
-        ("group_index", pa.int16()),
+        ("group_index", pa.int32()),  # a group of n > 32,767 responses fits (int16 did not)
         ("response", pa.string()),
         ("token_ids", pa.list_(pa.int32())),
         ("gen_logprobs", pa.list_(pa.float32())),
@@ -41,7 +41,7 @@ EXCHANGE_SCHEMA = pa.schema(
         ("receiver", pa.string()),
         ("prompt_id", pa.string()),
         ("source", pa.string()),
-        ("group_index", pa.int16()),
+        ("group_index", pa.int32()),  # a group of n > 32,767 responses fits (int16 did not)
         ("reward", pa.float32()),
         ("advantage", pa.float32()),
         ("weight", pa.float32()),

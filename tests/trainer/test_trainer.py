@@ -330,3 +330,15 @@ def test_validation_verifies_within_the_steps_budget_and_reports_what_it_skipped
     assert seen and set(seen) == {7.5}
     lines = read_log(tr.run_dir / "validation.jsonl")[0]
     assert [ln["verify_over_budget"] for ln in lines] == [6] * len(lines)  # 3 problems x 2 samples, per policy
+
+
+def test_groups_larger_than_int16_are_recorded(tmp_path):
+    """Issue 24: n = 33,000 failed after generating, when the record's group index (int16) overflowed."""
+    from graft_rl.policy import RolloutGroup
+
+    n = 33_000
+    g = RolloutGroup("q0", "1+1", "A", ["2"] * n, [[5]] * n, [[-0.1]] * n, ["stop"] * n)
+    g.rewards = [1.0] * n
+    store = RecordStore(tmp_path)
+    store.write(1, [g])
+    assert store.read("A", 1)[0].n == n
