@@ -428,8 +428,26 @@ class Trainer(Checkpointing, Validation):
         cfg_path = Path(run_dir) / "config.yaml"
         if not cfg_path.is_file():
             raise ConfigError(f"{run_dir}: not a run directory (no config.yaml)")
-        cfg = load_config(cfg_path, [*(overrides or []), f"run_dir={run_dir}"], saved=True)
+        try:
+            load_config(cfg_path, [f"run_dir={run_dir}"], saved=True)
+            source: Path | dict = cfg_path
+        except ConfigError as exc:  # torn or edited config.yaml: every checkpoint holds the config it ran with
+            source = _config_from_checkpoints(Path(run_dir), cfg_path, exc)
+        cfg = load_config(source, [*(overrides or []), f"run_dir={run_dir}"], saved=True)
         return cls(cfg, resume=True, show_progress=show_progress)
+
+
+def _config_from_checkpoints(run_dir: Path, cfg_path: Path, exc: Exception) -> dict:
+    """The config saved in the newest checkpoint's ``trainer_state.json``, when ``config.yaml`` is damaged."""
+    for ckpt in sorted((run_dir / "checkpoints").glob("step_*"), reverse=True):
+        try:
+            saved = json.loads((ckpt / "trainer_state.json").read_text()).get("config")
+        except (OSError, ValueError):
+            continue
+        if saved:
+            print(f"graft train: {cfg_path} is damaged ({exc}); resuming with the config saved in checkpoint {ckpt.name}")
+            return saved
+    raise ConfigError(f"{cfg_path} is damaged ({exc}) and no checkpoint holds a copy of the config") from None
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -239,6 +239,7 @@ DAMAGE = {  # how a file of the newest checkpoint is damaged -> what resume says
                                                 r"A/policy_state.pt differs from what was written \(sha256\)"),
     "truncated weights": (lambda d: (d / "B" / "model.safetensors").write_bytes((d / "B" / "model.safetensors").read_bytes()[:500]),
                           r"B/model.safetensors has 500 bytes"),
+    "deleted tokenizer": (lambda d: (d / "A" / "tokenizer.json").unlink(), r"A/tokenizer.json is missing"),
     "changed trainer state": (lambda d: (d / "trainer_state.json").write_text((d / "trainer_state.json").read_text().replace('"step": 4', '"step": 3')),
                               r"trainer_state.json differs"),
 }
@@ -447,3 +448,16 @@ def test_a_torn_record_file_or_damaged_log_line_is_one_line(cfg_for, fake_reward
     assert main(["analyze", str(tr.run_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "validation.jsonl:2: not valid JSON" in err[0]
+
+
+def test_a_torn_run_config_is_recovered_from_the_checkpoint(cfg_for, baseline, capsys):
+    """Issue 24: a config.yaml cut short (it said "at least one policy is required") is named as damaged,
+    and resume takes the config every checkpoint saved; the run still equals the uninterrupted one."""
+    tr = Trainer(cfg_for("torn_cfg"), show_progress=False)
+    tr.run(max_steps=2)
+    cfg = tr.run_dir / "config.yaml"
+    cfg.write_text(cfg.read_text()[:200])
+    resumed = Trainer.resume(tr.run_dir, show_progress=False)
+    assert "config.yaml is damaged" in capsys.readouterr().out and resumed.start_step == 3
+    resumed.run()
+    _same(_snapshot(tr.run_dir), baseline)
