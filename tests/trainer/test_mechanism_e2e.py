@@ -45,7 +45,9 @@ def _run(tmp_path_factory, variant: str) -> dict:
     if variant in _runs:
         return _runs[variant]
     run_dir = tmp_path_factory.mktemp(variant) / "run"
-    cfg = load_config(CONFIG, [f"run_dir={run_dir}", "method.name=grpo" if variant == "grpo" else "seed=0"])
+    # grpo: graft.yaml's exchange switch (balance: false) goes back to its default, as configs/lookup/grpo.yaml does
+    extra = ["method.name=grpo", "method.balance=true"] if variant == "grpo" else ["seed=0"]
+    cfg = load_config(CONFIG, [f"run_dir={run_dir}", *extra])
     mp = pytest.MonkeyPatch()
     try:
         if variant == "exchange_off":  # GRAFT's selection picks no prompt: nothing is ever grafted
