@@ -257,8 +257,8 @@ class Trainer(Checkpointing, Validation):
         # all policies generate at once (overlapping in time with Ray; one after another in-process);
         # time_generate is measured in the worker, where the generation runs (Table 5's compute).
         # Under Ray a policy's generation may have started already, when its last update finished
-        pending = {name: self._prefetched.pop((name, step), None) or self._start_generation(name, step)
-                   for name in self.policies}
+        pending = {name: self._prefetched.pop((name, step)) if (name, step) in self._prefetched
+                   else self._start_generation(name, step) for name in self.policies}
         for name in self.policies:
             gs, gen_s = self._result(pending[name])
             rollouts = len(gs) * self.cfg.n
