@@ -140,11 +140,71 @@ def main() -> int:
     row("0-byte policy_state.pt in the newest checkpoint", rc == 0 and "is damaged" in out,
         next((ln for ln in out.splitlines() if "damaged" in ln), "(no message)"))
 
+    # 7b. (issue 24) damage a loadable file cannot show: zeroed bytes inside, checked by sha256
+    d = root / "zeroed"
+    shutil.copytree(ref, d)
+    newest = sorted((d / "checkpoints").glob("step_*"))[-1]
+    state = newest / "A" / "policy_state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 1000] = bytes(1000)
+    state.write_bytes(bytes(data))
+    rc, out, _ = finish(graft(d, "steps=9", resume=True))
+    same = strip(lines(d / "metrics.jsonl"))[: len(ref_metrics)] == ref_metrics
+    row("1,000 zeroed bytes inside the newest policy_state.pt", rc == 0 and "sha256" in out and same,
+        f"{next((ln for ln in out.splitlines() if 'damaged' in ln), '(no message)')}; steps 1-8 identical: {same}")
+
+    # 7c. (issue 24) every checkpoint damaged: refused, nothing deleted
+    d = root / "all_damaged"
+    shutil.copytree(ref, d)
+    for ck in (d / "checkpoints").glob("step_*"):
+        w = ck / "B" / "model.safetensors"
+        w.write_bytes(w.read_bytes()[:1000])
+    before = sorted(str(p) for p in d.rglob("*"))
+    rc, _, err = finish(graft(d, "steps=9", resume=True))
+    kept = sorted(str(p) for p in d.rglob("*") if p.name != ".lock") == [x for x in before if not x.endswith(".lock")]
+    row("every checkpoint damaged", rc == 2 and "every checkpoint is damaged" in err and kept,
+        f"exit {rc}; nothing deleted: {kept}")
+
+    # 7d. (issue 24) best/ vs the logs: kill -9 after step 5's validation, resume with validation.every changed
+    d = root / "best_logs"
+    p = graft(d, "validation.every=1")
+    wait_for(lambda: len([r for r in lines(d / "validation.jsonl") if r["step"] == 5]) == 2 or p.poll() is not None)
+    p.kill()
+    p.wait()
+    rc, out, _ = finish(graft(d, "validation.every=4", resume=True))
+    from graft_rl.rundir import best_steps
+
+    logged = best_steps(lines(d / "validation.jsonl"))
+    recorded = json.loads((d / "best" / "best.json").read_text())
+    row("kill -9 after a validation, resume with validation.every changed", rc == 0 and logged == recorded,
+        f"exit {rc}; best.json {({k: v['step'] for k, v in recorded.items()})} = the log's best: {logged == recorded}")
+
+    # 7e. (issue 24) graft eval: counts of 0, Ctrl-C keeps what finished
+    ev = [sys.executable, "-m", "graft_rl.cli", "eval", str(ref)]
+    res = subprocess.run([*ev, "--limit", "0"], capture_output=True, text=True)
+    row("graft eval --limit 0", res.returncode == 2 and "--limit must be >= 1" in res.stderr, res.stderr.strip().splitlines()[-1])
+    out_dir = root / "eval_ctrlc"
+    p = subprocess.Popen([*ev, "--samples", "1", "--runs", "1", "--limit", "256", "--out", str(out_dir)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out_dir / "eval.json").exists() or p.poll() is not None)
+    p.send_signal(signal.SIGINT)
+    rc, _, err = finish(p)
+    saved = json.loads((out_dir / "eval.json").read_text()) if (out_dir / "eval.json").exists() else {"policies": {}}
+    row("Ctrl-C in graft eval after the first policy", rc == 130 and list(saved["policies"]) == ["A"] and "Traceback" not in err,
+        f"exit {rc}; eval.json holds {list(saved['policies'])}")
+
     # 8. bad input: one line, exit != 0, nothing written
     bad_data = root / "binary.jsonl"
     bad_data.write_bytes(bytes(range(256)))
+    answers = root / "gsm8k_answers.jsonl"  # a reference no response could match (issue 24)
+    answers.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": "abc" if i == 7 else str(2 * i)}) + "\n"
+                               for i in range(64)))
+    long = root / "gsm8k_long.jsonl"  # a prompt over the testbed models' context, under max_prompt_tokens
+    long.write_text("".join(json.dumps({"id": f"q{i}", "problem": ("x" * 1500 if i == 3 else "") + f"{i}+{i}=?",
+                                        "answer": str(2 * i)}) + "\n" for i in range(64)))
     for over in ["policies.5.lr=1", "policies.x.lr=1", "steps.x=1", "temperature=-1", "validation.every=0", "steps=0", "n=1",
-                 f"data.train={bad_data}"]:
+                 f"data.train={bad_data}", f"data.train={answers}", f"data.train={long}", "data.limit=0", "validation.limit=0",
+                 "method.eps_low=-1", "method.luffy_gamma=0.3", "policies.0.lr=nan"]:
         d = root / f"bad_{abs(hash(over))}"
         rc, _, err = finish(graft(d, over))
         msg = err.strip().splitlines()
