@@ -376,7 +376,8 @@ class Trainer(Checkpointing, Validation):
         except KeyboardInterrupt as exc:
             if not isinstance(exc, RunInterrupted):
                 bar.close()
-                last = self._latest_checkpoint()
+                # the newest checkpoint by name: no checksums on the way out (resume verifies them)
+                last = max((self.run_dir / "checkpoints").glob("step_*"), default=None)
                 print(f"graft train: stopped at once; --resume continues from "
                       f"{'step ' + last.name.split('_')[1].lstrip('0') if last else 'the start'} in {self.run_dir}")
             raise
