@@ -30,6 +30,7 @@ LAYERS: dict[str, float] = {
     "plan": 4,
     "worker": 5,
     "distributed": 5,
+    "reaper": 0,
     "trainer": 5,
     "checkpointing": 5,
     "validation": 5,

@@ -143,3 +143,33 @@ def test_a_prompt_longer_than_a_models_context_is_one_line_before_training(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "prompt 'q5' has" in err[0] and "over the model's 512-token context" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_response_never_runs_past_a_learned_position_models_context(tmp_path, capsys):
+    """Issue 24: prompt + max_new_tokens over a GPT-2's 64 positions (each alone fits) trained into an
+    IndexError mid-generation; now the policy samples what its context leaves, and `graft train` says so."""
+    import yaml
+
+    from graft_rl.cli import main
+    from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "gpt2_64", "gpt2", bpe_tokenizer(), max_positions=64)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    cfg = {"run_dir": str(tmp_path / "run"), "data": {"train": str(data)}, "prompt_batch": 2, "n": 2, "steps": 1,
+           "max_new_tokens": 60, "method": {"name": "grpo"}, "policies": [{"name": "B", "model": str(model)}]}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "B has a 64-token context: max_new_tokens 60 ->" in out
+    budget = int(out.split("max_new_tokens 60 -> ")[1].split()[0])
+    assert 0 < budget < 60
+
+    # and a direct call with a longer budget is capped by the same rule, the rows ending at the context
+    from graft_rl.policy import Policy, PolicyConfig, SamplingParams
+
+    pol = Policy(PolicyConfig(name="B", model=str(model)))
+    groups = pol.generate([("q0", "0+0=?")], SamplingParams(n=2, max_new_tokens=500))
+    prompt = len(pol.prompt_token_ids("0+0=?"))
+    assert all(prompt + len(t) <= 64 for t in groups[0].token_ids)

@@ -137,14 +137,28 @@ def _fit_hint(cfg, bundle: dict, have: dict, ranks: int) -> str:
 _NAMES: dict = {}
 
 
+def init_ray(address: str | None, **kw) -> None:
+    """``ray.init`` (no dashboard); a local instance this process starts (``address`` None) is
+    watched by :mod:`graft_rl.reaper`, so a SIGKILL of this process leaves none of its processes."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    kw = {"include_dashboard": False, "log_to_driver": False, "ignore_reinit_error": True, **kw}
+    ray.init(address=address, **kw)
+    if address is None:
+        from graft_rl import reaper
+
+        reaper.watch()
+
+
 def start_actors(cfg, policy_configs) -> dict:
     """Start every policy's actor (``world_size`` 1) or actor group, after :func:`check_cluster`."""
     import ray
 
     from graft_rl.worker import PolicyWorker
 
-    if not ray.is_initialized():
-        ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=True, ignore_reinit_error=True)
+    init_ray(cfg.ray.address, log_to_driver=True)
     check_cluster(cfg, policy_configs)
     remote_cls = ray.remote(PolicyWorker)
     actors = {}
@@ -178,8 +192,7 @@ def start_replicas(cfg, pc, replicas: int) -> list:
     from graft_rl.config import MethodConfig
     from graft_rl.worker import PolicyWorker
 
-    if not ray.is_initialized():
-        ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    init_ray(cfg.ray.address)
     spread = replace(pc, world_size=replicas)
     check_cluster(cfg, [spread])
     extra = {k: v for k, v in _actor_options(cfg, pc).items() if k not in ("num_cpus", "num_gpus", "resources")}

@@ -151,8 +151,9 @@ def _ray_config(target: str, pc: PolicyConfig, replicas: int):
     else:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=ray_cfg.address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        from graft_rl.distributed import init_ray
+
+        init_ray(ray_cfg.address)
         ray_cfg.num_gpus = 0.0
         ray_cfg.num_cpus = min(ray_cfg.num_cpus, int(ray.cluster_resources().get("CPU", 1) / replicas * 1e4) / 1e4)
     from types import SimpleNamespace

@@ -472,13 +472,12 @@ def _placement(toy: Toy) -> str:
         return "execution local: one process"
     import ray
 
-    from graft_rl.distributed import check_cluster, policy_bundles
+    from graft_rl.distributed import check_cluster, init_ray, policy_bundles
 
     if not ray.is_initialized():
         kw = {"resources": toy.ray_resources} if toy.ray_resources and cfg.ray.address is None else {}
         env = {k: os.environ[k] for k in ("VLLM_CPU_KVCACHE_SPACE",) if k in os.environ}
-        ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-                 runtime_env={"env_vars": env} if env else None, **kw)
+        init_ray(cfg.ray.address, runtime_env={"env_vars": env} if env else None, **kw)
     check_cluster(cfg, cfg.policies)
     parts = [f"{pc.name}: {pc.world_size} x {policy_bundles(cfg, pc)[0]}" for pc in cfg.policies]
     cpus = ray.cluster_resources().get("CPU", 0)

@@ -17,6 +17,8 @@ resumed run reproduces an uninterrupted one exactly on CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import signal
@@ -136,9 +138,16 @@ class Trainer(Checkpointing, Validation):
         for name, problems in self.val_sets.items():
             check_answers(problems, verifier_for(name, problems[0]), name)
         # every prompt fits every policy's context (and max_prompt_tokens): one line now, not a crash mid-run
+        # and a response never runs past it: a policy whose context cannot hold the longest prompt plus
+        # max_new_tokens samples at most what it leaves, and says so (a learned-position model would crash)
         every = self.data + [p for ps in self.val_sets.values() for p in ps]
-        for handle in [self._submit(name, "prompt_budget", every, 1) for name in self.policies]:
-            self._result(handle)
+        budgets = {name: self._submit(name, "prompt_budget", every, cfg.max_new_tokens) for name in self.policies}
+        self.samplings = {}
+        for name, handle in budgets.items():
+            budget, note = self._result(handle)
+            if note:
+                print(f"graft train: {note}")
+            self.samplings[name] = dataclasses.replace(self.sampling, max_new_tokens=budget)
         self._val_family = {name: bool(families(ps)) for name, ps in self.val_sets.items()}  # scored per family too
         if not self._family:  # a pool of one family that validation scores among others (the lookup pair)
             val_fams = {p.subject for name, ps in self.val_sets.items() if self._val_family[name] for p in ps}
@@ -198,7 +207,7 @@ class Trainer(Checkpointing, Validation):
         return derive_seed(self.cfg.seed, 2, step, self.names.index(name))
 
     def _start_generation(self, name: str, step: int):
-        return self._submit(name, "generate_timed", self.prompts_for_step(step), self.sampling,
+        return self._submit(name, "generate_timed", self.prompts_for_step(step), self.samplings[name],
                             self._generation_seed(name, step))
 
     def _dynamic_sampling(self, name, prompts, groups, step, vstats, times) -> tuple[list, list, int]:
@@ -215,7 +224,7 @@ class Trainer(Checkpointing, Validation):
             take, pool = pool[: self.cfg.prompt_batch], pool[self.cfg.prompt_batch :]
             more_prompts = [(self.data[i].id, self.data[i].problem) for i in take]
             seed = derive_seed(self.cfg.seed, 4, step, self.names.index(name), rounds)
-            more, gen_s = self._call(name, "generate_timed", more_prompts, self.sampling, seed)
+            more, gen_s = self._call(name, "generate_timed", more_prompts, self.samplings[name], seed)
             times["time_generate"] += gen_s
             extra_rollouts += len(more) * self.cfg.n
             t0 = time.perf_counter()

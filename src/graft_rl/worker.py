@@ -26,8 +26,7 @@ __all__ = ["PolicyWorker", "prompt_budget"]
 def prompt_budget(policy: Policy, problems, max_new_tokens: int) -> tuple[int, str | None]:
     """``(new tokens, note)``: ``max_new_tokens``, clamped to what the model's context leaves after the
     longest prompt (the note says so); a prompt longer than the context is a ``ValueError``."""
-    c = getattr(getattr(policy, "model", None), "config", None)
-    ctx = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+    ctx = policy.context_length()
     if ctx is None or not problems:
         return max_new_tokens, None
     longest, pid = max((len(policy.prompt_token_ids(p.problem, p.id)), p.id) for p in problems)

@@ -150,3 +150,44 @@ def test_fsdp_policy_groups_resume_exactly(make_cfg, ray_local, monkeypatch, tin
         for k in x:
             if isinstance(x[k], float):
                 assert y[k] == pytest.approx(x[k], rel=1e-6, abs=1e-8), k
+
+
+def test_a_sigkilled_driver_leaves_none_of_its_local_ray_instance(tmp_path):
+    """Issue 24: kill -9 of a driver that started a local Ray instance left the raylet's dashboard and
+    runtime-env agents (~170 MB) running for another minute (they wait 60 s on the dead GCS); the
+    reaper started by `init_ray` kills every Ray process the driver had, within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os, sys, time, ray\n"
+        "from graft_rl.distributed import init_ray\n"
+        "init_ray(None, num_cpus=1)\n"
+        "@ray.remote\n"
+        "def f():\n    return os.getpid()\n"
+        "print(ray.get(f.remote()), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(2)  # the reaper's first look at the driver's children
+        ours = [p for p in psutil.Process(proc.pid).children(recursive=True) if "reaper" not in " ".join(p.cmdline())]
+        assert any(p.pid == worker for p in ours) and len(ours) >= 3  # GCS, raylet, the worker, agents...
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.time() + 15
+    left = ours
+    while time.time() < deadline:
+        left = [p for p in ours if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, [" ".join(p.cmdline())[:80] for p in left]

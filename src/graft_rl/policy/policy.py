@@ -13,7 +13,7 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -420,6 +420,11 @@ class Policy:
             return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return self.config.plain_template.replace("{prompt}", user)
 
+    def context_length(self) -> int | None:
+        """The model's context in tokens (``max_position_embeddings`` / ``n_positions``), if it states one."""
+        c = getattr(getattr(self, "model", None), "config", None)
+        return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
     def prompt_token_ids(self, problem: str, prompt_id: str = "") -> list[int]:
         text = self.format_prompt(problem)
         ids = self.tokenizer(text, add_special_tokens=not self.use_chat).input_ids
@@ -436,6 +441,15 @@ class Policy:
     ) -> list[RolloutGroup]:
         """Sample ``sampling.n`` responses for each ``(prompt_id, problem)``."""
         ids = [self.prompt_token_ids(p, pid) for pid, p in prompts]
+        ctx = self.context_length()
+        if ctx is not None and ids and max(map(len, ids)) + sampling.max_new_tokens > ctx:
+            # a response never runs past the model's positions (a learned-position model would index out
+            # of its table); the rows stop at the context with finish_reason "length", as in vLLM
+            left = ctx - max(map(len, ids))
+            if left < 1:
+                raise PromptTooLongError(f"policy {self.name!r}: a prompt has {max(map(len, ids))} tokens, "
+                                         f"over the model's {ctx}-token context")
+            sampling = replace(sampling, max_new_tokens=left)
         self.sync_rollout_weights()  # one weight push per step, not one per minibatch update
         samples = self.backend.generate(ids, sampling, seed)
         groups = []
