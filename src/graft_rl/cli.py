@@ -81,7 +81,7 @@ def _train(ns) -> int:
     from graft_rl.policy import PolicyError
     from graft_rl.rundir import RunDirError
     from graft_rl.store import RecordError
-    from graft_rl.trainer import Trainer
+    from graft_rl.trainer import DynamicSamplingError, Trainer
 
     overrides = list(ns.overrides)
     config = ns.config
@@ -103,7 +103,7 @@ def _train(ns) -> int:
                 cfg = load_config(config, overrides)
             trainer = Trainer(cfg, show_progress=not ns.no_progress)
         trainer.run()
-    except (ConfigError, DatasetError, PolicyError, RecordError, RunDirError, FloatingPointError) as exc:
+    except (ConfigError, DatasetError, PolicyError, RecordError, RunDirError, FloatingPointError, DynamicSamplingError) as exc:
         print(f"graft train: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # read-only run directory, disk full, ...

@@ -78,7 +78,10 @@ class MethodConfig:
     hacpo_capability_window: int = 5
     # --- GRPO + dynamic sampling (DAPO)
     dynamic_sampling: bool = False
-    dynamic_max_rounds: int = 3  # extra generation rounds at most per step
+    # DAPO's filter_groups.max_num_gen_batches: generation batches per step, the first included; past
+    # it the run stops with one line ("the data may be too hard"). <= 0: no limit, as in verl (whose
+    # yaml default that is); 10 is what DAPO's README and run scripts use, and a run cannot loop forever
+    max_num_gen_batches: int = 10
 
     _NAMES = ("grpo", "graft", "sgt", "luffy", "hacpo")
 
@@ -111,8 +114,6 @@ class MethodConfig:
         for key in ("hacpo_capability_window",):
             if getattr(self, key) < 1:
                 raise ConfigError(f"method.{key} must be >= 1, got {getattr(self, key)}")
-        if self.dynamic_max_rounds < 0:
-            raise ConfigError(f"method.dynamic_max_rounds must be >= 0, got {self.dynamic_max_rounds}")
         # a key the chosen method never reads is an error (it would be silently ignored)
         default = MethodConfig()
         for key, users in _METHOD_KEYS.items() if unused_keys else ():
@@ -131,7 +132,7 @@ _METHOD_KEYS = {
     "luffy_gamma": ("luffy",),
     **{k: ("hacpo",) for k in ("hacpo_self_clip_low", "hacpo_self_clip_high", "hacpo_peer_clip_start",
                                "hacpo_peer_clip_increment", "hacpo_capability_window")},
-    **{k: ("grpo",) for k in ("dynamic_sampling", "dynamic_max_rounds")},  # DAPO: GRPO's own batch only
+    **{k: ("grpo",) for k in ("dynamic_sampling", "max_num_gen_batches")},  # DAPO: GRPO's own batch only
 }
 
 
@@ -146,7 +147,9 @@ class ValidationConfig:
 
     data: list[str] = field(default_factory=list)  # dataset names/paths; e.g. [math500, aime24, aime25, amc23, minerva]
     every: int = 5
-    samples: int = 1  # responses per problem (pass@1 = mean correctness)
+    # responses per problem (pass@1 = mean correctness); 8 as the paper's checkpoint selection uses
+    # (Appendix B; one sample's noise would pick checkpoints by luck). `graft train` prints what it uses.
+    samples: int = 8
     limit: int | None = None  # first N problems of each dataset
     temperature: float = 0.6
     top_p: float = 0.95
@@ -403,6 +406,13 @@ def load_config(path: str | Path | dict | None, overrides: list[str] | None = No
     else:
         data = _read_yaml(Path(path))
     data = apply_overrides(data, overrides or [])
+    method = data.get("method")
+    if isinstance(method, dict) and "dynamic_max_rounds" in method:  # the key before issue 23
+        if not saved:
+            raise ConfigError("method.dynamic_max_rounds is now method.max_num_gen_batches (DAPO's: generation batches "
+                              "per step, the first included; <= 0 for no limit)")
+        data["method"] = {**method, "max_num_gen_batches": int(method["dynamic_max_rounds"]) + 1}
+        del data["method"]["dynamic_max_rounds"]
     cfg = _build(TrainConfig, data, "")
     cfg.validate(saved)
     return cfg

@@ -271,25 +271,47 @@ class PooledExchange(Exchange):
         yield _rows_of(own_group, gi, False, a_own[0].tolist()) + _rows_of(pg, gi, True, a_peer[0].tolist()), True
 
 
+#: HACPO's capability floor (``CapabilityTracker`` ``minimum`` in its recipe's hacpo_trainer.yaml)
+CAPABILITY_FLOOR = 1e-8
+
+
 class HacpoExchange(Exchange):
     """HACPO: own group plus the peer's, capability-aware advantages (Appendix B).
 
-    With ``selection: graft`` ("HACPO + GRAFT which") peer responses on unselected prompts
-    get zero advantage (no gradient) and are dropped.
+    "HACPO + GRAFT which" (``selection: graft``, Appendix G): "We keep the HACPO configuration of
+    Appendix B but apply its peer-rollout loss only on prompts where the receiver fails [...] and
+    the peer succeeds at least once [...], subject to the balanced exchange. Peer responses on all
+    other prompts receive zero advantage and contribute no gradient." So every prompt still pools
+    the peer's group (own responses keep HACPO's pooled, capability-weighted baseline, and the peer
+    responses stay in the batch and in the loss's per-response mean); on prompts GRAFT's rule did
+    not select, the peer responses' advantages are zero.
     """
 
     def __init__(self, cfg: MethodConfig):
         super().__init__(cfg)
         self.weighting = NoWeighting(cfg)
         self.capability: dict[str, float] = {}
+        self._pool_peer: dict[int, str] = {}  # prompt -> the peer whose group it pools (selection != all)
+
+    def build(self, receiver, groups, live, n, gen):
+        self._pool_peer = {}
+        if self.cfg.selection != "all" and len(groups) > 1:  # HACPO's pooling, on every prompt
+            k = {name: _k(gs) for name, gs in groups.items()}
+            group_n = {name: (gs[0].n if gs else n) for name, gs in groups.items()}
+            every, _ = Every(self.cfg).select(receiver, k, group_n, live, gen)  # deterministic: no draw
+            for peer, mask in every.items():
+                self._pool_peer.update({q: peer for q in torch.nonzero(mask).flatten().tolist()})
+        return super().build(receiver, groups, live, n, gen)
 
     def compose(self, q, own_group, peer, groups, adv, gen, gi):
+        selected = peer is not None
+        peer = peer if selected else self._pool_peer.get(q)
         if peer is None:
             yield from super().compose(q, own_group, None, groups, adv, gen, gi)
             return
         pg = groups[peer][q]
-        cap_self = max(self.capability.get(own_group.policy, 0.5), 1e-3)
-        cap_peer = max(self.capability.get(peer, 0.5), 1e-3)
+        cap_self = max(self.capability.get(own_group.policy, 0.5), CAPABILITY_FLOOR)
+        cap_peer = max(self.capability.get(peer, 0.5), CAPABILITY_FLOOR)
         a_own, a_peer = algo.hacpo_advantages(
             torch.tensor([own_group.rewards], dtype=torch.float64),
             torch.tensor([pg.rewards], dtype=torch.float64),
@@ -297,9 +319,20 @@ class HacpoExchange(Exchange):
             cap_peer,
             self.cfg.adv_eps,
         )
-        # own and peer rollouts of a prompt form one pooled group in ordinary minibatch order, as in
-        # HACPO's recipe (no peer-last packing: that is GRAFT's "how")
-        yield _rows_of(own_group, gi, False, a_own[0].tolist()) + _rows_of(pg, gi, True, a_peer[0].tolist()), False
+        if not selected:  # "which": a prompt GRAFT's rule did not select
+            a_peer = torch.zeros_like(a_peer)
+        peer_rows = _rows_of(pg, gi, True, a_peer[0].tolist())
+        for r, lps in zip(peer_rows, pg.gen_logprobs, strict=True):
+            if r.finished and len(lps) > 1:  # the recipe pops a final EOS before the sequence mean
+                r.src_mean_logprob = (r.src_logprob_sum - lps[-1]) / (len(lps) - 1)
+        # Minibatch order. The recipe lays out each learner's batch self first, then peer
+        # (`_target_trajectories_self_first`, actor.shuffle=false), and verl splits it contiguously
+        # over the data-parallel ranks *before* cutting minibatches: on its 8-GPU launcher ranks 0-3
+        # hold own responses of prompts 0-31, 32-63, ..., ranks 4-7 the peer responses of the same
+        # prompts, so update m holds own and peer responses of the same 8 prompts per rank pair. A
+        # prompt's pooled group (own then peer) in ordinary order gives updates of exactly that kind;
+        # the preset's minibatch of 32 pooled groups (512 responses) gives the recipe's 4 updates.
+        yield _rows_of(own_group, gi, False, a_own[0].tolist()) + peer_rows, False
 
 
 class SGTExchange(Exchange):

@@ -122,13 +122,12 @@ class HacpoObjective(Objective):
 
     As in its released recipe (``recipe/hacpo/hacpo_workers.py``, ``hacpo_ppo_loss``): the peer
     clip bound follows the minibatch update index within the step, and the KL loss covers the
-    learner's *own* responses only (token mean over own tokens).
+    learner's *own* responses only: ``low_var_kl`` per response (token mean, clamped to ±10), summed
+    over own responses and divided by the minibatch's responses (``seq-mean-token-mean``).
     """
 
     def minibatch(self, t, mb_rows, step, update_index=0):
         n_rows = float(sum(1 for r in mb_rows if bool(t.include[r]) and not bool(t.is_aux[r])))
-        own = ~t.is_peer
-        self_tokens = float((t.rl_mask(mb_rows) * own[mb_rows].float()[:, None]).sum())
         mb = torch.tensor(mb_rows)
         c = self.cfg
 
@@ -162,8 +161,14 @@ class HacpoObjective(Objective):
                 stats[f"clipped_tokens_{name}"] = float((clipped * tokens * sel.to(tokens.dtype)).sum())
                 stats[f"tokens_{name}"] = float((tokens * sel.to(tokens.dtype)).sum())
             total = loss * (float(valid.sum()) / max(n_rows, 1.0))
-            own_mask = rl_mask * (~peer).to(rl_mask.dtype)[:, None]
-            total = _with_kl(c, t, lp, rows, own_mask, self_tokens, total, stats)
+            own = valid & ~peer
+            if c.kl_coef > 0 and t.ref is not None and bool(own.any()):
+                # the recipe's KL: low_var_kl, seq-mean-token-mean over own responses, summed and divided
+                # by the minibatch's responses (verl's agg_loss with global_batch_size)
+                ref = t.ref[rows, :T].to(lp.device)
+                seq_kl = algo.sequence_reference_kl(lp[own], ref[own], rl_mask[own])
+                stats["kl_ref"] = float(seq_kl.detach().mean())
+                total = total + c.kl_coef * seq_kl.sum() / max(n_rows, 1.0)
             return total, stats
 
         return fn

@@ -209,6 +209,7 @@ def checkpoint_problem(ckpt: Path, policies: list[str]) -> str | None:
 HARMLESS_KEYS = (
     "run_dir", "steps", "epochs", "checkpoint_every", "keep_checkpoints", "tensorboard", "execution", "ray",
     "validation.every", "validation.at_start",
+    "method.max_num_gen_batches",  # whether a dynamic-sampling step may go on, never what it computes
 )
 
 

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.data import Problem, check_answers, load_dataset, verifier_for
 from graft_rl.evaluation import families
-from graft_rl.exchange import ReceiverBatch, build_exchange
+from graft_rl.exchange import CAPABILITY_FLOOR, ReceiverBatch, build_exchange
 from graft_rl.objectives import build_objective
 from graft_rl.plan import check_resources
 from graft_rl.checkpointing import CheckpointError, Checkpointing
@@ -46,7 +46,7 @@ from graft_rl.store import RecordStore
 from graft_rl.validation import Validation
 from graft_rl.worker import PolicyWorker
 
-__all__ = ["Trainer", "RunInterrupted", "CheckpointError", "derive_seed"]
+__all__ = ["Trainer", "RunInterrupted", "CheckpointError", "DynamicSamplingError", "derive_seed"]
 
 
 class Trainer(Checkpointing, Validation):
@@ -210,20 +210,33 @@ class Trainer(Checkpointing, Validation):
         return self._submit(name, "generate_timed", self.prompts_for_step(step), self.samplings[name],
                             self._generation_seed(name, step))
 
-    def _dynamic_sampling(self, name, prompts, groups, step, vstats, times) -> tuple[list, list, int]:
-        """DAPO: keep non-zero-variance groups; draw more prompts (capped rounds) until the batch is full.
-        ``times`` accumulates the extra rounds' ``time_generate`` (measured in the worker) and ``time_reward``."""
+    def _dynamic_sampling(self, name, prompts, groups, step, vstats, times) -> tuple[list, list, int, int]:
+        """DAPO's dynamic sampling (``recipe/dapo``, ``filter_groups``): keep the groups with mixed
+        rewards; while fewer than ``prompt_batch`` are kept, generate another batch of prompts, up to
+        ``method.max_num_gen_batches`` batches in the step (the first included; <= 0: no limit), past
+        which the run stops with :class:`DynamicSamplingError`. Fresh prompts come from the training
+        data not yet drawn in this step (reshuffled once all of it has been). ``times`` accumulates the
+        extra batches' ``time_generate`` (measured in the worker) and ``time_reward``.
+        Returns ``(kept groups, their prompts, extra rollouts, generation batches)``."""
         keep = [g for g in groups if 0 < g.k < g.n]
         extra_rollouts = 0
         g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 3, step, self.names.index(name)))
         used = {pid for pid, _ in prompts}
         pool = [p for p in torch.randperm(len(self.data), generator=g).tolist() if self.data[p].id not in used]
-        rounds = 0
-        while len(keep) < self.cfg.prompt_batch and rounds < self.cfg.method.dynamic_max_rounds and pool:
-            rounds += 1
+        cap = self.cfg.method.max_num_gen_batches
+        batches = 1
+        while len(keep) < self.cfg.prompt_batch:
+            if 0 < cap <= batches:
+                raise DynamicSamplingError(
+                    f"step {step}: policy {name!r} has {len(keep)} of {self.cfg.prompt_batch} prompts with mixed rewards after "
+                    f"{batches} generation batches (method.max_num_gen_batches={cap}); the data may be too hard (or easy) "
+                    f"for it. Set method.max_num_gen_batches=0 for no limit, and resume with --resume")
+            if not pool:  # every prompt drawn once in this step: another pass, as DAPO's next epoch would
+                pool = torch.randperm(len(self.data), generator=g).tolist()
+            batches += 1
             take, pool = pool[: self.cfg.prompt_batch], pool[self.cfg.prompt_batch :]
             more_prompts = [(self.data[i].id, self.data[i].problem) for i in take]
-            seed = derive_seed(self.cfg.seed, 4, step, self.names.index(name), rounds)
+            seed = derive_seed(self.cfg.seed, 4, step, self.names.index(name), batches - 1)
             more, gen_s = self._call(name, "generate_timed", more_prompts, self.samplings[name], seed)
             times["time_generate"] += gen_s
             extra_rollouts += len(more) * self.cfg.n
@@ -233,8 +246,8 @@ class Trainer(Checkpointing, Validation):
             for k, v in st.items():
                 vstats[k] = vstats.get(k, 0) + v
             keep.extend(gr for gr in more if 0 < gr.k < gr.n)
-        keep = keep[: self.cfg.prompt_batch] or groups  # nothing kept: train on the batch as is
-        return keep, [(gr.prompt_id, gr.prompt) for gr in keep], extra_rollouts
+        keep = keep[: self.cfg.prompt_batch]
+        return keep, [(gr.prompt_id, gr.prompt) for gr in keep], extra_rollouts, batches
 
     # ------------------------------------------------------------------ one receiver
     def _train_receiver(self, name: str, batch: ReceiverBatch, step: int):
@@ -242,7 +255,7 @@ class Trainer(Checkpointing, Validation):
         (the call runs while the driver starts the next receiver's), or in-process the result."""
         seed = derive_seed(self.cfg.seed, 5, step, self.names.index(name))
         caps = {n: self._capability(n) for n in self.names}
-        return self._submit(name, "train", batch, step, seed, caps, self.cfg.temperature)
+        return self._submit(name, "train", batch, step, seed, caps, self.cfg.temperature, self.samplings[name].max_new_tokens)
 
     def _finish_receiver(self, name: str, batch: ReceiverBatch, step: int, handle) -> dict:
         """Wait for a receiver's update; record its peer rows' weights and what it grafted."""
@@ -256,7 +269,7 @@ class Trainer(Checkpointing, Validation):
 
     def _capability(self, name: str) -> float:
         h = self.success_history.get(name)
-        return max(statistics.fmean(h), 1e-3) if h else 0.5
+        return max(statistics.fmean(h), CAPABILITY_FLOOR) if h else 0.5
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> list[dict]:
@@ -275,7 +288,7 @@ class Trainer(Checkpointing, Validation):
             vst = self._verify(gs)
             times = {"time_generate": gen_s, "time_reward": time.perf_counter() - t0}
             if self.cfg.method.dynamic_sampling:
-                gs, _, extra = self._dynamic_sampling(name, prompts, gs, step, vst, times)
+                gs, _, extra, lines[name]["gen_batches"] = self._dynamic_sampling(name, prompts, gs, step, vst, times)
                 rollouts += extra
             lines[name].update(times)
             lines[name].update(vst)
@@ -291,7 +304,8 @@ class Trainer(Checkpointing, Validation):
         for name in self.policies:
             self.store.write(step, groups[name])
         for name, gs in groups.items():
-            self.success_history[name].append(sum(g.k for g in gs) / max(1, sum(g.n for g in gs)))
+            # HACPO's capability: the step's success rate, floored (its recipe's CapabilityTracker)
+            self.success_history[name].append(max(sum(g.k for g in gs) / max(1, sum(g.n for g in gs)), CAPABILITY_FLOOR))
         if isinstance(getattr(self.exchange, "capability", None), dict):
             self.exchange.capability.update({n: self._capability(n) for n in groups})
         batches: dict[str, ReceiverBatch] = {}
@@ -364,6 +378,11 @@ class Trainer(Checkpointing, Validation):
                    initial=self.start_step - 1, total=self.total_steps)
         stop = _GracefulStop()
         self._prefetch_until = end
+        if self.val_sets:
+            v = self.cfg.validation
+            sizes = ", ".join(f"{Path(ds).stem} {len(ps)}" for ds, ps in self.val_sets.items())
+            print(f"graft train: validation every {v.every} steps: {v.samples} samples per problem at temperature "
+                  f"{v.temperature:g} ({sizes} problems); best/ by their mean pass@1")
         try:
             if self.start_step == 1 and self.cfg.validation.at_start and self.val_sets:
                 self.validate(0)
@@ -458,6 +477,10 @@ def _config_from_checkpoints(run_dir: Path, cfg_path: Path, exc: Exception) -> d
             print(f"graft train: {cfg_path} is damaged ({exc}); resuming with the config saved in checkpoint {ckpt.name}")
             return saved
     raise ConfigError(f"{cfg_path} is damaged ({exc}) and no checkpoint holds a copy of the config") from None
+
+
+class DynamicSamplingError(RuntimeError):
+    """Dynamic sampling found too few prompts with mixed rewards within ``method.max_num_gen_batches``."""
 
 
 class RunInterrupted(KeyboardInterrupt):

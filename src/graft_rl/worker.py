@@ -112,11 +112,14 @@ class PolicyWorker:
         return self.policy.param_digest()
 
     # ------------------------------------------------------------------ receiver step
-    def _encode(self, batch: ReceiverBatch) -> TokenBatch:
+    def _encode(self, batch: ReceiverBatch, max_new_tokens: int | None = None) -> TokenBatch:
+        """The batch in this policy's tokens; peer texts re-tokenised and cut at ``max_new_tokens``
+        (``TokenBatch.cut``: the batch rows that were)."""
         pol = self.policy
         prompt_ids, response_ids = [], []
         foreign = [(i, r) for i, r in enumerate(batch.rows) if r.source != pol.name]
-        retok = pol.encode_texts([r.prompt for _, r in foreign], [r.text for _, r in foreign], [r.finished for _, r in foreign])
+        retok = pol.encode_texts([r.prompt for _, r in foreign], [r.text for _, r in foreign], [r.finished for _, r in foreign],
+                                 max_new_tokens)
         foreign_idx = {i: j for j, (i, _) in enumerate(foreign)}
         cache: dict[str, list[int]] = {}
         for i, r in enumerate(batch.rows):
@@ -129,7 +132,7 @@ class PolicyWorker:
                     cache[r.prompt] = pol.prompt_token_ids(r.prompt, r.prompt_id)
                 prompt_ids.append(cache[r.prompt])
                 response_ids.append(r.token_ids)
-        return TokenBatch(prompt_ids, response_ids)
+        return TokenBatch(prompt_ids, response_ids, [foreign[j][0] for j in retok.cut])
 
     def _score(self, tb: TokenBatch, rows: list[int], old: torch.Tensor) -> None:
         """Fill ``old[rows]`` with this policy's current log-probs of those rows (no gradient)."""
@@ -137,7 +140,8 @@ class PolicyWorker:
             lp, _ = self.policy.token_logprobs(tb.select(rows))
             old[rows, : lp.shape[1]] = lp
 
-    def train(self, batch: ReceiverBatch, step: int, seed: int, capabilities: dict[str, float], temperature: float = 1.0):
+    def train(self, batch: ReceiverBatch, step: int, seed: int, capabilities: dict[str, float], temperature: float = 1.0,
+              max_new_tokens: int | None = None):
         """Score the rows that need pi_old, weight peer rows, run the peer-last minibatch epoch.
 
         pi_old (the receiver's log-probs before the step's first update) is computed beforehand
@@ -149,6 +153,8 @@ class PolicyWorker:
 
         ``temperature``: the rollout temperature; every log-prob here (old, new, reference; so the
         ratio and the compatibility score) comes from logits divided by it (SPEC §2).
+        ``max_new_tokens``: the receiver's own response budget; re-tokenised peer responses are cut
+        to it (``peer_cut`` counts them).
         Returns ``(stats, weights per row, exchange record rows)``.
         """
         pol, name = self.policy, self.policy.name
@@ -156,8 +162,14 @@ class PolicyWorker:
         m = self.method
         gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
-        tb = self._encode(batch)
+        tb = self._encode(batch, max_new_tokens)
         mask = tb.response_mask()
+        if m.name == "hacpo":  # its recipe pops a final EOS (own, and peer: re-tokenised without one)
+            cut = set(tb.cut)
+            for i, r in enumerate(batch.rows):
+                n_tok = len(tb.response_ids[i])
+                if r.finished and n_tok > 1 and i not in cut:
+                    mask[i, n_tok - 1] = 0
         old = torch.zeros(mask.shape)  # pi_old, filled below where it is needed before the first update
         # compatibility of peer responses (Section 4.2); per-character variant logged too
         peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
@@ -235,6 +247,7 @@ class PolicyWorker:
             return sum(u.get(key, 0.0) for u in upd)
 
         stats.update(batch.stats)
+        stats["peer_cut"] = len(tb.cut)  # peer responses longer than the receiver's max_new_tokens here
         stats["admitted_frac"] = (sum(1 for w in weights_all if w > 0) / len(weights_all)) if weights_all else None
         stats["peer_weight_mean"] = statistics.fmean(weights_all) if weights_all else None
         stats["compat_token_median"] = statistics.median(s_tok_all) if s_tok_all else None

@@ -33,6 +33,7 @@ __all__ = [
     "hacpo_policy_loss",
     "dynamic_sampling_mask",
     "reference_kl",
+    "sequence_reference_kl",
 ]
 
 
@@ -305,11 +306,14 @@ def hacpo_advantages(
     capability_self: float,
     capability_peer: float,
     eps: float = 1e-6,
+    ratio_min: float = 0.1,
+    ratio_max: float = 10.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""HACPO's capability-aware advantage over the pooled group (Appendix B; HACPO Eqs. 5-6).
 
-    Each pooled reward is weighted by :math:`\omega = P_{self}/P_{src}` (1 for own rollouts)
-    in the baseline :math:`b = \mathrm{mean}_i(\omega_i r_i)`; a group whose rewards are all
+    Each pooled reward is weighted by :math:`\omega = \mathrm{clip}(P_{self}/P_{src}, 0.1, 10)`
+    (1 for own rollouts; the recipe's ``1 / CapabilityTracker.ratio(source, target)`` with
+    ``ratio_min`` 0.1, ``ratio_max`` 10) in the baseline :math:`b = \mathrm{mean}_i(\omega_i r_i)`; a group whose rewards are all
     equal uses the plain mean (weights must not create a signal), and a baseline above 1
     (impossible for binary rewards) falls back to the learner's own mean. The scale is the
     unbiased std of the pooled rewards plus ``eps``.
@@ -325,7 +329,7 @@ def hacpo_advantages(
     rs, rp = rewards_self.to(wd), rewards_peer.to(wd)
     n = rs.shape[1]
     pooled = torch.cat([rs, rp], dim=1)
-    omega = capability_self / capability_peer
+    omega = min(max(capability_self / capability_peer, ratio_min), ratio_max)
     weighted = torch.cat([rs, rp * omega], dim=1).mean(dim=1, keepdim=True)
     uniform = (pooled == pooled[:, :1]).all(dim=1, keepdim=True)
     baseline = torch.where(uniform, pooled.mean(dim=1, keepdim=True), weighted)
@@ -423,6 +427,25 @@ def dynamic_sampling_mask(rewards: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- KL to a reference
+def sequence_reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""Per-response token-mean ``low_var_kl`` to a frozen reference, ``[M]`` (HACPO's KL loss).
+
+    verl's ``low_var_kl`` (``kl_penalty_forward`` in ``verl/trainer/ppo/core_algos.py``), which
+    HACPO's recipe uses with ``loss_agg_mode: seq-mean-token-mean``: the log ratio
+    :math:`r = \log\pi_{ref} - \log\pi_\theta` clamped to ±20, :math:`k_3 = e^{r} - r - 1`
+    clamped to ±10, then the mean over each response's tokens. A response without tokens gives 0.
+    The caller sums over responses and divides by the minibatch's responses (the recipe's
+    ``global_batch_size``).
+    """
+    if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(f"sequence_reference_kl: shapes differ: logprobs {tuple(logprobs.shape)}, "
+                         f"ref {tuple(ref_logprobs.shape)}, mask {tuple(mask.shape)}")
+    r = (ref_logprobs.detach().to(logprobs.dtype) - logprobs).clamp(-20.0, 20.0)
+    k3 = (torch.exp(r) - r - 1).clamp(-10.0, 10.0)
+    m = mask.to(logprobs.dtype)
+    return (k3 * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+
+
 def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     r"""Token-mean KL penalty to a frozen reference policy (k3 estimator; DeepSeek GRPO, HACPO's KL loss).
 

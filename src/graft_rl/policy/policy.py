@@ -479,24 +479,38 @@ class Policy:
             responses.extend(g.token_ids)
         return TokenBatch(prompts, responses)
 
-    def encode_texts(self, problems: Sequence[str], responses: Sequence[str], finished: Sequence[bool]) -> TokenBatch:
+    def encode_texts(self, problems: Sequence[str], responses: Sequence[str], finished: Sequence[bool],
+                     max_tokens: int | None = None) -> TokenBatch:
         """Re-tokenise response *texts* after this policy's own prompt formatting (SPEC §2).
 
-        A response that stopped on its own gets this policy's EOS appended (the receiver
-        learns to stop there too); a truncated one does not.
+        EOS: a response that stopped on its own gets *this* policy's EOS appended (its chat
+        end-of-turn token under a chat template), because the source's stop token does not survive
+        decoding to text, and without it a finished answer would read to the receiver as a cut-off
+        prefix: the receiver learns to stop where the source stopped, as its own finished responses
+        do. A truncated response gets none.
+
+        Length: a response is cut to ``max_tokens`` (the receiver's own ``max_new_tokens``) and to
+        what the model's context leaves after the prompt, tokens counted in *this* tokenizer (a
+        peer's 4,096 tokens can be more here). A cut response is a truncated one (no EOS), as the
+        receiver's own response at that length would be. :attr:`TokenBatch.cut` lists the cut rows.
         """
         if not (len(problems) == len(responses) == len(finished)):
             raise PolicyError("encode_texts: problems, responses and finished differ in length")
         cache: dict[str, list[int]] = {}
         eos = self._chat_eos() if self.use_chat else self.tokenizer.eos_token_id
-        prompt_ids, response_ids = [], []
-        for prob, text, done in zip(problems, responses, finished, strict=True):
+        ctx = self.context_length()
+        prompt_ids, response_ids, cut = [], [], []
+        for row, (prob, text, done) in enumerate(zip(problems, responses, finished, strict=True)):
             if prob not in cache:
                 cache[prob] = self.prompt_token_ids(prob)
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids + ([eos] if done else [])
+            cap = min(max_tokens or len(ids), (ctx - len(cache[prob])) if ctx else len(ids))
+            if len(ids) > cap:
+                ids = ids[: max(cap, 0)]
+                cut.append(row)
             prompt_ids.append(cache[prob])
-            response_ids.append(ids + [eos] if done else ids)
-        return TokenBatch(prompt_ids, response_ids)
+            response_ids.append(ids)
+        return TokenBatch(prompt_ids, response_ids, cut)
 
     def _chat_eos(self) -> int:
         im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")

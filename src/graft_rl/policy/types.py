@@ -95,6 +95,7 @@ class TokenBatch:
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
+    cut: list[int] = field(default_factory=list)  # rows re-tokenised past a length cap and cut to it
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) != len(self.response_ids):
