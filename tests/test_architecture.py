@@ -40,6 +40,7 @@ LAYERS: dict[str, float] = {
     "defaults": 6,
     "evaluate_cli": 6,
     "preflight": 6,
+    "probe": 6,
     "cli": 6,
 }
 

@@ -23,7 +23,7 @@ from graft_rl.report import read_metrics, read_validation
 from graft_rl.rundir import best_steps
 from graft_rl.store import RecordStore
 
-__all__ = ["AnalysisError", "analyze", "compatibility_stats"]
+__all__ = ["AnalysisError", "analyze", "compatibility_stats", "complementarity", "plot_compatibility"]
 
 PHASES = ("time_generate", "time_reward", "time_score", "time_update")
 
@@ -96,6 +96,26 @@ def compatibility_stats(rows: list[dict], delta: float = 0.8) -> dict:
         "admitted_correct": sum(r["weight"] > 0 for r in good) / len(good) if good else None,
         "admitted_wrong": sum(r["weight"] > 0 for r in bad) / len(bad) if bad else None,
     }
+
+
+def plot_compatibility(axes, dirs: dict, delta: float) -> None:
+    """Histograms of each direction's compatibility scores, token-mean (``axes[0]``) and per
+    character (``axes[1]``), δ marked; ``dirs``: ``{(source, receiver): rows}`` with ``compat_token``
+    and ``compat_char`` (exchange records, or ``graft probe``'s scored rows)."""
+    every = [x for rows in dirs.values() for r in rows for x in (r["compat_token"], r["compat_char"]) if x is not None]
+    cap = min(3.0, max(every + [delta * 1.5]))  # the axis ends at the largest score (values above 3 drawn at 3)
+    for (src, recv), rows in dirs.items():
+        s_tok = [r["compat_token"] for r in rows if r["compat_token"] is not None]
+        s_chr = [r["compat_char"] for r in rows if r["compat_char"] is not None]
+        axes[0].hist([min(x, cap) for x in s_tok], bins=40, range=(0, cap), alpha=0.5, label=f"{src}→{recv}")
+        axes[1].hist([min(x, cap) for x in s_chr], bins=40, range=(0, cap), alpha=0.5, label=f"{src}→{recv}")
+    for a, title in zip(axes, ("token-mean s (paper)", "per-character s"), strict=True):
+        a.axvline(delta, color="k", linestyle=":", label=f"δ = {delta}")
+        a.set_title(title)
+        a.set_xlabel("compatibility score s" + (" (scores above 3 drawn at 3)" if cap == 3.0 else ""))
+        a.set_ylabel("peer responses")
+        a.set_xlim(0, cap)
+        a.legend(fontsize=8)
 
 
 def complementarity(store: RecordStore) -> dict[str, list[tuple[int, float | None]]]:
@@ -215,31 +235,19 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
             if not r["auxiliary"]:
                 dirs[(r["source"], r["receiver"])].append(r)
         delta = _run_delta(run)
-        every = [x for rows in dirs.values() for r in rows for x in (r["compat_token"], r["compat_char"]) if x is not None]
-        cap = min(3.0, max(every + [delta * 1.5]))  # the axis ends at the largest score (values above 3 drawn at 3)
+        plot_compatibility(axes, dirs, delta)
         report += [f"| direction | peer responses | admitted (w>0) | mean weight | s (token) median [p10, p90] | "
                    f"s (char) median [p10, p90] | s_token > {delta} | s_char > {delta} | admitted: correct / wrong |",
                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for (src, recv), rows in dirs.items():
             st = compatibility_stats(rows, delta)
-            s_tok = [r["compat_token"] for r in rows if r["compat_token"] is not None]
-            s_chr = [r["compat_char"] for r in rows if r["compat_char"] is not None]
             adm = sum(1 for r in rows if r["weight"] > 0) / len(rows)
-            axes[0].hist([min(x, cap) for x in s_tok], bins=40, range=(0, cap), alpha=0.5, label=f"{src}→{recv}")
-            axes[1].hist([min(x, cap) for x in s_chr], bins=40, range=(0, cap), alpha=0.5, label=f"{src}→{recv}")
             cells = "- | - | - | - | -" if not st["n"] else (
                 f"{st['median_token']:.3f} [{st['p10_token']:.2f}, {st['p90_token']:.2f}] | "
                 f"{st['median_char']:.3f} [{st['p10_char']:.2f}, {st['p90_char']:.2f}] | {_pct(st['pass_token'])} | "
                 f"{_pct(st['pass_char'])} | {_pct(st['admitted_correct'])} / {_pct(st['admitted_wrong'])}")
             report.append(f"| {src}→{recv} | {len(rows)} | {100 * adm:.1f}% | {_mean(r['weight'] for r in rows):.3f} | {cells} |")
             summary["policies"].setdefault(recv, {})["admitted_frac"] = adm
-        for a, title in zip(axes, ("token-mean s (paper)", "per-character s"), strict=True):
-            a.axvline(delta, color="k", linestyle=":", label=f"δ = {delta}")
-            a.set_title(title)
-            a.set_xlabel("compatibility score s" + (" (scores above 3 drawn at 3)" if cap == 3.0 else ""))
-            a.set_ylabel("peer responses")
-            a.set_xlim(0, cap)
-            a.legend(fontsize=8)
         _save(fig, out / "compatibility.png")
 
     # 4. clipping: self vs peer tokens

@@ -48,6 +48,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray actors to spread the work over, one model and rollout engine each (one GPU each on a GPU "
                         "machine; default: the devices the run trained on, all its policies' world_size, else 1)")
     e.add_argument("--prompt-format", default=None, choices=["auto", "chat", "plain"])
+    pr = sub.add_parser(
+        "probe", help="will GRAFT help this pair? complementarity and compatibility before any training",
+        description="Each policy samples the config's n responses for --limit training prompts (default: one "
+                    "prompt_batch); rewards are verified and a training step's selection, balanced exchange and "
+                    "compatibility gate run on them, without any update. Prints per policy and direction the all-fail "
+                    "rate, complementary candidates, groups grafted per step, compatibility and the share the gate "
+                    "admits (per prompt family where the data has them), and a verdict; writes probe.json and probe.png.",
+    )
+    pr.add_argument("config", help="YAML config (the one you would train)")
+    pr.add_argument("overrides", nargs="*", help="key=value overrides, as for graft train")
+    pr.add_argument("--limit", type=int, default=None, help="training prompts to probe (default: prompt_batch)")
+    pr.add_argument("--out", default=None, help="output directory (default probe/<run_dir name>)")
+    pr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sd = sub.add_parser(
+        "seeds", help="mean ± std of graft eval results over independent training runs (Table 4)",
+        description="Each RUN_DIR must have been evaluated (graft eval RUN_DIR writes RUN_DIR/eval/eval.json). Prints "
+                    "each policy's pass@1 per benchmark and average as mean ± sample std over the runs; with --baseline, "
+                    "the baseline runs' too and Δ, the difference of the mean averages (Table 4: GRAFT vs GRPO n=8).",
+    )
+    sd.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    sd.add_argument("--baseline", nargs="*", default=[], metavar="RUN_DIR", help="e.g. the GRPO n=8 runs of the same seeds")
+    sd.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
     pl = sub.add_parser("plan", help="memory per GPU and GPUs per policy for a config (nothing is loaded)")
     pl.add_argument("config", help="YAML config")
     pl.add_argument("overrides", nargs="*", help="key=value overrides, e.g. policies.0.world_size=4")
@@ -155,6 +177,26 @@ def _eval(ns) -> int:
     return 0
 
 
+def _probe(ns) -> int:
+    from graft_rl.config import ConfigError, load_config
+    from graft_rl.data import DatasetError
+    from graft_rl.policy import PolicyError
+    from graft_rl.probe import ProbeError, format_probe, probe
+
+    try:
+        cfg = load_config(ns.config, ns.overrides)
+        res = probe(cfg, ns.limit, ns.out, show=not ns.no_progress)
+    except (ConfigError, DatasetError, PolicyError, ProbeError) as exc:
+        print(f"graft probe: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ngraft probe: interrupted (nothing written)", file=sys.stderr)
+        return 130
+    print(format_probe(res))
+    print(f"written: {', '.join(res['written'])}")
+    return 0
+
+
 def _preflight(ns) -> int:
     import json
     from pathlib import Path
@@ -189,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides after an option (`graft train cfg.yaml --no-progress n=16`)
-        if ns.command in ("train", "plan", "preflight") and all("=" in e and not e.startswith("-") for e in extra):
+        if ns.command in ("train", "plan", "preflight", "probe") and all("=" in e and not e.startswith("-") for e in extra):
             ns.overrides = [*ns.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -199,6 +241,25 @@ def main(argv: list[str] | None = None) -> int:
         return _train(ns)
     if ns.command == "eval":
         return _eval(ns)
+    if ns.command == "probe":
+        return _probe(ns)
+    if ns.command == "seeds":
+        import json
+        from pathlib import Path
+
+        from graft_rl.evaluate_cli import across_runs, print_across_runs
+
+        try:
+            res = across_runs(ns.runs, ns.baseline)
+        except ValueError as exc:
+            print(f"graft seeds: {exc}", file=sys.stderr)
+            return 2
+        print_across_runs(res)
+        if ns.json:
+            from graft_rl.rundir import write_text_atomic
+
+            write_text_atomic(Path(ns.json), json.dumps(res, indent=1))
+        return 0
     if ns.command == "plan":
         from graft_rl.config import ConfigError, load_config
         from graft_rl.plan import eval_estimate, format_plan, plan

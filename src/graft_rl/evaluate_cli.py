@@ -372,3 +372,83 @@ def _print(res: dict, labels: list[str]) -> None:
             f"{100 * p['average']:.2f} ± {100 * p['average_std']:.2f}",
         )
     Console().print(t)
+
+
+# --------------------------------------------------------------------------- across training runs (Table 4)
+def _eval_json(run: str | Path) -> dict:
+    """A run's ``graft eval`` results: ``RUN/eval/eval.json`` (or an eval.json / its directory)."""
+    p = Path(run)
+    for cand in (p / "eval" / "eval.json", p / "eval.json", p):
+        if cand.is_file():
+            try:
+                res = json.loads(cand.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{cand}: not a readable eval.json ({exc})") from None
+            if not res.get("complete"):
+                raise ValueError(f"{cand}: an interrupted evaluation (complete: false); run graft eval {run} again")
+            return res
+    raise ValueError(f"{run}: no eval/eval.json (run `graft eval {run}` first)")
+
+
+def across_runs(runs: Sequence[str | Path], baseline: Sequence[str | Path] = ()) -> dict:
+    """Table 4: each policy's pass@1 as the mean and sample standard deviation over independent
+    training runs (one ``graft eval`` per run: its best checkpoints), per benchmark and for the
+    five-benchmark average; with ``baseline`` runs (GRPO n=8 in the paper), the same for them and Δ,
+    the difference of the mean averages. Runs must have been evaluated on the same benchmarks."""
+    def block(dirs):
+        results = [_eval_json(d) for d in dirs]
+        labels = None
+        per: dict[str, dict[str, list[float]]] = {}
+        for d, res in zip(dirs, results, strict=True):
+            for name, p in res["policies"].items():
+                bench = list(p["benchmarks"])
+                if labels is None:
+                    labels = bench
+                elif bench != labels:
+                    raise ValueError(f"{d}: policy {name} was evaluated on {', '.join(bench)}, the first run on "
+                                     f"{', '.join(labels)}")
+                row = per.setdefault(name, {})
+                for b in bench:
+                    row.setdefault(b, []).append(p["benchmarks"][b]["pass@1_mean"])
+                row.setdefault("average", []).append(p["average"])
+        out = {}
+        for name, row in per.items():
+            n = len(row["average"])
+            out[name] = {k: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if n > 1 else 0.0, "runs": n}
+                         for k, v in row.items()}
+        return out, labels or []
+
+    if len(runs) < 1:
+        raise ValueError("give at least one run directory")
+    method, labels = block(list(runs))
+    res = {"runs": [str(r) for r in runs], "labels": labels, "policies": method}
+    if baseline:
+        base, base_labels = block(list(baseline))
+        if base_labels != labels:
+            raise ValueError(f"the baseline runs were evaluated on {', '.join(base_labels)}, the runs on {', '.join(labels)}")
+        res["baseline_runs"] = [str(r) for r in baseline]
+        res["baseline"] = base
+        res["delta"] = {name: method[name]["average"]["mean"] - base[name]["average"]["mean"] for name in method if name in base}
+    return res
+
+
+def print_across_runs(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    labels = res["labels"] + ["average"]
+    t = Table(title="pass@1 (%), mean ± sample std over training runs (Table 4)")
+    t.add_column("policy")
+    t.add_column("runs", justify="right")
+    for b in labels:
+        t.add_column(b, justify="right")
+    if "delta" in res:
+        t.add_column("Δ avg", justify="right")
+    blocks = [("", res["policies"])] + ([(" (baseline)", res["baseline"])] if "baseline" in res else [])
+    for suffix, block in blocks:
+        for name, row in block.items():
+            cells = [f"{100 * row[b]['mean']:.2f} ± {100 * row[b]['std']:.2f}" for b in labels]
+            delta = ([f"{100 * res['delta'][name]:+.2f}" if not suffix and name in res["delta"] else ""]
+                     if "delta" in res else [])
+            t.add_row(name + suffix, str(row["average"]["runs"]), *cells, *delta)
+    Console().print(t)

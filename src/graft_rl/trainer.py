@@ -272,7 +272,9 @@ class Trainer(Checkpointing, Validation):
         return max(statistics.fmean(h), CAPABILITY_FLOOR) if h else 0.5
 
     # ------------------------------------------------------------------ one step
-    def step(self, step: int) -> list[dict]:
+    def rollouts(self, step: int) -> tuple[dict[str, list[RolloutGroup]], dict[str, dict]]:
+        """A step's rollout phase: every policy's verified groups (dynamic sampling applied), stored
+        peers' replayed groups, and each policy's metric line so far. (``graft probe`` runs this.)"""
         prompts = self.prompts_for_step(step)
         groups: dict[str, list[RolloutGroup]] = {}
         lines: dict[str, dict] = {name: {"step": step, "policy": name} for name in self.policies}
@@ -301,8 +303,11 @@ class Trainer(Checkpointing, Validation):
                 for g in replayed
             ]
             self._verify(groups[name])  # rewards are re-verified, not trusted from the records
-        for name in self.policies:
-            self.store.write(step, groups[name])
+        return groups, lines
+
+    def receiver_batches(self, step: int, groups: dict[str, list[RolloutGroup]], lines: dict[str, dict]) -> dict[str, ReceiverBatch]:
+        """A step's exchange phase: capabilities, each receiver's batch (selection, composition,
+        advantages; Section 4.1), and the groups' statistics in ``lines``. (``graft probe`` runs this.)"""
         for name, gs in groups.items():
             # HACPO's capability: the step's success rate, floored (its recipe's CapabilityTracker)
             self.success_history[name].append(max(sum(g.k for g in gs) / max(1, sum(g.n for g in gs)), CAPABILITY_FLOOR))
@@ -323,6 +328,13 @@ class Trainer(Checkpointing, Validation):
             lengths = [len(ids) for g in own for ids in g.token_ids]
             line["response_len_mean"] = statistics.fmean(lengths)
             line["truncated_frac"] = sum(1 for g in own for f in g.finish_reasons if f == "length") / len(lengths)
+        return batches
+
+    def step(self, step: int) -> list[dict]:
+        groups, lines = self.rollouts(step)
+        for name in self.policies:
+            self.store.write(step, groups[name])
+        batches = self.receiver_batches(step, groups, lines)
         # every receiver's update is started before any is awaited: under Ray each policy's devices
         # score and train at the same time (in-process they run one after the other)
         pending = {name: self._train_receiver(name, batches[name], step) for name in self.policies}

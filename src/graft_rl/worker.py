@@ -140,6 +140,50 @@ class PolicyWorker:
             lp, _ = self.policy.token_logprobs(tb.select(rows))
             old[rows, : lp.shape[1]] = lp
 
+    def _weigh(self, batch: ReceiverBatch, gen: torch.Generator, temperature: float, max_new_tokens: int | None):
+        """Encode the batch, score its peer rows under this policy (pi_old) and set their weights
+        (Section 4.2): ``(token batch, mask, old log-probs, peer rows, {row: (s_token, s_char)})``."""
+        pol, m = self.policy, self.method
+        pol.logprob_temperature = temperature
+        tb = self._encode(batch, max_new_tokens)
+        mask = tb.response_mask()
+        if m.name == "hacpo":  # its recipe pops a final EOS (own, and peer: re-tokenised without one)
+            cut = set(tb.cut)
+            for i, r in enumerate(batch.rows):
+                n_tok = len(tb.response_ids[i])
+                if r.finished and n_tok > 1 and i not in cut:
+                    mask[i, n_tok - 1] = 0
+        old = torch.zeros(mask.shape)  # pi_old, filled where it is needed before the first update
+        # compatibility of peer responses (Section 4.2); per-character variant logged too
+        peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
+        self._score(tb, peer_rows, old)
+        recv_sum = (old * mask).sum(1)
+        recv_mean = algo.mean_token_logprob(old, mask)
+        compat: dict[int, tuple[float, float]] = {}
+        for src in dict.fromkeys(batch.rows[i].source for i in peer_rows):
+            rows = [i for i in peer_rows if batch.rows[i].source == src]
+            src_mean = torch.tensor([batch.rows[i].src_mean_logprob for i in rows])
+            s_tok = algo.compatibility_score(recv_mean[rows], src_mean)
+            chars = torch.tensor([max(len(batch.rows[i].text), 1) for i in rows], dtype=torch.float32)
+            src_sum = torch.tensor([batch.rows[i].src_logprob_sum for i in rows])
+            s_chr = torch.exp((recv_sum[rows] - src_sum) / chars)
+            w = self.weighting(s_tok if m.compatibility == "token_mean" else s_chr, gen)
+            for i, wi, st, sc in zip(rows, w.tolist(), s_tok.tolist(), s_chr.tolist(), strict=True):
+                batch.rows[i].weight = wi
+                compat[i] = (st, sc)
+        return tb, mask, old, peer_rows, compat
+
+    def score_peers(self, batch: ReceiverBatch, seed: int, temperature: float = 1.0,
+                    max_new_tokens: int | None = None) -> list[dict]:
+        """What :meth:`train` computes for the peer rows before any update (``graft probe``): per
+        peer row its prompt, source, reward, compatibility (token mean and per character) and
+        weight, from the same code and, for the same ``seed``, the same draws."""
+        gen = torch.Generator().manual_seed(seed)
+        _, _, _, peer_rows, compat = self._weigh(batch, gen, temperature, max_new_tokens)
+        return [{"prompt_id": batch.rows[i].prompt_id, "source": batch.rows[i].source, "reward": batch.rows[i].reward,
+                 "compat_token": compat[i][0], "compat_char": compat[i][1], "weight": batch.rows[i].weight}
+                for i in peer_rows]
+
     def train(self, batch: ReceiverBatch, step: int, seed: int, capabilities: dict[str, float], temperature: float = 1.0,
               max_new_tokens: int | None = None):
         """Score the rows that need pi_old, weight peer rows, run the peer-last minibatch epoch.
@@ -158,43 +202,18 @@ class PolicyWorker:
         Returns ``(stats, weights per row, exchange record rows)``.
         """
         pol, name = self.policy, self.policy.name
-        pol.logprob_temperature = temperature
         m = self.method
         gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
-        tb = self._encode(batch, max_new_tokens)
-        mask = tb.response_mask()
-        if m.name == "hacpo":  # its recipe pops a final EOS (own, and peer: re-tokenised without one)
-            cut = set(tb.cut)
-            for i, r in enumerate(batch.rows):
-                n_tok = len(tb.response_ids[i])
-                if r.finished and n_tok > 1 and i not in cut:
-                    mask[i, n_tok - 1] = 0
-        old = torch.zeros(mask.shape)  # pi_old, filled below where it is needed before the first update
-        # compatibility of peer responses (Section 4.2); per-character variant logged too
-        peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
-        self._score(tb, peer_rows, old)
-        recv_sum = (old * mask).sum(1)
-        recv_mean = algo.mean_token_logprob(old, mask)
+        tb, mask, old, peer_rows, compat = self._weigh(batch, gen, temperature, max_new_tokens)
         ref = pol.reference_logprobs(tb)[0] if m.kl_coef > 0 else None
         score_s = time.perf_counter() - t0
         stats: dict = {}
-        s_tok_all, s_chr_all, weights_all = [], [], []
-        compat: dict[int, tuple[float, float]] = {}
-        for src in dict.fromkeys(batch.rows[i].source for i in peer_rows):
-            rows = [i for i in peer_rows if batch.rows[i].source == src]
-            src_mean = torch.tensor([batch.rows[i].src_mean_logprob for i in rows])
-            s_tok = algo.compatibility_score(recv_mean[rows], src_mean)
-            chars = torch.tensor([max(len(batch.rows[i].text), 1) for i in rows], dtype=torch.float32)
-            src_sum = torch.tensor([batch.rows[i].src_logprob_sum for i in rows])
-            s_chr = torch.exp((recv_sum[rows] - src_sum) / chars)
-            w = self.weighting(s_tok if m.compatibility == "token_mean" else s_chr, gen)
-            for i, wi, st, sc in zip(rows, w.tolist(), s_tok.tolist(), s_chr.tolist(), strict=True):
-                batch.rows[i].weight = wi
-                compat[i] = (st, sc)
-            s_tok_all += s_tok.tolist()
-            s_chr_all += s_chr.tolist()
-            weights_all += w.tolist()
+        by_source = [i for src in dict.fromkeys(batch.rows[i].source for i in peer_rows)
+                     for i in peer_rows if batch.rows[i].source == src]
+        s_tok_all = [compat[i][0] for i in by_source]
+        s_chr_all = [compat[i][1] for i in by_source]
+        weights_all = [batch.rows[i].weight for i in by_source]
         kappa = []
         for r in batch.rows:
             if r.is_peer and m.name == "hacpo":

@@ -191,3 +191,24 @@ def test_a_sigkilled_driver_leaves_none_of_its_local_ray_instance(tmp_path):
             break
         time.sleep(0.5)
     assert not left, [" ".join(p.cmdline())[:80] for p in left]
+
+
+def test_probe_under_ray_equals_the_in_process_probe(make_cfg, ray_local, monkeypatch, tmp_path):
+    """`graft probe` on a Ray config: each policy samples and scores in its actor; the report equals
+    the in-process one (issue 25)."""
+    from graft_rl.probe import probe
+
+    from .conftest import fake_verify
+
+    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    threads = torch.get_num_threads()
+    local = probe(make_cfg({"name": "graft"}, run="pl"), out_dir=tmp_path / "l", show=False)
+    remote = probe(make_cfg({"name": "graft"}, run="pr", execution="ray", ray={"num_cpus": 1, "torch_threads": threads}),
+                   out_dir=tmp_path / "r", show=False)
+    assert remote["directions"].keys() == local["directions"].keys()
+    for key, d in local["directions"].items():
+        r = remote["directions"][key]
+        assert (r["candidates"], r["grafted"]) == (d["candidates"], d["grafted"])
+        for part in ("grafted_compat", "candidate_compat"):
+            assert r[part] == pytest.approx(d[part], abs=1e-5)
+    assert remote["verdict"] == local["verdict"]

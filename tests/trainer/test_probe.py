@@ -1,0 +1,65 @@
+"""`graft probe` (issue 25): complementarity and compatibility before training, from the training
+step's own code path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graft_rl.probe import ProbeError, format_probe, probe
+from graft_rl.trainer import Trainer
+
+
+@pytest.mark.parametrize("method", [{"name": "graft"}, {"name": "graft", "balance": False, "delta": 0.5}])
+def test_probe_predicts_the_first_training_steps_exchange_and_admission(make_cfg, fake_rewards, tmp_path, method):
+    """Same config and seed: the probe's grafted groups and admitted share per receiver are what
+    training step 1 grafts and admits (the same rollouts, selection, scores and gate draws)."""
+    cfg = make_cfg(method, steps=1, run="probe_cfg")
+    res = probe(cfg, out_dir=tmp_path / "probe", show=False)
+    lines = {ln["policy"]: ln for ln in Trainer(make_cfg(method, steps=1, run="trained"), show_progress=False).run()}
+    for recv in ("A", "B"):
+        src = "B" if recv == "A" else "A"
+        d = res["directions"][f"{src}->{recv}"]
+        assert d["grafted"] == lines[recv]["exchanged_in"]
+        assert d["grafted_per_step"] == lines[recv]["exchanged_in"]  # one batch of the config's size
+        assert d["candidates"] == lines[recv]["candidates_in"]
+        got = d["grafted_compat"]
+        if lines[recv]["exchanged_in"]:
+            assert got["admitted"] == pytest.approx(lines[recv]["admitted_frac"])
+            assert got["median_token"] == pytest.approx(lines[recv]["compat_token_median"], abs=1e-4)
+    assert res["directions"]["B->A"]["grafted"] > 0 and res["directions"]["A->B"]["grafted"] > 0
+    saved = json.loads((tmp_path / "probe" / "probe.json").read_text())
+    assert saved["directions"].keys() == res["directions"].keys() and saved["verdict"] == res["verdict"]
+    assert (tmp_path / "probe" / "probe.png").stat().st_size > 10_000
+    assert not (tmp_path / "probe_cfg").exists()  # nothing trained, no run directory
+
+
+def test_probe_report_fits_80_columns_and_ends_with_a_verdict(make_cfg, fake_rewards, tmp_path):
+    res = probe(make_cfg({"name": "grpo"}, steps=1, run="p80"), limit=12, out_dir=tmp_path / "p", show=False)
+    text = format_probe(res)
+    assert max(len(x) for x in text.splitlines()) <= 80
+    assert "probed with GRAFT's exchange" in text  # a GRPO config is probed as GRAFT would run it
+    assert text.split("\n\n")[-1].startswith("GRAFT would graft ~")
+    assert res["batches"] == 2 and res["prompts"] == 12  # 12 prompts: 2 batches of at most prompt_batch 8
+
+
+def test_probe_refuses_what_it_cannot_measure(make_cfg, tiny_pair, tmp_path):
+    one = make_cfg({"name": "grpo"}, policies=[{"name": "A", "model": str(tiny_pair[0])}], run="one")
+    with pytest.raises(ProbeError, match="one policy and no stored peer"):
+        probe(one, out_dir=tmp_path / "p", show=False)
+    with pytest.raises(ProbeError, match="--limit must be >= 1"):
+        probe(make_cfg(run="zero"), limit=0, out_dir=tmp_path / "p", show=False)
+
+
+def test_graft_probe_command(make_cfg, fake_rewards, tmp_path, capsys):
+    import yaml
+
+    from graft_rl.cli import main
+    from graft_rl.config import to_dict
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(to_dict(make_cfg(run="cli"))))
+    assert main(["probe", str(path), "--limit", "8", "--out", str(tmp_path / "out"), "--no-progress", "n=4"]) == 0
+    out = capsys.readouterr().out
+    assert "GRAFT would graft ~" in out and f"written: {tmp_path / 'out' / 'probe.json'}" in out
