@@ -29,7 +29,7 @@ def test_toy_config_keeps_what_the_config_decides(tmp_path):
     assert all(pc.fused_logprobs for pc in t.policies)  # the real vocabularies take the chunked head
     vllm = importlib.util.find_spec("vllm") is not None
     assert all(pc.backend == ("vllm" if vllm else "hf") for pc in t.policies)
-    assert t.prompt_batch == 4 and t.minibatch == 2 and t.max_new_tokens == 16  # HACPO's 64/128 ratio kept
+    assert t.prompt_batch == 4 and t.minibatch == 1 and t.max_new_tokens == 16  # HACPO's 32/128 ratio kept: 4 updates
     assert toy.ray_resources == {"node_a": 1.0} and t.ray.resources == cfg.ray.resources
     assert "toy smollm3" in toy.families["SmolLM3-3B-Base"] and "toy qwen3" in toy.families["Qwen3-1.7B-Base"]
     import torch

@@ -23,6 +23,7 @@ import json
 import math
 import signal
 import statistics
+import textwrap
 import time
 from collections import deque
 from pathlib import Path
@@ -393,8 +394,9 @@ class Trainer(Checkpointing, Validation):
         if self.val_sets:
             v = self.cfg.validation
             sizes = ", ".join(f"{Path(ds).stem} {len(ps)}" for ds, ps in self.val_sets.items())
-            print(f"graft train: validation every {v.every} steps: {v.samples} samples per problem at temperature "
-                  f"{v.temperature:g} ({sizes} problems); best/ by their mean pass@1")
+            print(textwrap.fill(f"graft train: validation every {v.every} steps: {v.samples} samples per problem at "
+                                f"temperature {v.temperature:g} ({sizes} problems); best/ by their mean pass@1",
+                                80, subsequent_indent="  "))
         try:
             if self.start_step == 1 and self.cfg.validation.at_start and self.val_sets:
                 self.validate(0)

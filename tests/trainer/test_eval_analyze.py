@@ -20,6 +20,9 @@ class FakePolicy:
     def __init__(self, pc):
         self.name = pc.name
 
+    def context_length(self):
+        return None
+
     def generate(self, prompts, sp, seed=0):
         out = []
         for pid, _ in prompts:

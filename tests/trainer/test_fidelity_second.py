@@ -66,7 +66,7 @@ def test_validation_samples_default_to_the_papers_8_and_train_says_what_it_uses(
     tr = Trainer(make_cfg({"name": "grpo"}, steps=1, run="val8", validation={"data": [str(tiny_data)], "every": 1, "limit": 2}),
                  show_progress=False)
     tr.run()
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "validation every 1 steps: 8 samples per problem at temperature 0.6" in out
 
 

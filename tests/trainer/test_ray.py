@@ -113,8 +113,8 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
         for k in x:
             if isinstance(x[k], float):
                 assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6), k
-            elif isinstance(x[k], list):
-                assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6), k
+            elif isinstance(x[k], list):  # compat_token/char: rounded to 5 decimals, so one unit of the last may flip
+                assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1.5e-5), k
             else:
                 assert x[k] == y[k], k
     # parameters: rank 0 wrote the full weights; they equal the in-process ones elementwise to 1e-6
