@@ -86,6 +86,10 @@ class PolicyConfig:
     plain_template: str = "{prompt}\n"  # used by `plain`; {prompt} is the problem + suffix
     system_prompt: str | None = None
     prompt_suffix: str | None = PROMPT_SUFFIX
+    # strings that end a response as EOS does, each one token of this model's tokenizer: "\n\n" for a
+    # base model under a few-shot prompt, which would otherwise write the next example's question (and
+    # its answer, which the verifier then reads as the response's last); kept in the response
+    stop: list[str] = field(default_factory=list)
     max_prompt_tokens: int = 2048
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -309,7 +313,8 @@ class Policy:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.use_chat = config.prompt_format == "chat" or (config.prompt_format == "auto" and bool(self.tokenizer.chat_template))
-        self.eos_token_ids = self._eos_ids()
+        self.stop_token_ids = self._stop_ids()
+        self.eos_token_ids = sorted(set(self._eos_ids()) | set(self.stop_token_ids))
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.lr,
@@ -395,6 +400,17 @@ class Policy:
                 del model.config.quantization_config
             model.is_quantized = False
         return model
+
+    def _stop_ids(self) -> list[int]:
+        """``config.stop`` as token ids, in order (one token each, or a one-line error)."""
+        out = []
+        for text in self.config.stop:
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            if len(ids) != 1:
+                raise PolicyError(f"policy {self.name!r}: stop string {text!r} is {len(ids)} tokens of its tokenizer "
+                                  f"({ids}); give strings that are one token each (e.g. '\\n\\n')")
+            out.append(ids[0])
+        return out
 
     def _eos_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -483,8 +499,8 @@ class Policy:
                      max_tokens: int | None = None) -> TokenBatch:
         """Re-tokenise response *texts* after this policy's own prompt formatting (SPEC §2).
 
-        EOS: a response that stopped on its own gets *this* policy's EOS appended (its chat
-        end-of-turn token under a chat template), because the source's stop token does not survive
+        EOS: a response that stopped on its own gets *this* policy's EOS appended
+        (:meth:`end_token_id`: its chat end-of-turn token under a chat template), because the source's stop token does not survive
         decoding to text, and without it a finished answer would read to the receiver as a cut-off
         prefix: the receiver learns to stop where the source stopped, as its own finished responses
         do. A truncated response gets none.
@@ -497,7 +513,7 @@ class Policy:
         if not (len(problems) == len(responses) == len(finished)):
             raise PolicyError("encode_texts: problems, responses and finished differ in length")
         cache: dict[str, list[int]] = {}
-        eos = self._chat_eos() if self.use_chat else self.tokenizer.eos_token_id
+        eos = self.end_token_id()
         ctx = self.context_length()
         prompt_ids, response_ids, cut = [], [], []
         for row, (prob, text, done) in enumerate(zip(problems, responses, finished, strict=True)):
@@ -511,6 +527,13 @@ class Policy:
             prompt_ids.append(cache[prob])
             response_ids.append(ids)
         return TokenBatch(prompt_ids, response_ids, cut)
+
+    def end_token_id(self) -> int:
+        """The token this policy ends its own responses with: its first ``stop`` token if it has
+        any, else its chat end-of-turn token under a chat template, else its EOS."""
+        if self.stop_token_ids:
+            return self.stop_token_ids[0]
+        return self._chat_eos() if self.use_chat else self.tokenizer.eos_token_id
 
     def _chat_eos(self) -> int:
         im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")

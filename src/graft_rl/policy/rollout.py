@@ -229,7 +229,7 @@ class VLLMBackend:
     """
 
     def __init__(self, model, model_dir: str, dtype: str = "float32", gpu_memory_utilization: float = 0.4,
-                 sleep: bool | None = None, weights_fn=None, **engine_kwargs):
+                 sleep: bool | None = None, weights_fn=None, stop_token_ids: list[int] | None = None, **engine_kwargs):
         # One engine per policy, in this process: no spawned engine (so no __main__ guard is
         # needed) and weight reloads pass tensors directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -240,6 +240,7 @@ class VLLMBackend:
             raise ImportError("rollout backend 'vllm' needs vLLM: pip install 'graft-rl[vllm]'") from exc
         _check_vllm_version(vllm.__version__)
         self.model = model
+        self.stop_token_ids = list(stop_token_ids or [])  # end a response as EOS does (PolicyConfig.stop)
         # the weights to push: the trainer's state dict (a sharded policy gathers its full weights)
         self.weights_fn = weights_fn or (lambda: [(name, p.detach()) for name, p in model.state_dict().items()])
         self.sleep = torch.cuda.is_available() if sleep is None else sleep
@@ -299,6 +300,7 @@ class VLLMBackend:
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
             max_tokens=sampling.max_new_tokens,
             logprobs=0,
+            stop_token_ids=self.stop_token_ids or None,
         )
         # unseeded requests on a reseeded engine: every sample draws its own noise (no two prompts
         # share a random stream, as one per-request seed would give: vLLM seeds child i of a request
@@ -355,5 +357,5 @@ def make_backend(kind: str, policy) -> RolloutBackend:
     if kind == "vllm":
         weights_fn = getattr(policy, "rollout_weights", None)  # a sharded policy's gathered full weights
         return VLLMBackend(policy.model, policy.model_dir, dtype=policy.config.dtype, weights_fn=weights_fn,
-                           **policy.config.vllm_kwargs)
+                           stop_token_ids=policy.stop_token_ids, **policy.config.vllm_kwargs)
     raise ValueError(f"unknown rollout backend {kind!r}; use 'hf' or 'vllm'")
