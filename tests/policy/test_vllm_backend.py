@@ -96,17 +96,16 @@ def test_vllm_weights_pushed_once_per_step_before_generation(vllm_policy, monkey
         assert vllm_policy.backend.sleeping == {"weights", "kv_cache"}
 
 
-def test_vllm_ends_responses_at_the_policys_stop_tokens(vllm_policy):
-    """``PolicyConfig.stop`` reaches vLLM as ``stop_token_ids``: a response ends at the first one,
-    the token kept, finish reason "stop" (as the hf backend does)."""
-    nl = vllm_policy.tokenizer("\n", add_special_tokens=False).input_ids[0]
-    sp = SamplingParams(n=16, temperature=1.0, max_new_tokens=32)
+def test_vllm_ends_responses_at_the_policys_stop_strings(vllm_policy):
+    """``PolicyConfig.stop`` reaches vLLM as ``stop`` strings: a response's tokens end with the one
+    that completes the first match, finish reason "stop" (as the hf backend does)."""
+    sp = SamplingParams(n=32, temperature=1.0, max_new_tokens=40)
     free = vllm_policy.generate([("q", "1+1=?")], sp, seed=3)[0]
-    assert any(nl in ids[:-1] for ids in free.token_ids)
-    vllm_policy.backend.stop_token_ids = [nl]
+    assert sum("a" in t[:-1] for t in free.texts) > 0
+    vllm_policy.backend.stop = ["a"]
     try:
         got = vllm_policy.generate([("q", "1+1=?")], sp, seed=3)[0]
     finally:
-        vllm_policy.backend.stop_token_ids = []
-    assert all(nl not in ids[:-1] for ids in got.token_ids)
-    assert any(ids[-1] == nl and f == "stop" for ids, f in zip(got.token_ids, got.finish_reasons, strict=True))
+        vllm_policy.backend.stop = []
+    assert all("a" not in t[:-1] for t in got.texts)
+    assert any(t.endswith("a") and f == "stop" for t, f in zip(got.texts, got.finish_reasons, strict=True))

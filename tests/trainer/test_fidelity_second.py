@@ -21,7 +21,7 @@ def test_peer_responses_are_cut_at_the_receivers_max_new_tokens_and_lose_their_e
     from graft_rl.policy import Policy, PolicyConfig
 
     pol = Policy(PolicyConfig(name="A", model=str(tiny_pair[0])))  # byte-level: one token per character
-    eos = pol.end_token_id()
+    eos = pol.end_token_ids()[0]
     texts = ["x" * 40 + " \\boxed{1}", "short \\boxed{2}", "y" * 40]
     full = pol.encode_texts(["Q"] * 3, texts, [True, True, False])
     assert full.cut == [] and full.response_ids[0][-1] == eos and full.response_ids[1][-1] == eos

@@ -86,9 +86,9 @@ class PolicyConfig:
     plain_template: str = "{prompt}\n"  # used by `plain`; {prompt} is the problem + suffix
     system_prompt: str | None = None
     prompt_suffix: str | None = PROMPT_SUFFIX
-    # strings that end a response as EOS does, each one token of this model's tokenizer: "\n\n" for a
-    # base model under a few-shot prompt, which would otherwise write the next example's question (and
-    # its answer, which the verifier then reads as the response's last); kept in the response
+    # strings that end a response as EOS does (kept in it): "\n\n" for a base model under a few-shot
+    # prompt, which would otherwise write the next example's question and answer, whose \boxed{} the
+    # verifier would read as the response's last. Matched in the decoded text, however it is tokenised
     stop: list[str] = field(default_factory=list)
     max_prompt_tokens: int = 2048
     lr: float = 1e-6
@@ -313,8 +313,7 @@ class Policy:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.use_chat = config.prompt_format == "chat" or (config.prompt_format == "auto" and bool(self.tokenizer.chat_template))
-        self.stop_token_ids = self._stop_ids()
-        self.eos_token_ids = sorted(set(self._eos_ids()) | set(self.stop_token_ids))
+        self.eos_token_ids = self._eos_ids()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.lr,
@@ -400,17 +399,6 @@ class Policy:
                 del model.config.quantization_config
             model.is_quantized = False
         return model
-
-    def _stop_ids(self) -> list[int]:
-        """``config.stop`` as token ids, in order (one token each, or a one-line error)."""
-        out = []
-        for text in self.config.stop:
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            if len(ids) != 1:
-                raise PolicyError(f"policy {self.name!r}: stop string {text!r} is {len(ids)} tokens of its tokenizer "
-                                  f"({ids}); give strings that are one token each (e.g. '\\n\\n')")
-            out.append(ids[0])
-        return out
 
     def _eos_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -500,7 +488,8 @@ class Policy:
         """Re-tokenise response *texts* after this policy's own prompt formatting (SPEC §2).
 
         EOS: a response that stopped on its own gets *this* policy's EOS appended
-        (:meth:`end_token_id`: its chat end-of-turn token under a chat template), because the source's stop token does not survive
+        (:meth:`end_token_ids`: its chat end-of-turn token under a chat template, its first stop
+        string if it has any and the text does not end in one already), because the source's stop token does not survive
         decoding to text, and without it a finished answer would read to the receiver as a cut-off
         prefix: the receiver learns to stop where the source stopped, as its own finished responses
         do. A truncated response gets none.
@@ -513,13 +502,14 @@ class Policy:
         if not (len(problems) == len(responses) == len(finished)):
             raise PolicyError("encode_texts: problems, responses and finished differ in length")
         cache: dict[str, list[int]] = {}
-        eos = self.end_token_id()
+        end = self.end_token_ids()
         ctx = self.context_length()
         prompt_ids, response_ids, cut = [], [], []
         for row, (prob, text, done) in enumerate(zip(problems, responses, finished, strict=True)):
             if prob not in cache:
                 cache[prob] = self.prompt_token_ids(prob)
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids + ([eos] if done else [])
+            ends = done and not (self.config.stop and text.endswith(tuple(self.config.stop)))  # ends in a stop string already
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids + (end if ends else [])
             cap = min(max_tokens or len(ids), (ctx - len(cache[prob])) if ctx else len(ids))
             if len(ids) > cap:
                 ids = ids[: max(cap, 0)]
@@ -528,12 +518,12 @@ class Policy:
             response_ids.append(ids)
         return TokenBatch(prompt_ids, response_ids, cut)
 
-    def end_token_id(self) -> int:
-        """The token this policy ends its own responses with: its first ``stop`` token if it has
+    def end_token_ids(self) -> list[int]:
+        """What this policy ends its own responses with: its first ``stop`` string's tokens if it has
         any, else its chat end-of-turn token under a chat template, else its EOS."""
-        if self.stop_token_ids:
-            return self.stop_token_ids[0]
-        return self._chat_eos() if self.use_chat else self.tokenizer.eos_token_id
+        if self.config.stop:
+            return self.tokenizer(self.config.stop[0], add_special_tokens=False).input_ids
+        return [self._chat_eos() if self.use_chat else self.tokenizer.eos_token_id]
 
     def _chat_eos(self) -> int:
         im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -101,12 +101,21 @@ def _cache_of(res):
     return cache if cache is not None else res.get("past_key_values")
 
 
+#: Tokens a stop string may span (the text of a row's last STOP_WINDOW tokens is searched).
+STOP_WINDOW = 8
+
+
 class HFBackend:
     """KV-cached ancestral sampling with a transformers model (the trainer's own module)."""
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, batch_size: int | None = None,
-                 compute_context=None):
+                 compute_context=None, stop: list[str] | None = None, decode=None):
         self.model = model
+        # stop strings: matched on the decoded text of a row's last STOP_WINDOW tokens after each token
+        self.stop = list(stop or [])
+        if self.stop and decode is None:
+            raise ValueError("HFBackend: stop strings need the tokenizer's decode")
+        self.decode = decode
         self.compute_context = compute_context or contextlib.nullcontext  # autocast under mixed precision
         self.eos = torch.tensor(sorted(set(eos_token_ids)))
         self.pad = pad_token_id
@@ -171,6 +180,8 @@ class HFBackend:
             lp_m[live, step] = tok_lp.float()
             steps = step + 1
             finished = finished | torch.isin(tok, eos)
+            if self.stop:
+                finished = finished | self._stopped(tok_m, live, step, finished)
             if bool(finished.all()) or step == sp.max_new_tokens - 1:
                 break
             if self.compact and 4 * int(finished.sum()) >= len(finished) and hasattr(past, "batch_select_indices"):
@@ -192,12 +203,30 @@ class HFBackend:
         for i in range(B):
             ids = tok_m[i].tolist()
             hit = torch.isin(tok_m[i], eos_cpu).nonzero()
-            if hit.numel():
-                end = int(hit[0]) + 1
+            end = int(hit[0]) + 1 if hit.numel() else None
+            if self.stop:  # the first token that completes a stop string, if it comes first
+                s_end = next((t + 1 for t in range(len(ids) if end is None else end) if self._completes(ids, t)), None)
+                end = s_end if s_end is not None else end
+            if end is not None:
                 samples.append(Sample(ids[:end], lp_m[i, :end].tolist(), "stop"))
             else:
                 samples.append(Sample(ids, lp_m[i].tolist(), "length"))
         return samples
+
+    def _completes(self, ids: list[int], t: int) -> bool:
+        """A stop string is in the text of the window of tokens ending at ``t``: token ``t``
+        completes it when no earlier window held one (the callers look at ``t`` in order)."""
+        window = self.decode(ids[max(0, t + 1 - STOP_WINDOW) : t + 1])
+        return any(x in window for x in self.stop)
+
+    def _stopped(self, tok_m: torch.Tensor, live: torch.Tensor, step: int, finished: torch.Tensor) -> torch.Tensor:
+        """Rows of the decode batch whose token at ``step`` completes a stop string."""
+        out = torch.zeros_like(finished)
+        rows = tok_m[live, : step + 1].tolist()
+        for j, ids in enumerate(rows):
+            if not bool(finished[j]) and self._completes(ids, step):
+                out[j] = True
+        return out
 
 
 #: vLLM versions whose APIs the backend uses (``logprobs_mode``, ``reload_weights`` with a weights
@@ -229,7 +258,7 @@ class VLLMBackend:
     """
 
     def __init__(self, model, model_dir: str, dtype: str = "float32", gpu_memory_utilization: float = 0.4,
-                 sleep: bool | None = None, weights_fn=None, stop_token_ids: list[int] | None = None, **engine_kwargs):
+                 sleep: bool | None = None, weights_fn=None, stop: list[str] | None = None, **engine_kwargs):
         # One engine per policy, in this process: no spawned engine (so no __main__ guard is
         # needed) and weight reloads pass tensors directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -240,7 +269,7 @@ class VLLMBackend:
             raise ImportError("rollout backend 'vllm' needs vLLM: pip install 'graft-rl[vllm]'") from exc
         _check_vllm_version(vllm.__version__)
         self.model = model
-        self.stop_token_ids = list(stop_token_ids or [])  # end a response as EOS does (PolicyConfig.stop)
+        self.stop = list(stop or [])  # strings that end a response as EOS does (PolicyConfig.stop)
         # the weights to push: the trainer's state dict (a sharded policy gathers its full weights)
         self.weights_fn = weights_fn or (lambda: [(name, p.detach()) for name, p in model.state_dict().items()])
         self.sleep = torch.cuda.is_available() if sleep is None else sleep
@@ -300,7 +329,8 @@ class VLLMBackend:
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
             max_tokens=sampling.max_new_tokens,
             logprobs=0,
-            stop_token_ids=self.stop_token_ids or None,
+            stop=self.stop or None,  # matched on the text; the tokens through the match are kept
+            include_stop_str_in_output=True,
         )
         # unseeded requests on a reseeded engine: every sample draws its own noise (no two prompts
         # share a random stream, as one per-request seed would give: vLLM seeds child i of a request
@@ -353,9 +383,11 @@ def make_backend(kind: str, policy) -> RolloutBackend:
         # a sharded policy samples from its unsharded float32 rollout copy (FSDP2), under autocast
         copy = getattr(policy, "rollout_model", None)
         return HFBackend(copy or policy.model, policy.eos_token_ids, policy.tokenizer.pad_token_id,
-                         policy.config.gen_batch_size, policy.autocast_context if copy is not None else policy.compute_context)
+                         policy.config.gen_batch_size, policy.autocast_context if copy is not None else policy.compute_context,
+                         stop=policy.config.stop,
+                         decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True))  # as the texts are
     if kind == "vllm":
         weights_fn = getattr(policy, "rollout_weights", None)  # a sharded policy's gathered full weights
         return VLLMBackend(policy.model, policy.model_dir, dtype=policy.config.dtype, weights_fn=weights_fn,
-                           stop_token_ids=policy.stop_token_ids, **policy.config.vllm_kwargs)
+                           stop=policy.config.stop, **policy.config.vllm_kwargs)
     raise ValueError(f"unknown rollout backend {kind!r}; use 'hf' or 'vllm'")
