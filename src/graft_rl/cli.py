@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "rate, complementary candidates, groups grafted per step, compatibility and the share the gate "
                     "admits (per prompt family where the data has them), and a verdict; writes probe.json and probe.png.",
     )
-    pr.add_argument("config", help="YAML config (the one you would train)")
+    pr.add_argument("config", nargs="?", help="YAML config (the one you would train; default: graft train's built-in)")
     pr.add_argument("overrides", nargs="*", help="key=value overrides, as for graft train")
     pr.add_argument("--limit", type=int, default=None, help="training prompts to probe (default: prompt_batch)")
     pr.add_argument("--out", default=None, help="output directory (default probe/<run_dir name>)")
@@ -183,8 +183,17 @@ def _probe(ns) -> int:
     from graft_rl.policy import PolicyError
     from graft_rl.probe import ProbeError, format_probe, probe
 
+    overrides, config = list(ns.overrides), ns.config
+    if config and "=" in config and not config.endswith((".yaml", ".yml")):
+        overrides.insert(0, config)  # `graft probe key=value` with the default config
+        config = None
     try:
-        cfg = load_config(ns.config, ns.overrides)
+        if config is None:
+            from graft_rl.defaults import default_config
+
+            cfg = default_config(overrides)
+        else:
+            cfg = load_config(config, overrides)
         res = probe(cfg, ns.limit, ns.out, show=not ns.no_progress)
     except (ConfigError, DatasetError, PolicyError, ProbeError) as exc:
         print(f"graft probe: {exc}", file=sys.stderr)
