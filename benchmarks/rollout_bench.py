@@ -6,6 +6,10 @@ fresh subprocess so the peak resident memory (ru_maxrss) belongs to that model a
 
 Reproduce:  python benchmarks/rollout_bench.py [--real] [--prompts 8 --n 4 --max-new 64]
 Prints a Markdown table.
+
+hf vs vLLM on the same weights (vLLM does not read these GGUF files: save an HF directory first):
+    python benchmarks/rollout_bench.py --save-hf zoo:smollm2-135m-instruct /tmp/smollm2_hf
+    .venv-vllm/bin/python benchmarks/rollout_bench.py --model /tmp/smollm2_hf --backend hf vllm
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ from pathlib import Path
 PROBLEMS = [f"What is {a}+{b}?" for a, b in [(3, 4), (12, 9), (7, 8), (25, 17), (6, 6), (40, 2), (13, 31), (9, 9)]]
 
 
-def run_one(model: str, dtype: str, prompts: int, n: int, max_new: int, fmt: str) -> dict:
+def run_one(model: str, dtype: str, prompts: int, n: int, max_new: int, fmt: str, backend: str = "hf") -> dict:
     import torch
 
     from graft_rl.policy import Policy, PolicyConfig, SamplingParams
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    pol = Policy(PolicyConfig("bench", model, dtype=dtype, prompt_format=fmt))
+    kw = {"vllm_kwargs": {"max_model_len": 1024}} if backend == "vllm" else {}
+    pol = Policy(PolicyConfig("bench", model, dtype=dtype, prompt_format=fmt, backend=backend, **kw))
     load_s = time.perf_counter() - t0
     items = [(f"p{i}", PROBLEMS[i % len(PROBLEMS)]) for i in range(prompts)]
     pol.generate(items[:1], SamplingParams(n=1, max_new_tokens=4), seed=0)  # warm-up
@@ -57,36 +62,50 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--one", nargs=3, metavar=("MODEL", "DTYPE", "FORMAT"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="only this model directory (e.g. one --save-hf wrote)")
+    ap.add_argument("--backend", nargs="+", default=["hf"], choices=["hf", "vllm"], help="rollout backends to compare")
+    ap.add_argument("--save-hf", nargs=2, metavar=("MODEL", "DIR"), help="save MODEL (e.g. a zoo GGUF) as an HF directory")
+    ap.add_argument("--one", nargs=4, metavar=("MODEL", "DTYPE", "FORMAT", "BACKEND"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_one(*args.one[:2], args.prompts, args.n, args.max_new, args.one[2])))
+        print(json.dumps(run_one(*args.one[:2], args.prompts, args.n, args.max_new, args.one[2], args.one[3])))
+        return
+    if args.save_hf:
+        from graft_rl.policy import Policy, PolicyConfig
+
+        pol = Policy(PolicyConfig("save", args.save_hf[0]))
+        pol.model.save_pretrained(args.save_hf[1])
+        pol.tokenizer.save_pretrained(args.save_hf[1])
+        print(f"saved {args.save_hf[0]} to {args.save_hf[1]}")
         return
 
     from graft_rl.policy.tiny import build_tiny_pair
 
-    tmp = Path(tempfile.mkdtemp())
-    a, b = build_tiny_pair(tmp)
-    cases = [("tiny llama / byte tok", str(a), "float32", "auto"), ("tiny gpt2 / BPE", str(b), "float32", "auto")]
+    if args.model:
+        cases = [(Path(args.model).name, args.model, "float32", "auto")]
+    else:
+        tmp = Path(tempfile.mkdtemp())
+        a, b = build_tiny_pair(tmp)
+        cases = [("tiny llama / byte tok", str(a), "float32", "auto"), ("tiny gpt2 / BPE", str(b), "float32", "auto")]
     if args.real:
         cases += [
             ("SmolLM2-135M", "zoo:smollm2-135m-instruct", "float32", "auto"),
             ("SmolLM2-135M", "zoo:smollm2-135m-instruct", "bfloat16", "auto"),
         ]
-    print(f"{args.prompts} prompts x n={args.n}, max {args.max_new} new tokens, T=1, top-p 1; hf backend, CPU")
+    print(f"{args.prompts} prompts x n={args.n}, max {args.max_new} new tokens, T=1, top-p 1; CPU")
     print()
-    print("| model | dtype | params (M) | generate tok/s | score tok/s | peak RSS (MB) | load s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for label, model, dtype, fmt in cases:
-        cmd = [sys.executable, __file__, "--one", model, dtype, fmt, "--prompts", str(args.prompts), "--n", str(args.n),
+    print("| model | backend | dtype | params (M) | generate tok/s | score tok/s | peak RSS (MB) | load s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for (label, model, dtype, fmt), backend in [(c, b) for c in cases for b in args.backend]:
+        cmd = [sys.executable, __file__, "--one", model, dtype, fmt, backend, "--prompts", str(args.prompts), "--n", str(args.n),
                "--max-new", str(args.max_new)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            print(f"| {label} | {dtype} | failed: {res.stderr.strip().splitlines()[-1] if res.stderr else '?'} |||||")
+            print(f"| {label} | {backend} | {dtype} | failed: {res.stderr.strip().splitlines()[-1] if res.stderr else '?'} |||||")
             continue
         r = json.loads(res.stdout.strip().splitlines()[-1])
         print(
-            f"| {label} | {dtype} | {r['params_m']:.2f} | {r['gen_tok_s']:.0f} | {r['score_tok_s']:.0f} | "
+            f"| {label} | {backend} | {dtype} | {r['params_m']:.2f} | {r['gen_tok_s']:.0f} | {r['score_tok_s']:.0f} | "
             f"{r['peak_rss_mb']:.0f} | {r['load_s']:.1f} |"
         )
 

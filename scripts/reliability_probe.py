@@ -215,6 +215,30 @@ def main() -> int:
 
     got = verify_gsm8k([r"\boxed{1/2}", r"\boxed{12-5}", r"\boxed{3 or 4 or 5}"], ["1", "12", "3"])
     row("gsm8k: 1/2 vs 1, 12-5 vs 12, '3 or 4 or 5' vs 3", got == [0.0, 0.0, 0.0], f"scores {got}")
+
+    # 10. a response longer than the context leaves (issue 24): clamped with one line, no IndexError
+    d = root / "long_responses"
+    rc, out, err = finish(graft(d, "max_new_tokens=600", "steps=1"))
+    note = next((x for x in out.splitlines() if "context: max_new_tokens 600 ->" in x), "")
+    row("prompt + max_new_tokens over a 512-position model", rc == 0 and bool(note), note or err.strip()[-200:])
+
+    # 11. kill -9 of a Ray driver: nothing of its local Ray instance is left (issue 24)
+    import psutil
+
+    d = root / "ray_driver"
+    p = graft(d, "execution=ray", "steps=20")
+    wait_for(lambda: len(lines(d / "metrics.jsonl")) >= 2, timeout=600)
+    ours = [c for c in psutil.Process(p.pid).children(recursive=True) if "graft_rl.reaper" not in " ".join(c.cmdline())]
+    p.kill()
+    p.wait()
+    t0 = time.time()
+    left = ours
+    while left and time.time() - t0 < 20:
+        time.sleep(0.5)
+        left = [c for c in ours if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    row("kill -9 of the Ray driver", not left and len(ours) >= 3,
+        f"{len(ours)} Ray processes, none left after {time.time() - t0:.1f} s" if not left
+        else f"left: {[' '.join(c.cmdline())[:40] for c in left]}")
     shutil.rmtree(root, ignore_errors=True)
     return 0 if all(ok for _, ok, _ in ROWS) else 1
 

@@ -294,8 +294,9 @@ def _build(cls, data, where: str):
     origin = typing.get_origin(cls)
     args = typing.get_args(cls)
     if origin is list:
-        if isinstance(data, str) and args and args[0] is str:  # "a,b,c" for a list of names
-            data = [x.strip() for x in data.split(",") if x.strip()]
+        if isinstance(data, str) and args and args[0] is str:
+            # "a,b,c" for a list of names; a stop string is text (whitespace, commas) and stays whole
+            data = [data] if where.endswith(".stop") else [x.strip() for x in data.split(",") if x.strip()]
         if not isinstance(data, list):
             raise ConfigError(f"{where}: expected a list, got {type(data).__name__}")
         return [_build(args[0], v, f"{where}.{i}") for i, v in enumerate(data)]

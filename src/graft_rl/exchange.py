@@ -323,7 +323,9 @@ class HacpoExchange(Exchange):
             a_peer = torch.zeros_like(a_peer)
         peer_rows = _rows_of(pg, gi, True, a_peer[0].tolist())
         for r, lps in zip(peer_rows, pg.gen_logprobs, strict=True):
-            if r.finished and len(lps) > 1:  # the recipe pops a final EOS before the sequence mean
+            # the recipe pops a final EOS before the sequence mean (a source that ended on a stop string
+            # rather than EOS loses its last token here too: the paper's presets set no stop strings)
+            if r.finished and len(lps) > 1:
                 r.src_mean_logprob = (r.src_logprob_sum - lps[-1]) / (len(lps) - 1)
         # Minibatch order. The recipe lays out each learner's batch self first, then peer
         # (`_target_trajectories_self_first`, actor.shuffle=false), and verl splits it contiguously

@@ -46,7 +46,7 @@ class ProbeError(ValueError):
     """A config the probe cannot measure (one line)."""
 
 
-def _probe_config(cfg: TrainConfig, limit: int, run_dir: Path) -> tuple[TrainConfig, MethodConfig]:
+def _probe_config(cfg: TrainConfig, limit: int) -> tuple[TrainConfig, MethodConfig]:
     """The config the probe's trainer runs: the config's own data, models, sampling and seeds, with
     ``prompt_batch`` at most ``limit``, no validation, no KL reference (it does not change a score),
     and GRAFT's exchange (the config's own method settings when it is GRAFT)."""
@@ -58,7 +58,7 @@ def _probe_config(cfg: TrainConfig, limit: int, run_dir: Path) -> tuple[TrainCon
     pb = min(cfg.prompt_batch, limit)
     steps = math.ceil(limit / pb)
     val = dataclasses.replace(cfg.validation, data=[])
-    pcfg = dataclasses.replace(cfg, run_dir=str(run_dir), prompt_batch=pb, minibatch=min(cfg.minibatch, pb), steps=steps,
+    pcfg = dataclasses.replace(cfg, prompt_batch=pb, minibatch=min(cfg.minibatch, pb), steps=steps,
                                validation=val, method=method, tensorboard=False)
     pcfg.validate(saved=True)
     return pcfg, method
@@ -76,10 +76,14 @@ def probe(cfg: TrainConfig, limit: int | None = None, out_dir: str | Path | None
         raise ProbeError(f"--limit must be >= 1, got {limit}")
     out = Path(out_dir) if out_dir else Path("probe") / Path(cfg.run_dir).name
     out.mkdir(parents=True, exist_ok=True)  # before any sampling: the results are never computed only to be lost
-    tmp = Path(tempfile.mkdtemp(prefix="graft_probe_"))
-    pcfg, method = _probe_config(cfg, limit, tmp / "run")
+    pcfg, method = _probe_config(cfg, limit)
     unbalanced = build_exchange(dataclasses.replace(method, balance=False))  # every candidate, to score more responses
-    tr = Trainer(pcfg, show_progress=False)
+    tmp = Path(tempfile.mkdtemp(prefix="graft_probe_"))
+    try:
+        tr = Trainer(dataclasses.replace(pcfg, run_dir=str(tmp / "run")), show_progress=False)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     names = list(tr.policies)
     scored: dict[tuple[str, str], list[dict]] = defaultdict(list)  # grafted peer rows, per (source, receiver)
     cand_rows: dict[tuple[str, str], list[dict]] = defaultdict(list)  # every candidate's peer rows

@@ -65,9 +65,10 @@ def _descendants(driver, me: int) -> dict[int, float]:
 
 
 def _is_ray(cmdline: list[str]) -> bool:
-    """A process of Ray's: its binaries and scripts live under ``.../ray/``; its workers and agents
-    rename themselves ``ray::...``."""
-    return bool(cmdline) and (cmdline[0].startswith("ray::") or any("/ray/" in part for part in cmdline[:2]))
+    """A process of Ray's: its binaries and scripts live under ``.../ray/`` (``python -u .../ray/...py``
+    for its agents and monitors: the script is the third word); its workers and agents rename
+    themselves ``ray::...``."""
+    return bool(cmdline) and (cmdline[0].startswith("ray::") or any("/ray/" in part for part in cmdline[:4]))
 
 
 def _alive(pid: int, started: float) -> bool:

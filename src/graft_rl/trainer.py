@@ -142,7 +142,10 @@ class Trainer(Checkpointing, Validation):
         # and a response never runs past it: a policy whose context cannot hold the longest prompt plus
         # max_new_tokens samples at most what it leaves, and says so (a learned-position model would crash)
         every = self.data + [p for ps in self.val_sets.values() for p in ps]
-        budgets = {name: self._submit(name, "prompt_budget", every, cfg.max_new_tokens) for name in self.policies}
+        for handle in [self._submit(name, "prompt_budget", every, 1) for name in self.policies]:
+            self._result(handle)
+        # the training responses' budget from the training prompts (validation clamps its own per call)
+        budgets = {name: self._submit(name, "prompt_budget", self.data, cfg.max_new_tokens) for name in self.policies}
         self.samplings = {}
         for name, handle in budgets.items():
             budget, note = self._result(handle)
@@ -216,7 +219,7 @@ class Trainer(Checkpointing, Validation):
         rewards; while fewer than ``prompt_batch`` are kept, generate another batch of prompts, up to
         ``method.max_num_gen_batches`` batches in the step (the first included; <= 0: no limit), past
         which the run stops with :class:`DynamicSamplingError`. Fresh prompts come from the training
-        data not yet drawn in this step (reshuffled once all of it has been). ``times`` accumulates the
+        data not yet drawn in this step (then, reshuffled, from those not kept). ``times`` accumulates the
         extra batches' ``time_generate`` (measured in the worker) and ``time_reward``.
         Returns ``(kept groups, their prompts, extra rollouts, generation batches)``."""
         keep = [g for g in groups if 0 < g.k < g.n]
@@ -232,8 +235,14 @@ class Trainer(Checkpointing, Validation):
                     f"step {step}: policy {name!r} has {len(keep)} of {self.cfg.prompt_batch} prompts with mixed rewards after "
                     f"{batches} generation batches (method.max_num_gen_batches={cap}); the data may be too hard (or easy) "
                     f"for it. Set method.max_num_gen_batches=0 for no limit, and resume with --resume")
-            if not pool:  # every prompt drawn once in this step: another pass, as DAPO's next epoch would
-                pool = torch.randperm(len(self.data), generator=g).tolist()
+            if not pool:  # every prompt drawn once in this step: another pass over those not kept (a prompt
+                # is in a step's batch once), as DAPO's next epoch would
+                kept = {gr.prompt_id for gr in keep}
+                pool = [p for p in torch.randperm(len(self.data), generator=g).tolist() if self.data[p].id not in kept]
+                if not pool:
+                    raise DynamicSamplingError(
+                        f"step {step}: policy {name!r} has {len(keep)} of {self.cfg.prompt_batch} prompts with mixed rewards, "
+                        f"and every other prompt of data.train was drawn; prompt_batch is larger than what the data can fill")
             batches += 1
             take, pool = pool[: self.cfg.prompt_batch], pool[self.cfg.prompt_batch :]
             more_prompts = [(self.data[i].id, self.data[i].problem) for i in take]

@@ -147,12 +147,14 @@ class PolicyWorker:
         pol.logprob_temperature = temperature
         tb = self._encode(batch, max_new_tokens)
         mask = tb.response_mask()
+        for i in tb.cut:  # a peer response longer than this policy's budget: the receiver could never
+            batch.rows[i].include = False  # have produced it, and its answer may be what was cut off
         if m.name == "hacpo":  # its recipe pops a final EOS (own, and peer: re-tokenised without one)
-            cut = set(tb.cut)
-            for i, r in enumerate(batch.rows):
-                n_tok = len(tb.response_ids[i])
-                if r.finished and n_tok > 1 and i not in cut:
-                    mask[i, n_tok - 1] = 0
+            eos = set(pol.eos_token_ids)
+            for i in range(len(batch.rows)):
+                ids = tb.response_ids[i]
+                if len(ids) > 1 and ids[-1] in eos:  # an EOS, not a stop string's text
+                    mask[i, len(ids) - 1] = 0
         old = torch.zeros(mask.shape)  # pi_old, filled where it is needed before the first update
         # compatibility of peer responses (Section 4.2); per-character variant logged too
         peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]

@@ -352,3 +352,15 @@ def test_stop_strings_end_responses_like_eos_and_peer_texts_with_them(tiny_pair)
     end = two.tokenizer("\n\n", add_special_tokens=False).input_ids
     batch = two.encode_texts(["1+1=?", "1+1=?"], ["2", "2\n\n"], [True, True])
     assert batch.response_ids[0][-2:] == end and batch.response_ids[1] == batch.response_ids[0]
+
+
+def test_a_stop_string_given_as_text_stays_whole():
+    """YAML `stop: "\\n\\n"` or the override policies.0.stop=", " is one stop string, not a
+    comma-split list of names (which would silently drop it); an empty string is an error."""
+    from graft_rl.config import ConfigError, load_config
+
+    base = {"policies": [{"name": "A", "model": "x", "stop": "\n\n"}], "method": {"name": "grpo"}}
+    assert load_config(base).policies[0].stop == ["\n\n"]
+    assert load_config(base, ["policies.0.stop=a, b"]).policies[0].stop == ["a, b"]
+    with pytest.raises(ConfigError, match="stop must be a list of non-empty strings"):
+        load_config(base, ["policies.0.stop=[\"\"]"])

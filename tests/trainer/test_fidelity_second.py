@@ -55,6 +55,11 @@ def test_the_trainer_counts_cut_peer_responses(make_cfg, fake_rewards):
     assert all(0 <= ln["peer_cut"] <= ln["exchanged_in"] * tr.cfg.n for ln in lines)
     # A (one token per character) receives B's BPE responses of 6 tokens: most are longer here
     assert sum(ln["peer_cut"] for ln in lines if ln["policy"] == "A") > 0
+    # and a cut response is left out of the loss (the exchange records say so)
+    from graft_rl.store import RecordStore
+
+    rows = RecordStore(tr.run_dir).read_exchange("A")
+    assert sum(not r["included"] for r in rows) == sum(ln["peer_cut"] for ln in lines if ln["policy"] == "A")
 
 
 # ---------------------------------------------------------------- 7: checkpoint selection
@@ -91,10 +96,40 @@ def test_dynamic_sampling_stops_loudly_past_max_num_gen_batches(make_cfg, fake_r
 def test_dynamic_sampling_without_a_cap_draws_until_the_batch_is_full(make_cfg, fake_rewards):
     from graft_rl.trainer import Trainer
 
-    cfg = make_cfg({"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0}, steps=1, run="dapo_free", prompt_batch=3)
+    # A has 3 prompts with mixed rewards, B 2 (q1, q7): a batch of 2 fills for both, after a few draws
+    cfg = make_cfg({"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0}, steps=1, run="dapo_free", prompt_batch=2)
     lines = Trainer(cfg, show_progress=False).run()
-    a = next(ln for ln in lines if ln["policy"] == "A")
-    assert a["gen_batches"] >= 2 and a["rollouts"] == a["gen_batches"] * 3 * 4  # A's 3 mixed prompts, drawn again
+    for ln in lines:
+        assert ln["rollouts"] == ln["gen_batches"] * 2 * 4
+    assert max(ln["gen_batches"] for ln in lines) >= 2
+
+
+def test_dynamic_sampling_never_puts_a_prompt_in_a_step_twice(make_cfg, monkeypatch):
+    """Past one pass over the data the refill draws only prompts not kept yet (a prompt's group is
+    recorded once per step): rewards that are mixed by chance, 6 of 8 prompts to fill."""
+    import random
+
+    from graft_rl.trainer import Trainer
+
+    rng = random.Random(0)
+
+    def chance(self, groups):
+        for g in groups:
+            mixed = rng.random() < 0.4
+            g.rewards = [1.0 if (mixed and i == 0) else 0.0 for i in range(g.n)]
+        return {"verify_timeouts": 0, "verify_errors": 0}
+
+    monkeypatch.setattr(Trainer, "_verify", chance)
+    cfg = make_cfg({"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0}, steps=1, run="dapo_dup", prompt_batch=6)
+    tr = Trainer(cfg, show_progress=False)
+    lines = tr.run()
+    assert max(ln["gen_batches"] for ln in lines) > 2  # more than one pass over the 8 prompts
+    from graft_rl.store import RecordStore
+
+    for name in ("A", "B"):
+        for step in (1,):
+            ids = [g.prompt_id for g in RecordStore(tr.run_dir).read(name, step)]
+            assert len(ids) == 6 and len(set(ids)) == 6
 
 
 def test_an_old_dynamic_max_rounds_key_is_named_and_a_saved_one_converted():

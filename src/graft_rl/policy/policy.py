@@ -141,6 +141,10 @@ class PolicyConfig:
             raise PolicyError(f"policy {self.name!r}: prompt_format must be auto, chat or plain, got {self.prompt_format!r}")
         if "{prompt}" not in self.plain_template:
             raise PolicyError(f"policy {self.name!r}: plain_template must contain {{prompt}}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(x, str) and x for x in self.stop):
+            raise PolicyError(f"policy {self.name!r}: stop must be a list of non-empty strings, got {self.stop!r}")
         if self.gen_batch_size is not None and self.gen_batch_size < 1:
             raise PolicyError(f"policy {self.name!r}: gen_batch_size must be >= 1 (or null for automatic), got {self.gen_batch_size}")
         tp = self.vllm_kwargs.get("tensor_parallel_size", 1) if isinstance(self.vllm_kwargs, dict) else 1
@@ -496,8 +500,8 @@ class Policy:
 
         Length: a response is cut to ``max_tokens`` (the receiver's own ``max_new_tokens``) and to
         what the model's context leaves after the prompt, tokens counted in *this* tokenizer (a
-        peer's 4,096 tokens can be more here). A cut response is a truncated one (no EOS), as the
-        receiver's own response at that length would be. :attr:`TokenBatch.cut` lists the cut rows.
+        peer's 4,096 tokens can be more here). A cut response has no EOS; :attr:`TokenBatch.cut`
+        lists the cut rows (the trainer leaves them out of the loss).
         """
         if not (len(problems) == len(responses) == len(finished)):
             raise PolicyError("encode_texts: problems, responses and finished differ in length")

@@ -168,6 +168,7 @@ class HFBackend:
         past, logits = _cache_of(res), res.logits[:, -1]
         live = torch.arange(B, device=device)  # batch row -> index in `rows`
         finished = torch.zeros(B, dtype=torch.bool, device=device)
+        stopped_at = [None] * B  # the token of each row that completed a stop string
         tok_m = torch.full((B, sp.max_new_tokens), self.pad, dtype=torch.long, device=device)
         lp_m = torch.zeros((B, sp.max_new_tokens), device=device)
         steps = 0
@@ -181,7 +182,10 @@ class HFBackend:
             steps = step + 1
             finished = finished | torch.isin(tok, eos)
             if self.stop:
-                finished = finished | self._stopped(tok_m, live, step, finished)
+                hit = self._stopped(tok_m, live, step, finished)
+                for j in hit.nonzero().flatten().tolist():
+                    stopped_at[int(live[j])] = step
+                finished = finished | hit
             if bool(finished.all()) or step == sp.max_new_tokens - 1:
                 break
             if self.compact and 4 * int(finished.sum()) >= len(finished) and hasattr(past, "batch_select_indices"):
@@ -204,27 +208,22 @@ class HFBackend:
             ids = tok_m[i].tolist()
             hit = torch.isin(tok_m[i], eos_cpu).nonzero()
             end = int(hit[0]) + 1 if hit.numel() else None
-            if self.stop:  # the first token that completes a stop string, if it comes first
-                s_end = next((t + 1 for t in range(len(ids) if end is None else end) if self._completes(ids, t)), None)
-                end = s_end if s_end is not None else end
+            if stopped_at[i] is not None:  # a stop string, completed before any EOS (the row stopped there)
+                end = stopped_at[i] + 1
             if end is not None:
                 samples.append(Sample(ids[:end], lp_m[i, :end].tolist(), "stop"))
             else:
                 samples.append(Sample(ids, lp_m[i].tolist(), "length"))
         return samples
 
-    def _completes(self, ids: list[int], t: int) -> bool:
-        """A stop string is in the text of the window of tokens ending at ``t``: token ``t``
-        completes it when no earlier window held one (the callers look at ``t`` in order)."""
-        window = self.decode(ids[max(0, t + 1 - STOP_WINDOW) : t + 1])
-        return any(x in window for x in self.stop)
-
     def _stopped(self, tok_m: torch.Tensor, live: torch.Tensor, step: int, finished: torch.Tensor) -> torch.Tensor:
-        """Rows of the decode batch whose token at ``step`` completes a stop string."""
+        """Rows of the decode batch whose token at ``step`` completes a stop string: one is in the
+        text of their last :data:`STOP_WINDOW` tokens (an earlier window with one would have stopped
+        the row already). Only those tokens are copied and decoded."""
         out = torch.zeros_like(finished)
-        rows = tok_m[live, : step + 1].tolist()
-        for j, ids in enumerate(rows):
-            if not bool(finished[j]) and self._completes(ids, step):
+        window = tok_m[live, max(0, step + 1 - STOP_WINDOW) : step + 1].tolist()
+        for j, ids in enumerate(window):
+            if not bool(finished[j]) and any(x in self.decode(ids) for x in self.stop):
                 out[j] = True
         return out
 
