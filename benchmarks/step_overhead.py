@@ -29,7 +29,7 @@ def main() -> None:
     import torch
 
     from graft_rl.config import load_config
-    from graft_rl.exchange import build_exchange
+    from graft_rl.methods import build_exchange
     from graft_rl.testbed import shipped_testbed
     from graft_rl.trainer import Trainer
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from graft_rl.report import read_metrics, read_validation
 from graft_rl.rundir import best_steps
 from graft_rl.store import RecordStore
 
-__all__ = ["AnalysisError", "analyze", "compatibility_stats", "complementarity", "plot_compatibility"]
+__all__ = ["Analysis", "AnalysisError", "analyze", "compatibility_stats", "complementarity", "compute", "plot",
+           "plot_compatibility", "report"]
 
 PHASES = ("time_generate", "time_reward", "time_score", "time_update")
 
@@ -157,41 +159,124 @@ def _run_delta(run: Path) -> float:
         return 0.8
 
 
+@dataclass
+class Analysis:
+    """What ``graft analyze`` computed from a run's records and logs (no plotting, no formatting)."""
+
+    run: Path
+    policies: list[str]  # in the metrics' order
+    by_pol: dict[str, list[dict]]  # each policy's metric lines
+    comp: dict[str, list[tuple[int, float | None]]]  # complementarity per receiver per step (Fig. 1)
+    exchange: list[dict]  # every exchange record
+    dirs: dict[tuple[str, str], list[dict]]  # non-auxiliary exchange records per (source, receiver)
+    delta: float  # the run's gate threshold
+    curves: list[tuple[Path, list[dict], list[dict]]]  # (run, metrics, validation) of the run and --compare runs
+    cases: list[dict]  # case studies: exchange record, prompt, the receiver's failed and the source's good text
+    best: dict[str, int | None]  # best validation step per policy
+    summary: dict = field(default_factory=dict)
+
+
 def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str | Path | None = None, cases: int = 3) -> dict:
+    """Compute the diagnostics of a run (:func:`compute`), draw them (:func:`plot`) and write
+    ``report.md`` (:func:`report`) and ``summary.json`` to ``out_dir`` (default ``RUN_DIR/analysis``)."""
+    a = compute(run_dir, compare, cases)
+    out = Path(out_dir) if out_dir else a.run / "analysis"
+    out.mkdir(parents=True, exist_ok=True)
+    plot(a, out)
+    (out / "report.md").write_text(report(a))
+    (out / "summary.json").write_text(json.dumps(a.summary, indent=1, default=str))
+    return {**a.summary, "out": str(out)}
+
+
+def compute(run_dir: str | Path, compare: list[str] | None = None, cases: int = 3) -> Analysis:
+    """Read a run (and ``compare`` runs' curves) and compute every diagnostic and the summary."""
     run = Path(run_dir)
     if not run.is_dir():
         raise AnalysisError(f"{run}: not a directory")
     store = RecordStore(run)
     if not store.policies():
         raise AnalysisError(f"{run}: no trajectory records (records/<policy>/step_*.parquet); is this a graft run directory?")
-    try:
-        metrics = read_metrics(run)
-    except FileNotFoundError as exc:
-        raise AnalysisError(str(exc)) from None
-    val = read_validation(run)
-    out = Path(out_dir) if out_dir else run / "analysis"
-    out.mkdir(parents=True, exist_ok=True)
+    curves = []
+    for rdir in [run] + [Path(c) for c in (compare or [])]:
+        try:
+            curves.append((rdir, read_metrics(rdir), read_validation(rdir)))
+        except FileNotFoundError as exc:
+            raise AnalysisError(str(exc)) from None
+    metrics, val = curves[0][1], curves[0][2]
+    policies = list(dict.fromkeys(m["policy"] for m in metrics))
+    ex = store.read_exchange()
+    dirs: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in ex:
+        if not r["auxiliary"]:
+            dirs[(r["source"], r["receiver"])].append(r)
+    best = {p: b.get("step") for p, b in best_steps(val, _select_initial(run)).items()}
+    a = Analysis(run, policies, {p: [m for m in metrics if m["policy"] == p] for p in policies}, complementarity(store),
+                 ex, dict(dirs), _run_delta(run), curves, _cases(store, ex, cases), best)
+    a.summary = _summary(a, metrics)
+    return a
+
+
+def _cases(store: RecordStore, ex: list[dict], limit: int) -> list[dict]:
+    """Up to ``limit`` admitted successful peer responses, one per prompt and direction, with the
+    receiver's failed response beside them (Appendix I)."""
+    out: list[dict] = []
+    seen: set = set()
+    for r in ex:
+        if len(out) >= limit:
+            break
+        if r["auxiliary"] or r["reward"] <= 0 or r["weight"] <= 0:
+            continue
+        key = (r["source"], r["receiver"], r["prompt_id"])
+        if key in seen:  # one case per prompt and direction (a group often repeats one response)
+            continue
+        seen.add(key)
+        try:
+            own = {g.prompt_id: g for g in store.read(r["receiver"], r["step"])}.get(r["prompt_id"])
+            peer = {g.prompt_id: g for g in store.read(r["source"], r["step"])}.get(r["prompt_id"])
+        except Exception:
+            continue
+        if own is None or peer is None:
+            continue
+        out.append({**r, "prompt": own.prompt, "own_text": own.texts[0], "peer_text": peer.texts[r["group_index"]]})
+    return out
+
+
+def _summary(a: Analysis, metrics: list[dict]) -> dict:
+    """Per policy: complementarity, exchange volume, admission, clipping, seconds and best step; joint seconds."""
+    pols: dict[str, dict] = {}
+    for r, series in a.comp.items():
+        pols.setdefault(r, {})["complementarity_mean"] = _mean(v for _, v in series)
+    for p in a.policies:
+        mine = a.by_pol[p]
+        pols.setdefault(p, {}).update(candidates=sum(m.get("candidates_in") or 0 for m in mine),
+                                      grafted=sum(m.get("exchanged_in") or 0 for m in mine))
+    for (_, recv), rows in a.dirs.items():
+        pols.setdefault(recv, {})["admitted_frac"] = sum(1 for r in rows if r["weight"] > 0) / len(rows)
+    for p in a.policies:
+        cs = [m.get("clip_frac_self") for m in a.by_pol[p]]
+        with_peer = [c for c in (m.get("clip_frac_peer") for m in a.by_pol[p]) if c is not None]
+        pols.setdefault(p, {}).update(clip_self=_mean(cs), clip_peer=_mean(with_peer),
+                                      zero_peer_clip_steps=sum(1 for c in with_peer if c == 0))
+    for p in a.policies:
+        total = sum(sum(m.get(k) or 0 for m in a.by_pol[p]) for k in PHASES)
+        pols.setdefault(p, {}).update(seconds=total, best_step=a.best.get(p))
+    return {"run": str(a.run), "policies": pols, "joint_seconds": sum(pols[p]["seconds"] for p in a.policies)}
+
+
+# ---------------------------------------------------------------------------------------- plots
+def plot(a: Analysis, out: Path) -> None:
+    """``complementarity.png``, ``exchange_volume.png``, ``compatibility.png`` (when anything was
+    grafted), ``clipping.png`` and ``curves.png`` in ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    policies = list(dict.fromkeys(m["policy"] for m in metrics))
-    by_pol = {p: [m for m in metrics if m["policy"] == p] for p in policies}
-    summary: dict = {"run": str(run), "policies": {}}
-    report = [f"# GRAFT analysis of `{run}`", ""]
-
-    # 1. complementarity
-    comp = complementarity(store)
     fig, ax = plt.subplots(figsize=(7, 4))
-    report += ["## Complementarity (Fig. 1)", "", "Fraction of a model's all-fail prompts on which a peer succeeds at least once.", ""]
-    for i, (r, series) in enumerate(comp.items()):
+    for i, (r, series) in enumerate(a.comp.items()):
         pts = [(s, v) for s, v in series if v is not None]
         if pts:
             _raw_and_smooth(ax, [s for s, _ in pts], [v for _, v in pts], f"C{i}", f"{r}'s all-fail prompts a peer solves")
-        mean = _mean(v for _, v in series)
-        summary["policies"].setdefault(r, {})["complementarity_mean"] = mean
-        report.append(f"- {r}: mean {mean:.3f} over {len(pts)} steps" if mean is not None else f"- {r}: no all-fail prompts")
     ax.set_title("complementarity (faint: per step; bold: moving mean)")
     ax.set_xlabel("step")
     ax.set_ylabel("fraction of the receiver's all-fail prompts")
@@ -203,19 +288,14 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
         ax.text(0.5, 0.5, "no all-fail prompt with a live peer", ha="center", va="center", transform=ax.transAxes)
     _save(fig, out / "complementarity.png")
 
-    # 2. exchange volume
     fig, ax = plt.subplots(figsize=(7, 4))
-    report += ["", "## Exchange volume per direction", "", "| receiver | candidates (before balancing) | grafted (after) | steps with exchange |",
-               "|---|---:|---:|---:|"]
-    for i, p in enumerate(policies):
-        steps = [m["step"] for m in by_pol[p]]
-        cand = [m.get("candidates_in") or 0 for m in by_pol[p]]
-        got = [m.get("exchanged_in") or 0 for m in by_pol[p]]
+    for i, p in enumerate(a.policies):
+        steps = [m["step"] for m in a.by_pol[p]]
         # one colour per receiver; candidates dashed and drawn on top, so equal counts stay visible
-        ax.plot(steps, _moving_mean(got), color=f"C{i}", linewidth=3, alpha=0.6, label=f"into {p}: grafted (after balancing)")
-        ax.plot(steps, _moving_mean(cand), color=f"C{i}", linewidth=1.5, linestyle="--", label=f"into {p}: candidates (before)")
-        report.append(f"| {p} | {sum(cand):.0f} | {sum(got):.0f} | {sum(1 for g in got if g)} / {len(got)} |")
-        summary["policies"].setdefault(p, {}).update(candidates=sum(cand), grafted=sum(got))
+        ax.plot(steps, _moving_mean([m.get("exchanged_in") or 0 for m in a.by_pol[p]]), color=f"C{i}", linewidth=3,
+                alpha=0.6, label=f"into {p}: grafted (after balancing)")
+        ax.plot(steps, _moving_mean([m.get("candidates_in") or 0 for m in a.by_pol[p]]), color=f"C{i}", linewidth=1.5,
+                linestyle="--", label=f"into {p}: candidates (before)")
     ax.set_title("exchange volume per step (moving mean)")
     ax.set_xlabel("step")
     ax.set_ylabel("peer prompt groups per step")
@@ -223,69 +303,36 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     ax.legend(fontsize=8)
     _save(fig, out / "exchange_volume.png")
 
-    # 3. compatibility and admission
-    ex = store.read_exchange()
-    report += ["", "## Compatibility and admission", ""]
-    if not ex:
-        report.append("No peer responses were grafted in this run (zero exchanges): nothing to score.")
-    else:
+    if a.exchange:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        dirs = defaultdict(list)
-        for r in ex:
-            if not r["auxiliary"]:
-                dirs[(r["source"], r["receiver"])].append(r)
-        delta = _run_delta(run)
-        plot_compatibility(axes, dirs, delta)
-        report += [f"| direction | peer responses | admitted (w>0) | mean weight | s (token) median [p10, p90] | "
-                   f"s (char) median [p10, p90] | s_token > {delta} | s_char > {delta} | admitted: correct / wrong |",
-                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for (src, recv), rows in dirs.items():
-            st = compatibility_stats(rows, delta)
-            adm = sum(1 for r in rows if r["weight"] > 0) / len(rows)
-            cells = "- | - | - | - | -" if not st["n"] else (
-                f"{st['median_token']:.3f} [{st['p10_token']:.2f}, {st['p90_token']:.2f}] | "
-                f"{st['median_char']:.3f} [{st['p10_char']:.2f}, {st['p90_char']:.2f}] | {_pct(st['pass_token'])} | "
-                f"{_pct(st['pass_char'])} | {_pct(st['admitted_correct'])} / {_pct(st['admitted_wrong'])}")
-            report.append(f"| {src}→{recv} | {len(rows)} | {100 * adm:.1f}% | {_mean(r['weight'] for r in rows):.3f} | {cells} |")
-            summary["policies"].setdefault(recv, {})["admitted_frac"] = adm
+        plot_compatibility(axes, a.dirs, a.delta)
         _save(fig, out / "compatibility.png")
 
-    # 4. clipping: self vs peer tokens
     fig, ax = plt.subplots(figsize=(7, 4))
-    report += ["", "## Clipped-token fraction (Table 9)", "", "| policy | self tokens | peer tokens | steps with peer tokens | of which zero peer clipping |",
-               "|---|---:|---:|---:|---:|"]
-    for i, p in enumerate(policies):
-        steps = [m["step"] for m in by_pol[p]]
-        cs = [m.get("clip_frac_self") for m in by_pol[p]]
-        cp = [m.get("clip_frac_peer") for m in by_pol[p]]
-        _raw_and_smooth(ax, steps, [c or 0 for c in cs], f"C{i}", f"{p}: own tokens")
+    for i, p in enumerate(a.policies):
+        steps = [m["step"] for m in a.by_pol[p]]
+        cp = [m.get("clip_frac_peer") for m in a.by_pol[p]]
+        _raw_and_smooth(ax, steps, [m.get("clip_frac_self") or 0 for m in a.by_pol[p]], f"C{i}", f"{p}: own tokens")
         _raw_and_smooth(ax, steps, [c if c is not None else float("nan") for c in cp], f"C{i}", f"{p}: peer tokens",
                         linestyle="--")
-        with_peer = [c for c in cp if c is not None]
-        zero = sum(1 for c in with_peer if c == 0)
-        report.append(f"| {p} | {100 * (_mean(cs) or 0):.2f}% | {100 * (_mean(with_peer) or 0):.2f}% | {len(with_peer)} | {zero} |")
-        summary["policies"].setdefault(p, {}).update(clip_self=_mean(cs), clip_peer=_mean(with_peer), zero_peer_clip_steps=zero)
     ax.set_title("clipped-token fraction (faint: per step; bold: moving mean)")
     ax.set_xlabel("step")
     ax.set_ylabel("fraction of tokens clipped")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, out / "clipping.png")
+    _plot_curves(a.curves, out / "curves.png")
 
-    # 5. reward and validation curves, with comparisons
-    runs = [run] + [Path(c) for c in (compare or [])]
+
+def _plot_curves(curves: list[tuple[Path, list[dict], list[dict]]], path: Path) -> None:
+    """Training reward and validation score of every run (per prompt family too), overlaid."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for rdir in runs:
-        try:
-            ms = read_metrics(rdir)
-        except FileNotFoundError as exc:
-            raise AnalysisError(str(exc)) from None
-        vs = read_validation(rdir)
+    for rdir, ms, vs in curves:
         for p in dict.fromkeys(m["policy"] for m in ms):
             mine = [m for m in ms if m["policy"] == p]
-            xs = [m["step"] for m in mine]
-            ys = [m["reward_mean"] for m in mine]
-            axes[0].plot(xs, _moving_mean(ys), label=f"{rdir.name}:{p}")
+            axes[0].plot([m["step"] for m in mine], _moving_mean([m["reward_mean"] for m in mine]), label=f"{rdir.name}:{p}")
             vv = [v for v in vs if v["policy"] == p]
             if vv:
                 (line,) = axes[1].plot([v["step"] for v in vv], [v["val/score"] for v in vv], marker="o",
@@ -300,85 +347,106 @@ def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str 
     axes[0].set_ylabel("pass rate of the step's rollouts")
     axes[1].set_title("validation score (thin: per prompt family)")
     axes[1].set_ylabel("held-out pass@1")
-    for a in axes:
-        a.set_xlabel("step")
-        a.grid(alpha=0.3)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7)
     if axes[1].get_legend_handles_labels()[0]:  # outside the axes: the family lines fill the panel
         axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    _save(fig, out / "curves.png")
+    _save(fig, path)
 
-    # 6. case studies (Appendix I)
-    report += ["", "## Case studies (Appendix I)", ""]
-    shown = 0
-    seen_texts: set = set()
-    for r in ex:
-        if shown >= cases:
-            break
-        if r["auxiliary"] or r["reward"] <= 0 or r["weight"] <= 0:
-            continue
-        key = (r["source"], r["receiver"], r["prompt_id"])
-        if key in seen_texts:  # one case per prompt and direction (a group often repeats one response)
-            continue
-        seen_texts.add(key)
-        try:
-            own = {g.prompt_id: g for g in store.read(r["receiver"], r["step"])}.get(r["prompt_id"])
-            peer = {g.prompt_id: g for g in store.read(r["source"], r["step"])}.get(r["prompt_id"])
-        except Exception:
-            continue
-        if own is None or peer is None:
-            continue
-        report += [
+
+# ---------------------------------------------------------------------------------------- report
+def report(a: Analysis) -> str:
+    """The Markdown report: one section per diagnostic, in the paper's terms."""
+    lines = [f"# GRAFT analysis of `{a.run}`", ""]
+    lines += ["## Complementarity (Fig. 1)", "", "Fraction of a model's all-fail prompts on which a peer succeeds at least once.", ""]
+    for r, series in a.comp.items():
+        mean = a.summary["policies"][r]["complementarity_mean"]
+        n = sum(1 for _, v in series if v is not None)
+        lines.append(f"- {r}: mean {mean:.3f} over {n} steps" if mean is not None else f"- {r}: no all-fail prompts")
+    lines += ["", "## Exchange volume per direction", "", "| receiver | candidates (before balancing) | grafted (after) | steps with exchange |",
+              "|---|---:|---:|---:|"]
+    for p in a.policies:
+        got = [m.get("exchanged_in") or 0 for m in a.by_pol[p]]
+        s = a.summary["policies"][p]
+        lines.append(f"| {p} | {s['candidates']:.0f} | {s['grafted']:.0f} | {sum(1 for g in got if g)} / {len(got)} |")
+    lines += ["", "## Compatibility and admission", ""] + _report_compatibility(a)
+    lines += ["", "## Clipped-token fraction (Table 9)", "", "| policy | self tokens | peer tokens | steps with peer tokens | of which zero peer clipping |",
+              "|---|---:|---:|---:|---:|"]
+    for p in a.policies:
+        s = a.summary["policies"][p]
+        n_peer = sum(1 for m in a.by_pol[p] if m.get("clip_frac_peer") is not None)
+        lines.append(f"| {p} | {100 * (s['clip_self'] or 0):.2f}% | {100 * (s['clip_peer'] or 0):.2f}% | {n_peer} | "
+                     f"{s['zero_peer_clip_steps']} |")
+    lines += ["", "## Case studies (Appendix I)", ""] + _report_cases(a.cases)
+    return "\n".join(lines + ["", "## Compute (Table 5)", ""] + _report_compute(a)) + "\n"
+
+
+def _report_compatibility(a: Analysis) -> list[str]:
+    if not a.exchange:
+        return ["No peer responses were grafted in this run (zero exchanges): nothing to score."]
+    d = a.delta
+    lines = [f"| direction | peer responses | admitted (w>0) | mean weight | s (token) median [p10, p90] | "
+             f"s (char) median [p10, p90] | s_token > {d} | s_char > {d} | admitted: correct / wrong |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (src, recv), rows in a.dirs.items():
+        st = compatibility_stats(rows, d)
+        adm = sum(1 for r in rows if r["weight"] > 0) / len(rows)
+        cells = "- | - | - | - | -" if not st["n"] else (
+            f"{st['median_token']:.3f} [{st['p10_token']:.2f}, {st['p90_token']:.2f}] | "
+            f"{st['median_char']:.3f} [{st['p10_char']:.2f}, {st['p90_char']:.2f}] | {_pct(st['pass_token'])} | "
+            f"{_pct(st['pass_char'])} | {_pct(st['admitted_correct'])} / {_pct(st['admitted_wrong'])}")
+        lines.append(f"| {src}→{recv} | {len(rows)} | {100 * adm:.1f}% | {_mean(r['weight'] for r in rows):.3f} | {cells} |")
+    return lines
+
+
+def _report_cases(cases: list[dict]) -> list[str]:
+    if not cases:
+        return ["No admitted successful peer response to show."]
+    lines: list[str] = []
+    for r in cases:
+        lines += [
             f"### step {r['step']}, prompt `{r['prompt_id']}`: {r['source']} → {r['receiver']} (weight {r['weight']:.3f}, "
             f"s = {r['compat_token']:.3f})",
             "",
-            f"Prompt: {own.prompt}",
+            f"Prompt: {r['prompt']}",
             "",
             f"{r['receiver']}'s failed response (reward 0):",
             "```",
-            own.texts[0][:1500],
+            r["own_text"][:1500],
             "```",
             f"{r['source']}'s successful response (advantage {r['advantage']:+.3f}):",
             "```",
-            peer.texts[r["group_index"]][:1500],
+            r["peer_text"][:1500],
             "```",
             "",
         ]
-        shown += 1
-    if not shown:
-        report.append("No admitted successful peer response to show.")
+    return lines
 
-    # 7. compute accounting (Table 5); the best step by the trainer's own rule (rundir.best_steps)
-    best_by_policy = best_steps(val, _select_initial(run))
-    report += ["", "## Compute (Table 5)", "", "| policy | generate s | reward s | score s | update s | total s | best step | s to best |",
-               "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    joint_total = 0.0
-    step_time = defaultdict(float)
-    for m in metrics:
-        step_time[m["step"]] += sum(m.get(k) or 0 for k in PHASES)
-    for p in policies:
-        sums = {k: sum(m.get(k) or 0 for m in by_pol[p]) for k in PHASES}
-        total = sum(sums.values())
-        joint_total += total
-        best = best_by_policy.get(p, {}).get("step")
-        to_best = sum(sum(m.get(k) or 0 for k in PHASES) for m in by_pol[p] if best is not None and m["step"] <= best)
-        report.append(
+
+def _report_compute(a: Analysis) -> list[str]:
+    """Compute accounting (Table 5); the best step by the trainer's own rule (rundir.best_steps)."""
+    lines = ["| policy | generate s | reward s | score s | update s | total s | best step | s to best |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    step_time: dict[int, float] = defaultdict(float)
+    for p in a.policies:
+        for m in a.by_pol[p]:
+            step_time[m["step"]] += sum(m.get(k) or 0 for k in PHASES)
+    for p in a.policies:
+        sums = {k: sum(m.get(k) or 0 for m in a.by_pol[p]) for k in PHASES}
+        best = a.best.get(p)
+        to_best = sum(sum(m.get(k) or 0 for k in PHASES) for m in a.by_pol[p] if best is not None and m["step"] <= best)
+        lines.append(
             f"| {p} | {sums['time_generate']:.1f} | {sums['time_reward']:.1f} | {sums['time_score']:.1f} | "
-            f"{sums['time_update']:.1f} | {total:.1f} | {best if best is not None else '-'} | "
+            f"{sums['time_update']:.1f} | {sum(sums.values()):.1f} | {best if best is not None else '-'} | "
             f"{to_best:.1f} |"
         )
-        summary["policies"].setdefault(p, {}).update(seconds=total, best_step=best)
-    bests = [summary["policies"][p].get("best_step") for p in policies if summary["policies"][p].get("best_step") is not None]
+    bests = [b for p in a.policies if (b := a.best.get(p)) is not None]
     joint_best = sum(t for s, t in step_time.items() if bests and s <= max(bests))
-    report.append("")
-    report.append(f"Joint: {joint_total:.1f} s for the whole run; {joint_best:.1f} s to the later of the best checkpoints "
-                  "(the joint run must reach both).")
-    summary["joint_seconds"] = joint_total
-    (out / "report.md").write_text("\n".join(report) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    summary["out"] = str(out)
-    return summary
+    return lines + ["", f"Joint: {a.summary['joint_seconds']:.1f} s for the whole run; {joint_best:.1f} s to the later "
+                    "of the best checkpoints (the joint run must reach both)."]
 
 
 def print_summary(summary: dict) -> None:

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from graft_rl.config import ConfigError, to_dict
+from graft_rl.config import ConfigError, load_config, to_dict
 from graft_rl.rundir import (
     HARMLESS_KEYS,
     checkpoint_problem,
@@ -40,7 +40,7 @@ class CheckpointError(OSError):
 
 class Checkpointing:
     """Checkpoint writing, choosing and restoring; mixed into the trainer, whose ``cfg``, ``run_dir``,
-    ``policies``, ``store``, ``success_history``, ``start_step`` and ``_submit``/``_result``/``_call`` it uses."""
+    ``policies``, ``store``, ``method``, ``start_step`` and ``_submit``/``_result``/``_call`` it uses."""
 
     def save_checkpoint(self, step: int) -> Path:
         """Write ``checkpoints/step_N`` under a temporary name, rename it, then prune old ones."""
@@ -53,8 +53,7 @@ class Checkpointing:
             pending = [self._submit(name, "save", str(tmp / name)) for name in self.policies]  # at once under Ray
             for handle in pending:
                 self._result(handle)
-            state = {"step": step, "success_history": {k: list(v) for k, v in self.success_history.items()},
-                     "config": to_dict(self.cfg)}
+            state = {"step": step, "method_state": self.method.state_dict(), "config": to_dict(self.cfg)}
             (tmp / "trainer_state.json").write_text(json.dumps(state))
             write_manifest(tmp)  # every file's sha256: resume trusts a checkpoint only if they still match
             replace_dir(tmp, final)
@@ -137,7 +136,7 @@ class Checkpointing:
         saved = json.loads((ckpt / "trainer_state.json").read_text()).get("config")
         if saved is None:
             return  # a checkpoint from before configs were recorded in it
-        changes = config_changes(saved, to_dict(self.cfg))
+        changes = config_changes(_normalised(saved), to_dict(self.cfg))
         if changes:
             key, before, now = changes[0]
             more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
@@ -158,9 +157,8 @@ class Checkpointing:
         step = int(state["step"])
         for handle in [self._submit(name, "load_state", str(ckpt / name)) for name in self.policies]:
             self._result(handle)
-        for k, v in state["success_history"].items():
-            if k in self.success_history:
-                self.success_history[k].extend(v)
+        # the method's per-step state (e.g. HACPO's capability window; older checkpoints name it success_history)
+        self.method.load_state_dict(state.get("method_state", {"success_history": state.get("success_history", {})}))
         self.start_step = step + 1
         # drop what the interrupted run wrote after the checkpoint: it is recomputed identically
         for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl"):
@@ -216,3 +214,13 @@ def write_error_text(exc: BaseException, where: Path) -> str:
     if is_write_error(exc):
         return f"the disk is full or failed while writing ({type(exc).__name__} from torch/safetensors){free}"
     return f"{type(exc).__name__}: {first}{free}"
+
+
+def _normalised(saved: dict) -> dict:
+    """A checkpoint's config as this version writes it (e.g. without other methods' keys, which configs
+    written before methods became plugins list), so that only real changes count; as saved if it does
+    not load."""
+    try:
+        return to_dict(load_config(saved, saved=True))
+    except (ConfigError, TypeError, ValueError):
+        return saved

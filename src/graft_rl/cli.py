@@ -8,7 +8,6 @@ import sys
 
 from graft_rl import __version__
 
-_NOT_BUILT: dict[str, str] = {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a run from its last complete checkpoint (overrides may raise steps/epochs)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_eval(sub)
+    _add_probe_seeds_plan(sub)
+    _add_preflight_analyze(sub)
+    return parser
+
+
+def _add_eval(sub) -> None:
     e = sub.add_parser(
         "eval", help="pass@1 / pass@k on the paper's benchmarks or a run's own task (mean ± std over runs)",
         description="Settings not given come from a run directory's validation settings (its held-out task, sampling and "
@@ -48,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray actors to spread the work over, one model and rollout engine each (one GPU each on a GPU "
                         "machine; default: the devices the run trained on, all its policies' world_size, else 1)")
     e.add_argument("--prompt-format", default=None, choices=["auto", "chat", "plain"])
+
+
+def _add_probe_seeds_plan(sub) -> None:
     pr = sub.add_parser(
         "probe", help="will GRAFT help this pair? complementarity and compatibility before any training",
         description="Each policy samples the config's n responses for --limit training prompts (default: one "
@@ -74,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("config", help="YAML config")
     pl.add_argument("overrides", nargs="*", help="key=value overrides, e.g. policies.0.world_size=4")
     pl.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU (default 141, an H200)")
+
+
+def _add_preflight_analyze(sub) -> None:
     pf = sub.add_parser(
         "preflight", help="rehearse a config's own code path at toy size on this machine, stage by stage",
         description="Runs CONFIG's code path (placement, model build, generate, verify, exchange, update, weight push, "
@@ -91,10 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--compare", nargs="*", default=[], metavar="RUN_DIR", help="runs to overlay on the curves")
     a.add_argument("--out", default=None, help="output directory (default RUN_DIR/analysis)")
     a.add_argument("--cases", type=int, default=3, help="case studies to include")
-    for name, what in _NOT_BUILT.items():
-        p = sub.add_parser(name, help=what)
-        p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return parser
 
 
 def _train(ns) -> int:
@@ -296,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"graft analyze: {exc}", file=sys.stderr)
             return 2
         return 0
-    print(f"graft {ns.command}: not built yet — {_NOT_BUILT[ns.command]}.", file=sys.stderr)
-    return 1
+    parser.error(f"unknown command {ns.command!r}")
+    return 2
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ token-mean loss, no KL/entropy, delta 0.8).
 from __future__ import annotations
 
 import dataclasses
-import math
 import difflib
 import typing
 from dataclasses import dataclass, field
@@ -17,13 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from graft_rl.errors import ConfigError
+from graft_rl.methods import MethodConfig, method_class
 from graft_rl.policy import PolicyConfig
 
 __all__ = ["ConfigError", "DataConfig", "MethodConfig", "PeerRecords", "TrainConfig", "ValidationConfig", "load_config", "apply_overrides", "to_dict"]
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the key or value at fault."""
 
 
 @dataclass
@@ -35,105 +32,6 @@ class DataConfig:
     # seconds for one step's verification batch in all; answers still unchecked then score 0 and are
     # counted (metrics: verify_over_budget), so pathological answers cannot stall a step for hours
     verify_budget: float = 300.0
-
-
-@dataclass
-class MethodConfig:
-    """The training method: GRPO, GRAFT with every Table 2 / Appendix G switch, or a baseline.
-
-    ``name``: ``grpo`` | ``graft`` | ``sgt`` | ``luffy`` | ``hacpo``. Hybrids: ``sgt`` with
-    ``selection: graft`` is "SGT + GRAFT which"; ``graft`` with ``selection: sgt`` is
-    "SGT + GRAFT how"; ``hacpo`` with ``selection: graft`` is "HACPO + GRAFT which".
-    """
-
-    name: str = "graft"
-    # --- which peer groups (Section 4.1, Appendix G)
-    # auto = the method's own rule (graft/luffy: complementary, sgt: sgt, hacpo: all);
-    # complementary (= graft) | random (count-matched) | sgt (k_recv=0, k_peer>=1) | all
-    selection: str = "auto"
-    balance: bool = True  # balanced exchange (Table 2: "w/o balancing" sets false)
-    # --- how to learn from them (Section 4.2)
-    gate: bool = True  # compatibility weighting at all ("w/o compatibility gate": false, w = 1)
-    floor: bool = True  # the delta threshold ("no floor": false, w = min(s, 1))
-    admission: str = "gate"  # gate | random (count-matched random admission)
-    delta: float = 0.8
-    ratio: str = "token"  # token | sequence ("token ratio" ablation)
-    position: str = "last"  # peer minibatch position: last | first | uniform
-    pooled: bool = False  # pooled-group advantages instead of source-computed ones
-    success_only: bool = False  # only successful peer responses (Appendix G)
-    compatibility: str = "token_mean"  # token_mean (paper) | per_char (tokenisation-invariant, beyond the paper)
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    adv_eps: float = 1e-6
-    # KL penalty to the initial policy (k3, token mean; 0 = off as in the paper's GRPO/GRAFT;
-    # HACPO's recipe uses 1e-3). Keeps a frozen copy of each model in memory.
-    kl_coef: float = 0.0
-    # --- baselines
-    sgt_coef: float = 0.1  # SGT lambda
-    luffy_gamma: float = 0.1
-    hacpo_self_clip_low: float = 3e-4
-    hacpo_self_clip_high: float = 4e-4
-    hacpo_peer_clip_start: float = 0.8
-    hacpo_peer_clip_increment: float = 0.025
-    hacpo_capability_window: int = 5
-    # --- GRPO + dynamic sampling (DAPO)
-    dynamic_sampling: bool = False
-    # DAPO's filter_groups.max_num_gen_batches: generation batches per step, the first included; past
-    # it the run stops with one line ("the data may be too hard"). <= 0: no limit, as in verl (whose
-    # yaml default that is); 10 is what DAPO's README and run scripts use, and a run cannot loop forever
-    max_num_gen_batches: int = 10
-
-    _NAMES = ("grpo", "graft", "sgt", "luffy", "hacpo")
-
-    def validate(self, unused_keys: bool = True) -> None:
-        """Names, ranges, and (``unused_keys``) no key the method does not read set away from its default."""
-        choices = {
-            "name": self._NAMES,
-            "selection": ("auto", "complementary", "random", "sgt", "graft", "all"),
-            "admission": ("gate", "random"),
-            "ratio": ("token", "sequence"),
-            "position": ("last", "first", "uniform"),
-            "compatibility": ("token_mean", "per_char"),
-        }
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"method.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
-        if self.selection == "auto":
-            self.selection = {"sgt": "sgt", "hacpo": "all"}.get(self.name, "complementary")
-        ranges = {  # key: (low, high, low inclusive); NaN fails every comparison
-            "delta": (0.0, math.inf, True), "eps_low": (0.0, 1.0, True), "eps_high": (0.0, math.inf, True),
-            "adv_eps": (0.0, math.inf, False), "kl_coef": (0.0, math.inf, True), "sgt_coef": (0.0, math.inf, True),
-            "luffy_gamma": (0.0, math.inf, False), "hacpo_self_clip_low": (0.0, 1.0, True),
-            "hacpo_self_clip_high": (0.0, math.inf, True), "hacpo_peer_clip_start": (0.0, 1.0, True),
-            "hacpo_peer_clip_increment": (0.0, 1.0, True),
-        }
-        for key, (lo, hi, closed) in ranges.items():
-            v = getattr(self, key)
-            if not ((lo <= v if closed else lo < v) and v < hi):
-                raise ConfigError(f"method.{key} must be in {'[' if closed else '('}{lo:g}, {hi:g}), got {v}")
-        for key in ("hacpo_capability_window",):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"method.{key} must be >= 1, got {getattr(self, key)}")
-        # a key the chosen method never reads is an error (it would be silently ignored)
-        default = MethodConfig()
-        for key, users in _METHOD_KEYS.items() if unused_keys else ():
-            unchanged = getattr(self, key) == getattr(default, key) or (key == "selection" and self.selection == "complementary")
-            if self.name not in users and not unchanged:
-                raise ConfigError(f"method.{key} is not used by method {self.name!r} (it is used by: {', '.join(users)})")
-
-
-#: Method keys read by some methods only: key -> the methods (``method.name``) that read it.
-#: The exchange switches (selection, balance, gate, ...) are read by every method with a peer.
-_PEER_METHODS = ("graft", "sgt", "luffy", "hacpo")
-_METHOD_KEYS = {
-    **{k: _PEER_METHODS for k in ("selection", "balance", "gate", "floor", "admission", "delta", "ratio", "position",
-                                  "pooled", "success_only", "compatibility")},
-    "sgt_coef": ("sgt",),
-    "luffy_gamma": ("luffy",),
-    **{k: ("hacpo",) for k in ("hacpo_self_clip_low", "hacpo_self_clip_high", "hacpo_peer_clip_start",
-                               "hacpo_peer_clip_increment", "hacpo_capability_window")},
-    **{k: ("grpo",) for k in ("dynamic_sampling", "max_num_gen_batches")},  # DAPO: GRPO's own batch only
-}
 
 
 @dataclass
@@ -218,6 +116,11 @@ class TrainConfig:
     policies: list[PolicyConfig] = field(default_factory=list)
     peers: list[PeerRecords] = field(default_factory=list)
 
+    @property
+    def devices(self) -> int:
+        """The devices the run's policies hold: every rank of every policy under Ray, one process in-process."""
+        return sum(pc.world_size for pc in self.policies) if self.execution == "ray" else 1
+
     def validate(self, saved: bool = False) -> None:
         self.method.validate(unused_keys=not saved)
         if not self.policies:
@@ -225,10 +128,11 @@ class TrainConfig:
         names = [p.name for p in self.policies] + [p.name or p.policy for p in self.peers]
         if len(set(names)) != len(names):
             raise ConfigError(f"policies/peers: names must be unique, got {names}")
-        if self.method.name != "grpo" and len(names) < 2:
+        method = method_class(self.method.name)
+        if method.uses_peers and len(names) < 2:
             raise ConfigError(f"method.name {self.method.name!r} needs at least two policies (or a peer from records)")
-        if self.peers and (self.method.balance and self.method.name == "graft"):
-            self.method.balance = False  # one direction only: balancing is inactive (Section 6.2)
+        if self.peers:
+            method.with_stored_peers(self.method)
         for key in ("prompt_batch", "minibatch", "n", "max_new_tokens", "epochs", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
@@ -275,6 +179,16 @@ def _suggest(key: str, valid: list[str]) -> str:
 
 
 def _build(cls, data, where: str):
+    if cls is MethodConfig:
+        if isinstance(data, MethodConfig):
+            return data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+        hints = typing.get_type_hints(MethodConfig)
+        common = {f.name for f in dataclasses.fields(MethodConfig) if f.name not in ("params", "_foreign")}
+        # the common keys typed here, the method's own (its Params) by MethodConfig.validate
+        kw = {k: _build(hints[k], v, f"{where}.{k}") if k in common else v for k, v in data.items()}
+        return MethodConfig(**{str(k): v for k, v in kw.items()})
     if dataclasses.is_dataclass(cls):
         if isinstance(data, cls):
             return data
@@ -328,6 +242,8 @@ def to_dict(obj) -> dict:
     out = dataclasses.asdict(obj)
 
     def clean(x):
+        if isinstance(x, dict) and isinstance(x.get("params"), dict) and "kl_coef" in x:  # a MethodConfig: flat keys
+            x = {**{k: v for k, v in x.items() if k != "params"}, **x["params"]}
         if isinstance(x, dict):
             return {k: clean(v) for k, v in x.items() if not k.startswith("_")}
         if isinstance(x, (list, tuple)):

@@ -165,7 +165,7 @@ def start_actors(cfg, policy_configs) -> dict:
     for pc in policy_configs:
         opts = {**_actor_options(cfg, pc), "max_restarts": 0}
         threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
-        worker_args = (pc, cfg.method, cfg.minibatch, cfg.nonfinite_loss, None, None, threads)
+        worker_args = (pc, cfg.method, cfg.minibatch, cfg.nonfinite_loss, threads)
         if pc.world_size > 1:
             actors[pc.name] = ActorGroup.start(pc.name, policy_bundles(cfg, pc), opts, worker_args, cfg.ray.placement_timeout,
                                                cfg.ray.collective_timeout)
@@ -189,7 +189,7 @@ def start_replicas(cfg, pc, replicas: int) -> list:
 
     import ray
 
-    from graft_rl.config import MethodConfig
+    from graft_rl.methods import MethodConfig
     from graft_rl.worker import PolicyWorker
 
     init_ray(cfg.ray.address)
@@ -205,7 +205,7 @@ def start_replicas(cfg, pc, replicas: int) -> list:
         custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
         opts = {"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0), "resources": custom or None, "max_restarts": 0, **extra}
         actors.append(remote_cls.options(**{k: v for k, v in opts.items() if v is not None}).remote(
-            replace(pc, world_size=1), method, 1, "skip", None, None, threads))
+            replace(pc, world_size=1), method, 1, "skip", threads))
     for r, a in enumerate(actors):
         _NAMES[a._actor_id.hex()] = (pc.name, r)
     get(GroupRef([a.name.remote() for a in actors], pc.name))

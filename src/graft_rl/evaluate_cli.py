@@ -87,7 +87,7 @@ def default_replicas(target: str, policy: PolicyConfig) -> int:
     from graft_rl.config import load_config
 
     cfg = load_config(cfg_file, [f"run_dir={target}"], saved=True)
-    return sum(pc.world_size for pc in cfg.policies) if cfg.execution == "ray" else 1
+    return cfg.devices
 
 
 def _benchmarks(names: list[str]) -> dict[str, str]:

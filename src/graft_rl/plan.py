@@ -281,7 +281,7 @@ def eval_estimate(cfg: TrainConfig, samples: int = 8, runs: int = 5, typical_tok
         problems = sum(len(load_dataset(name)) for name in cfg.validation.data)
     except DatasetError:
         return None
-    gpus = sum(pc.world_size for pc in cfg.policies) if cfg.execution == "ray" else 1
+    gpus = cfg.devices
     responses = problems * samples * runs
     cap = cfg.validation.max_new_tokens
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
+from graft_rl.methods import method_class
 from graft_rl.plan import KNOWN_SHAPES, eval_estimate, format_plan, model_shape, plan
 from graft_rl.policy.policy import uses_fused_head
 
@@ -161,7 +162,7 @@ def toy_config(cfg: TrainConfig, run_dir: Path, work: Path) -> Toy:
     d = to_dict(cfg)
     notes: list[str] = []
     families: dict[str, str] = {}
-    ranks = sum(pc.world_size for pc in cfg.policies) if cfg.execution == "ray" else 1
+    ranks = cfg.devices
     wants_gpu = any(pc.device.startswith("cuda") for pc in cfg.policies)
     gpus = _gpus_here()
     on_gpu = wants_gpu and gpus >= ranks
@@ -307,6 +308,25 @@ def _check(cond: bool, msg: str) -> None:
         raise AssertionError(msg)
 
 
+@dataclass
+class _Run:
+    """What the checklist's stages share."""
+
+    cl: Checklist
+    out: dict
+    run: Path
+    work: Path
+    show: bool
+    gpu_memory: float
+    cfg: TrainConfig | None = None
+    toy: Toy | None = None
+    trainer: object = None
+    trainer_cls: type | None = None
+    names_seen: dict = field(default_factory=dict)
+    checks_before: dict = field(default_factory=dict)
+    lines: list = field(default_factory=list)
+
+
 def run_preflight(config: str, overrides: list[str] | None = None, run_dir: str | None = None, show: bool = True,
                   gpu_memory: float = 141.0) -> dict:
     """Run the checklist; returns ``{"stages": [...], "notes": [...], "plan": str, "ok": bool, "seconds": s}``."""
@@ -317,153 +337,171 @@ def run_preflight(config: str, overrides: list[str] | None = None, run_dir: str 
     if keep and run.exists() and any(run.iterdir()):
         raise ConfigError(f"--run-dir {run} is not empty")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (vLLM's default is 4)
-    cl = Checklist(show)
-    out: dict = {"config": config, "overrides": list(overrides or []), "notes": [], "plan": ""}
-    cfg = toy = trainer = None
-    names_seen: dict = {}
-    checks_before: dict = {}
+    r = _Run(Checklist(show), {"config": config, "overrides": list(overrides or []), "notes": [], "plan": ""}, run, work,
+             show, gpu_memory)
     try:
-        with cl.stage("config") as st:
-            cfg = load_config(config, overrides)
-            ws = "+".join(str(pc.world_size) for pc in cfg.policies)
-            st.detail = (f"method {cfg.method.name}; {len(cfg.policies)} policies ({', '.join(pc.name for pc in cfg.policies)})"
-                         f"{' + ' + str(len(cfg.peers)) + ' stored' if cfg.peers else ''}; execution {cfg.execution}, "
-                         f"world sizes {ws}; backend {'/'.join(sorted({pc.backend for pc in cfg.policies}))}; "
-                         f"dtype {'/'.join(sorted({pc.dtype for pc in cfg.policies}))}")
-            toy = toy_config(cfg, run, work)
-            out["notes"] = toy.notes
-            if show:
-                print(f"graft preflight {config}: the config's code path at toy size on this machine")
-                for name, what in toy.families.items():
-                    print(f"  model {name}: {what}")
-                for note in toy.notes:
-                    print(f"  - {note}")
-        with cl.stage("plan") as st:
-            if st is not None:
-                out["plan"] = format_plan(plan(cfg), gpu_memory, shared=cfg.execution == "local")
-                estimate = eval_estimate(cfg)
-                if estimate:
-                    out["plan"] += "\n\n" + estimate
-                fits = "NO" not in out["plan"] and "does NOT fit" not in out["plan"]
-                gpus = sum(pc.world_size for pc in cfg.policies) if cfg.execution == "ray" else 1
-                if not any(pc.device.startswith("cuda") for pc in cfg.policies):
-                    st.detail = "the real config runs on the CPU (no GPU to plan)"
-                else:
-                    st.detail = f"the real config: {gpus} GPU(s), {'fits' if fits else 'does NOT fit'} {gpu_memory:g} GiB per GPU"
-                if not fits:
-                    st.status = "FAIL"
-                    cl.failed = True
-        with cl.stage("peer records") as st:
-            if st is not None:
-                if not cfg.peers:
-                    st.status, st.detail = "n/a", "no stored peers"
-                else:
-                    st.detail = _make_peer_records(toy, cfg, work, names_seen)
-        with cl.stage("placement") as st:
-            if st is not None:
-                st.detail = _placement(toy)
-                if cfg.execution != "ray":
-                    st.status = "n/a"
-        Trainer = _pattern_trainer(names_seen)
-        with cl.stage("model build") as st:
-            if st is not None:
-                trainer = Trainer(toy.cfg, show_progress=False)
-                prompts = trainer.prompts_for_step(1)[:2]  # the engine before any update (weight push row)
-                checks_before = {name: trainer._call(name, "rollout_check", prompts, TOY["max_new_tokens"], 1)
-                                 for name in trainer.policies}
-                st.detail = "; ".join(f"{pc.name}: {pc.backend}, {pc.device}, {pc.dtype}, world {pc.world_size}"
-                                      for pc in toy.cfg.policies)
-        lines: list[dict] = []
-        with cl.stage("generate") as st:
-            if st is not None:
-                lines = trainer.run(max_steps=1)
-                st.detail = "; ".join(f"{ln['policy']}: {ln['rollouts']} responses, {ln['response_len_mean']:.1f} tokens, "
-                                      f"{ln['time_generate']:.1f} s" for ln in lines)
-        with cl.stage("verify") as st:
-            if st is not None:
-                st.detail = (f"{cfg.data.verifier if cfg.data.verifier != 'auto' else trainer.verifier} verifier on "
-                             f"{names_seen.get('responses', 0)} responses ({names_seen.get('correct', 0)} correct, "
-                             f"{names_seen.get('verify_timeouts', 0)} timeouts); training uses the preflight reward pattern")
-                _check(names_seen.get("responses", 0) > 0, "no response was verified")
-        with cl.stage("exchange") as st:
-            if st is not None:
-                grafted = {ln["policy"]: int(ln.get("exchanged_in") or 0) for ln in lines}
-                adm = [ln.get("admitted_frac") for ln in lines if ln.get("admitted_frac") is not None]
-                if cfg.method.name == "grpo":
-                    st.status, st.detail = "n/a", "GRPO exchanges nothing"
-                else:
-                    st.detail = (", ".join(f"{k} received {v} groups" for k, v in grafted.items())
-                                 + (f"; gate admitted {100 * sum(adm) / len(adm):.0f} %" if adm else ""))
-                    _check(sum(grafted.values()) > 0, f"no peer group reached any receiver ({st.detail})")
-        with cl.stage("update") as st:
-            if st is not None:
-                st.detail = "; ".join(f"{ln['policy']}: {ln['minibatches']} minibatches, loss {ln['loss']:.4g}, "
-                                      f"grad norm {ln['grad_norm']:.3g}" if ln.get("loss") is not None else
-                                      f"{ln['policy']}: every update skipped" for ln in lines)
-                _check(all(ln.get("loss") is not None and not ln.get("skipped_updates") for ln in lines),
-                       "an update was skipped (non-finite loss or gradient)")
-        with cl.stage("weight push") as st:
-            if st is not None:
-                st.detail = _weight_push(trainer, checks_before, toy.cfg)
-        with cl.stage("validation") as st:
-            if st is not None:
-                trainer.run(max_steps=1)  # step 2: validation (every 2) and a checkpoint
-                if not toy.cfg.validation.data:
-                    st.status, st.detail = "n/a", "no validation data in the config"
-                else:
-                    best = json.loads((run / "best" / "best.json").read_text())
-                    st.detail = (f"{', '.join(toy.cfg.validation.data)} at steps 0 and 2; best/ holds "
-                                 + ", ".join(f"{k}@{v['step']}" for k, v in best.items()))
-                    _check(set(best) == set(trainer.policies), "best/ lacks a policy")
-        with cl.stage("checkpoint") as st:
-            if st is not None:
-                from graft_rl.rundir import checkpoint_problem
-
-                ckpt = run / "checkpoints" / "step_000002"
-                problem = checkpoint_problem(ckpt, list(trainer.policies))
-                _check(problem is None, f"checkpoint step 2: {problem}")
-                st.detail = f"{ckpt.relative_to(run)}: " + ", ".join(
-                    f"{n} ({len(list((ckpt / n).glob('policy_state*.pt')))} optimiser shard(s))" for n in trainer.policies)
-        with cl.stage("resume") as st:
-            if st is not None:
-                trainer.close()
-                trainer = Trainer.resume(run, show_progress=False)
-                _check(trainer.start_step == 3, f"resumed at step {trainer.start_step}, expected 3")
-                rest = trainer.run()
-                trainer.close()
-                trainer = None
-                st.detail = f"from checkpoint step 2 to step {rest[-1]['step']}"
-        with cl.stage("graft eval") as st:
-            if st is not None:
-                from graft_rl.evaluate_cli import run_eval
-
-                benches = toy.cfg.validation.data or None
-                res = run_eval(str(run), benches, samples=2, runs=2, limit=TOY["val_limit"],
-                               max_new_tokens=TOY["max_new_tokens"], show=False)
-                st.detail = "; ".join(f"{n}: {p['replicas']} replica(s), {p['backend']}, average {100 * p['average']:.1f} %"
-                                      for n, p in res["policies"].items())
-        with cl.stage("graft analyze") as st:
-            if st is not None:
-                from graft_rl.analyze import analyze
-
-                summary = analyze(run)
-                pngs = sorted(p.name for p in (run / "analysis").glob("*.png"))
-                if toy.cfg.validation.data:
-                    best = json.loads((run / "best" / "best.json").read_text())
-                    for name in (pc.name for pc in toy.cfg.policies):
-                        _check(summary["policies"][name]["best_step"] == best[name]["step"],
-                               f"analyze's best step of {name} differs from the trainer's")
-                st.detail = f"report.md and {len(pngs)} plots; best steps equal the trainer's"
+        _stage_config(r, config, overrides)
+        _stages_before_training(r)
+        _stages_training(r)
+        _stages_after_training(r)
     finally:
-        if trainer is not None:
-            trainer.close()
+        if r.trainer is not None:
+            r.trainer.close()
         _shutdown_ray()
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    out["stages"] = [vars(s) for s in cl.stages.values()]
-    out["ok"] = not cl.failed
-    out["seconds"] = time.perf_counter() - t_start
-    return out
+    r.out["stages"] = [vars(s) for s in r.cl.stages.values()]
+    r.out["ok"] = not r.cl.failed
+    r.out["seconds"] = time.perf_counter() - t_start
+    return r.out
+
+
+def _stage_config(r: _Run, config: str, overrides: list[str] | None) -> None:
+    with r.cl.stage("config") as st:
+        cfg = r.cfg = load_config(config, overrides)
+        ws = "+".join(str(pc.world_size) for pc in cfg.policies)
+        st.detail = (f"method {cfg.method.name}; {len(cfg.policies)} policies ({', '.join(pc.name for pc in cfg.policies)})"
+                     f"{' + ' + str(len(cfg.peers)) + ' stored' if cfg.peers else ''}; execution {cfg.execution}, "
+                     f"world sizes {ws}; backend {'/'.join(sorted({pc.backend for pc in cfg.policies}))}; "
+                     f"dtype {'/'.join(sorted({pc.dtype for pc in cfg.policies}))}")
+        r.toy = toy_config(cfg, r.run, r.work)
+        r.out["notes"] = r.toy.notes
+        if r.show:
+            print(f"graft preflight {config}: the config's code path at toy size on this machine")
+            for name, what in r.toy.families.items():
+                print(f"  model {name}: {what}")
+            for note in r.toy.notes:
+                print(f"  - {note}")
+
+
+def _stages_before_training(r: _Run) -> None:
+    """plan, peer records, placement, model build."""
+    cl, cfg, toy = r.cl, r.cfg, r.toy
+    with cl.stage("plan") as st:
+        if st is not None:
+            r.out["plan"] = format_plan(plan(cfg), r.gpu_memory, shared=cfg.execution == "local")
+            estimate = eval_estimate(cfg)
+            if estimate:
+                r.out["plan"] += "\n\n" + estimate
+            fits = "NO" not in r.out["plan"] and "does NOT fit" not in r.out["plan"]
+            if not any(pc.device.startswith("cuda") for pc in cfg.policies):
+                st.detail = "the real config runs on the CPU (no GPU to plan)"
+            else:
+                st.detail = f"the real config: {cfg.devices} GPU(s), {'fits' if fits else 'does NOT fit'} {r.gpu_memory:g} GiB per GPU"
+            if not fits:
+                st.status = "FAIL"
+                cl.failed = True
+    with cl.stage("peer records") as st:
+        if st is not None:
+            if not cfg.peers:
+                st.status, st.detail = "n/a", "no stored peers"
+            else:
+                st.detail = _make_peer_records(toy, cfg, r.work, r.names_seen)
+    with cl.stage("placement") as st:
+        if st is not None:
+            st.detail = _placement(toy)
+            if cfg.execution != "ray":
+                st.status = "n/a"
+    r.trainer_cls = _pattern_trainer(r.names_seen)
+    with cl.stage("model build") as st:
+        if st is not None:
+            trainer = r.trainer = r.trainer_cls(toy.cfg, show_progress=False)
+            prompts = trainer.prompts_for_step(1)[:2]  # the engine before any update (weight push row)
+            r.checks_before = {name: trainer._call(name, "rollout_check", prompts, TOY["max_new_tokens"], 1)
+                               for name in trainer.policies}
+            st.detail = "; ".join(f"{pc.name}: {pc.backend}, {pc.device}, {pc.dtype}, world {pc.world_size}"
+                                  for pc in toy.cfg.policies)
+
+
+def _stages_training(r: _Run) -> None:
+    """generate, verify, exchange, update, weight push, validation: two steps of the toy run."""
+    cl, cfg, toy, names_seen = r.cl, r.cfg, r.toy, r.names_seen
+    with cl.stage("generate") as st:
+        if st is not None:
+            lines = r.lines = r.trainer.run(max_steps=1)
+            st.detail = "; ".join(f"{ln['policy']}: {ln['rollouts']} responses, {ln['response_len_mean']:.1f} tokens, "
+                                  f"{ln['time_generate']:.1f} s" for ln in lines)
+    lines = r.lines
+    with cl.stage("verify") as st:
+        if st is not None:
+            st.detail = (f"{cfg.data.verifier if cfg.data.verifier != 'auto' else r.trainer.verifier} verifier on "
+                         f"{names_seen.get('responses', 0)} responses ({names_seen.get('correct', 0)} correct, "
+                         f"{names_seen.get('verify_timeouts', 0)} timeouts); training uses the preflight reward pattern")
+            _check(names_seen.get("responses", 0) > 0, "no response was verified")
+    with cl.stage("exchange") as st:
+        if st is not None:
+            grafted = {ln["policy"]: int(ln.get("exchanged_in") or 0) for ln in lines}
+            adm = [ln.get("admitted_frac") for ln in lines if ln.get("admitted_frac") is not None]
+            if not method_class(cfg.method.name).uses_peers:
+                st.status, st.detail = "n/a", f"{cfg.method.name} exchanges nothing"
+            else:
+                st.detail = (", ".join(f"{k} received {v} groups" for k, v in grafted.items())
+                             + (f"; gate admitted {100 * sum(adm) / len(adm):.0f} %" if adm else ""))
+                _check(sum(grafted.values()) > 0, f"no peer group reached any receiver ({st.detail})")
+    with cl.stage("update") as st:
+        if st is not None:
+            st.detail = "; ".join(f"{ln['policy']}: {ln['minibatches']} minibatches, loss {ln['loss']:.4g}, "
+                                  f"grad norm {ln['grad_norm']:.3g}" if ln.get("loss") is not None else
+                                  f"{ln['policy']}: every update skipped" for ln in lines)
+            _check(all(ln.get("loss") is not None and not ln.get("skipped_updates") for ln in lines),
+                   "an update was skipped (non-finite loss or gradient)")
+    with cl.stage("weight push") as st:
+        if st is not None:
+            st.detail = _weight_push(r.trainer, r.checks_before, toy.cfg)
+    with cl.stage("validation") as st:
+        if st is not None:
+            r.trainer.run(max_steps=1)  # step 2: validation (every 2) and a checkpoint
+            if not toy.cfg.validation.data:
+                st.status, st.detail = "n/a", "no validation data in the config"
+            else:
+                best = json.loads((r.run / "best" / "best.json").read_text())
+                st.detail = (f"{', '.join(toy.cfg.validation.data)} at steps 0 and 2; best/ holds "
+                             + ", ".join(f"{k}@{v['step']}" for k, v in best.items()))
+                _check(set(best) == set(r.trainer.policies), "best/ lacks a policy")
+
+
+def _stages_after_training(r: _Run) -> None:
+    """checkpoint, resume, graft eval, graft analyze."""
+    cl, toy, run = r.cl, r.toy, r.run
+    with cl.stage("checkpoint") as st:
+        if st is not None:
+            from graft_rl.rundir import checkpoint_problem
+
+            ckpt = run / "checkpoints" / "step_000002"
+            problem = checkpoint_problem(ckpt, list(r.trainer.policies))
+            _check(problem is None, f"checkpoint step 2: {problem}")
+            st.detail = f"{ckpt.relative_to(run)}: " + ", ".join(
+                f"{n} ({len(list((ckpt / n).glob('policy_state*.pt')))} optimiser shard(s))" for n in r.trainer.policies)
+    with cl.stage("resume") as st:
+        if st is not None:
+            r.trainer.close()
+            r.trainer = r.trainer_cls.resume(run, show_progress=False)
+            _check(r.trainer.start_step == 3, f"resumed at step {r.trainer.start_step}, expected 3")
+            rest = r.trainer.run()
+            r.trainer.close()
+            r.trainer = None
+            st.detail = f"from checkpoint step 2 to step {rest[-1]['step']}"
+    with cl.stage("graft eval") as st:
+        if st is not None:
+            from graft_rl.evaluate_cli import run_eval
+
+            benches = toy.cfg.validation.data or None
+            res = run_eval(str(run), benches, samples=2, runs=2, limit=TOY["val_limit"],
+                           max_new_tokens=TOY["max_new_tokens"], show=False)
+            st.detail = "; ".join(f"{n}: {p['replicas']} replica(s), {p['backend']}, average {100 * p['average']:.1f} %"
+                                  for n, p in res["policies"].items())
+    with cl.stage("graft analyze") as st:
+        if st is not None:
+            from graft_rl.analyze import analyze
+
+            summary = analyze(run)
+            pngs = sorted(p.name for p in (run / "analysis").glob("*.png"))
+            if toy.cfg.validation.data:
+                best = json.loads((run / "best" / "best.json").read_text())
+                for name in (pc.name for pc in toy.cfg.policies):
+                    _check(summary["policies"][name]["best_step"] == best[name]["step"],
+                           f"analyze's best step of {name} differs from the trainer's")
+            st.detail = f"report.md and {len(pngs)} plots; best steps equal the trainer's"
 
 
 def _placement(toy: Toy) -> str:

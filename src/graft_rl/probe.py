@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from graft_rl.analyze import compatibility_stats, complementarity, plot_compatibility
-from graft_rl.config import MethodConfig, TrainConfig
-from graft_rl.exchange import build_exchange
+from graft_rl.config import TrainConfig
+from graft_rl.methods import MethodConfig, build_exchange
 from graft_rl.rundir import write_text_atomic
 from graft_rl.seeding import derive_seed
 
@@ -53,7 +53,7 @@ def _probe_config(cfg: TrainConfig, limit: int) -> tuple[TrainConfig, MethodConf
     if len(cfg.policies) < 2 and not cfg.peers:
         raise ProbeError("the config has one policy and no stored peer: there is no exchange to probe")
     method = cfg.method if cfg.method.name == "graft" else MethodConfig(name="graft", delta=cfg.method.delta)
-    method = dataclasses.replace(method, kl_coef=0.0, dynamic_sampling=False)
+    method = dataclasses.replace(method, kl_coef=0.0)
     method.validate(unused_keys=False)
     pb = min(cfg.prompt_batch, limit)
     steps = math.ceil(limit / pb)

@@ -18,14 +18,12 @@ resumed run reproduces an uninterrupted one exactly on CPU.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import signal
 import statistics
 import textwrap
-import time
-from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,30 +33,38 @@ from tqdm.auto import tqdm
 from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.data import Problem, check_answers, load_dataset, verifier_for
 from graft_rl.evaluation import families
-from graft_rl.exchange import CAPABILITY_FLOOR, ReceiverBatch, build_exchange
-from graft_rl.objectives import build_objective
+from graft_rl.handles import Pending, WorkerHandle, completion_order, start_workers
+from graft_rl.methods import build_method
+from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.plan import check_resources
 from graft_rl.checkpointing import CheckpointError, Checkpointing
-from graft_rl.policy import Policy, PolicyConfig, RolloutGroup, SamplingParams
-from graft_rl.rewards import score_responses
+from graft_rl.policy import PolicyConfig, RolloutGroup, SamplingParams
+from graft_rl.rollouts import DynamicSamplingError, Rollouts
 from graft_rl.rundir import RunLock, clean_stale, finite_json, write_text_atomic
 from graft_rl.seeding import derive_seed
 from graft_rl.store import RecordStore
 from graft_rl.validation import Validation
-from graft_rl.worker import PolicyWorker
 
 __all__ = ["Trainer", "RunInterrupted", "CheckpointError", "DynamicSamplingError", "derive_seed"]
 
 
-class Trainer(Checkpointing, Validation):
+class Trainer(Rollouts, Checkpointing, Validation):
     """Co-train the configured policies with the configured method."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False, show_progress: bool = True):
+    def __init__(self, cfg: TrainConfig, resume: bool = False, show_progress: bool = True, *,
+                 reward: Callable[[list[RolloutGroup]], dict] | None = None,
+                 workers: Callable[[TrainConfig, list[PolicyConfig]], dict[str, WorkerHandle]] = start_workers):
+        """``reward``: scores a step's groups in place (sets each group's ``rewards``) and returns its
+        counts (``verify_timeouts``, ...); default: the run's verifier (:meth:`score_groups`).
+        ``workers``: builds each policy's :class:`~graft_rl.handles.WorkerHandle` from the config and
+        the policies' configs; default: in-process or Ray actors, as ``execution`` says."""
         check_resources(cfg)  # one line, before any model or data is touched, if e.g. no GPU is there
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.show_progress = show_progress
-        self.workers: dict = {}
+        self.reward = reward or self.score_groups
+        self._start_workers = workers
+        self.workers: dict[str, WorkerHandle] = {}
         self.lock = RunLock(self.run_dir)
         if not resume:
             _check_fresh_run_dir(self.run_dir)
@@ -88,14 +94,13 @@ class Trainer(Checkpointing, Validation):
         check_answers(self.data, self.verifier, cfg.data.train)  # a reference no response could match: one line
         self.steps_per_epoch = len(self.data) // cfg.prompt_batch
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
-        self.exchange = build_exchange(cfg.method)
-        self.objective = build_objective(cfg.method)
+        self.method = build_method(cfg.method)  # the driver's side of it: exchange, per-step state, filter
+        self.exchange = self.method.exchange()
         self.sampling = SamplingParams(cfg.n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens)
         self.start_step = 1
         # Ray: generations started for the next step as each policy's update finished (see step)
         self._prefetched: dict[tuple[str, int], object] = {}
         self._prefetch_until = 0  # the last step of the current run() call
-        self.success_history: dict[str, deque] = {}
         ckpt = None
         if resume:
             for stale in clean_stale(self.run_dir):
@@ -114,24 +119,12 @@ class Trainer(Checkpointing, Validation):
                        "reference_gguf_file": pc.reference_gguf_file if pc.reference_model else pc.gguf_file}
                 pc = PolicyConfig(**{**to_dict(pc), "model": str(ckpt / pc.name), "gguf_file": None, "tokenizer": None, **ref})
             pcs.append(pc)
-        # in-process: the Policy objects live here (self.policies); with Ray each lives in its actor
-        self.policies: dict[str, Policy] = {}
-        if cfg.execution == "ray":
-            from graft_rl.distributed import start_actors
-
-            self.workers = start_actors(cfg, pcs)
-            self.policies = {pc.name: pc for pc in pcs}  # type: ignore[misc]  # names only: no model here
-        else:
-            for pc in pcs:
-                self.policies[pc.name] = Policy(pc, with_reference=cfg.method.kl_coef > 0)
-                self.workers[pc.name] = PolicyWorker(
-                    self.policies[pc.name], cfg.method, cfg.minibatch, cfg.nonfinite_loss, self.objective, self.exchange.weighting
-                )
+        self.workers = self._start_workers(cfg, pcs)
+        # name -> the in-process Policy, or (Ray) its config: the model lives in the actor
+        self.policies = {name: h.policy for name, h in self.workers.items()}
         self.peers = {p.name or p.policy: (RecordStore(p.records), p.policy) for p in cfg.peers}
         self.live = set(self.policies)
         self.names = [p.name for p in cfg.policies] + list(self.peers)
-        for name in self.names:
-            self.success_history[name] = deque(maxlen=cfg.method.hacpo_capability_window)
         if ckpt is not None:
             self._restore(ckpt)
         self._tb = self._tensorboard() if cfg.tensorboard else None
@@ -163,173 +156,46 @@ class Trainer(Checkpointing, Validation):
 
     # ------------------------------------------------------------------ workers
     def _submit(self, name: str, method: str, *args):
-        """Start a call on a policy's worker: a Ray future, or (in-process) the finished result."""
-        w = self.workers[name]
-        if self.cfg.execution == "ray":
-            return getattr(w, method).remote(*args)
-        return getattr(w, method)(*args)
+        """Start a call on a policy's worker (:meth:`WorkerHandle.submit`)."""
+        return self.workers[name].submit(method, *args)
 
-    def _result(self, handle):
-        if self.cfg.execution == "ray":
-            from graft_rl.distributed import get
-
-            return get(handle)
-        return handle
+    def _result(self, pending: Pending):
+        """Wait for a submitted call (:meth:`Pending.get`)."""
+        return pending.get()
 
     def _call(self, name: str, method: str, *args):
-        return self._result(self._submit(name, method, *args))
-
-    # ------------------------------------------------------------------ data order
-    def prompts_for_step(self, step: int) -> list[tuple[str, str]]:
-        """The prompt batch of a step: epoch-wise shuffles seeded by (seed, epoch)."""
-        epoch, pos = divmod(step - 1, self.steps_per_epoch)
-        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 1, epoch))
-        perm = torch.randperm(len(self.data), generator=g)
-        idx = perm[pos * self.cfg.prompt_batch : (pos + 1) * self.cfg.prompt_batch].tolist()
-        return [(self.data[i].id, self.data[i].problem) for i in idx]
-
-    # ------------------------------------------------------------------ rewards
-    def _verify(self, groups: list[RolloutGroup]) -> dict:
-        rows = [(g, i) for g in groups for i in range(g.n)]
-        probs = [self._by_id[g.prompt_id] for g, _ in rows]
-        scores, st = score_responses(
-            [g.texts[i] for g, i in rows],
-            [p.answer for p in probs],
-            self.verifier,
-            [p.source for p in probs],
-            [p.id for p in probs],
-            self.cfg.data.verify_timeout,
-            self.cfg.data.verify_budget,
-        )
-        it = iter(scores)
-        for g in groups:
-            g.rewards = [next(it) for _ in range(g.n)]
-        return {"verify_timeouts": st.timeout, "verify_errors": st.error + st.crash, "verify_over_budget": st.budget}
-
-    # ------------------------------------------------------------------ generation
-    def _generation_seed(self, name: str, step: int) -> int:
-        return derive_seed(self.cfg.seed, 2, step, self.names.index(name))
-
-    def _start_generation(self, name: str, step: int):
-        return self._submit(name, "generate_timed", self.prompts_for_step(step), self.samplings[name],
-                            self._generation_seed(name, step))
-
-    def _dynamic_sampling(self, name, prompts, groups, step, vstats, times) -> tuple[list, list, int, int]:
-        """DAPO's dynamic sampling (``recipe/dapo``, ``filter_groups``): keep the groups with mixed
-        rewards; while fewer than ``prompt_batch`` are kept, generate another batch of prompts, up to
-        ``method.max_num_gen_batches`` batches in the step (the first included; <= 0: no limit), past
-        which the run stops with :class:`DynamicSamplingError`. Fresh prompts come from the training
-        data not yet drawn in this step (then, reshuffled, from those not kept). ``times`` accumulates the
-        extra batches' ``time_generate`` (measured in the worker) and ``time_reward``.
-        Returns ``(kept groups, their prompts, extra rollouts, generation batches)``."""
-        keep = [g for g in groups if 0 < g.k < g.n]
-        extra_rollouts = 0
-        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 3, step, self.names.index(name)))
-        used = {pid for pid, _ in prompts}
-        pool = [p for p in torch.randperm(len(self.data), generator=g).tolist() if self.data[p].id not in used]
-        cap = self.cfg.method.max_num_gen_batches
-        batches = 1
-        while len(keep) < self.cfg.prompt_batch:
-            if 0 < cap <= batches:
-                raise DynamicSamplingError(
-                    f"step {step}: policy {name!r} has {len(keep)} of {self.cfg.prompt_batch} prompts with mixed rewards after "
-                    f"{batches} generation batches (method.max_num_gen_batches={cap}); the data may be too hard (or easy) "
-                    f"for it. Set method.max_num_gen_batches=0 for no limit, and resume with --resume")
-            if not pool:  # every prompt drawn once in this step: another pass over those not kept (a prompt
-                # is in a step's batch once), as DAPO's next epoch would
-                kept = {gr.prompt_id for gr in keep}
-                pool = [p for p in torch.randperm(len(self.data), generator=g).tolist() if self.data[p].id not in kept]
-                if not pool:
-                    raise DynamicSamplingError(
-                        f"step {step}: policy {name!r} has {len(keep)} of {self.cfg.prompt_batch} prompts with mixed rewards, "
-                        f"and every other prompt of data.train was drawn; prompt_batch is larger than what the data can fill")
-            batches += 1
-            take, pool = pool[: self.cfg.prompt_batch], pool[self.cfg.prompt_batch :]
-            more_prompts = [(self.data[i].id, self.data[i].problem) for i in take]
-            seed = derive_seed(self.cfg.seed, 4, step, self.names.index(name), batches - 1)
-            more, gen_s = self._call(name, "generate_timed", more_prompts, self.samplings[name], seed)
-            times["time_generate"] += gen_s
-            extra_rollouts += len(more) * self.cfg.n
-            t0 = time.perf_counter()
-            st = self._verify(more)
-            times["time_reward"] += time.perf_counter() - t0
-            for k, v in st.items():
-                vstats[k] = vstats.get(k, 0) + v
-            keep.extend(gr for gr in more if 0 < gr.k < gr.n)
-        keep = keep[: self.cfg.prompt_batch]
-        return keep, [(gr.prompt_id, gr.prompt) for gr in keep], extra_rollouts, batches
+        return self.workers[name].call(method, *args)
 
     # ------------------------------------------------------------------ one receiver
     def _train_receiver(self, name: str, batch: ReceiverBatch, step: int):
         """Start scoring, weighting and updating one receiver where its model lives: a Ray future
         (the call runs while the driver starts the next receiver's), or in-process the result."""
         seed = derive_seed(self.cfg.seed, 5, step, self.names.index(name))
-        caps = {n: self._capability(n) for n in self.names}
-        return self._submit(name, "train", batch, step, seed, caps, self.cfg.temperature, self.samplings[name].max_new_tokens)
+        return self._submit(name, "train", batch, step, seed, self.cfg.temperature, self.samplings[name].max_new_tokens)
 
     def _finish_receiver(self, name: str, batch: ReceiverBatch, step: int, handle) -> dict:
-        """Wait for a receiver's update; record its peer rows' weights and what it grafted."""
-        stats, weights, exchange_rows = self._result(handle)
-        for r, w in zip(batch.rows, weights, strict=True):
-            r.weight = w
-        self.store.write_exchange(step, name, exchange_rows)
+        """Wait for a receiver's update; keep its rows' weights and inclusion on the driver's batch
+        (the per-family counts read them) and record what it grafted."""
+        upd = self._result(handle)
+        for r, w, inc in zip(batch.rows, upd.weights, upd.included, strict=True):
+            r.weight, r.include = w, inc
+        self.store.write_exchange(step, name, upd.exchange_rows)
+        stats = upd.stats
         if stats.pop("nonfinite_stop", False):
             raise FloatingPointError(f"step {step}, policy {name!r}: non-finite loss or gradient (nonfinite_loss=stop)")
         return stats
 
-    def _capability(self, name: str) -> float:
-        h = self.success_history.get(name)
-        return max(statistics.fmean(h), CAPABILITY_FLOOR) if h else 0.5
-
     # ------------------------------------------------------------------ one step
-    def rollouts(self, step: int) -> tuple[dict[str, list[RolloutGroup]], dict[str, dict]]:
-        """A step's rollout phase: every policy's verified groups (dynamic sampling applied), stored
-        peers' replayed groups, and each policy's metric line so far. (``graft probe`` runs this.)"""
-        prompts = self.prompts_for_step(step)
-        groups: dict[str, list[RolloutGroup]] = {}
-        lines: dict[str, dict] = {name: {"step": step, "policy": name} for name in self.policies}
-        # all policies generate at once (overlapping in time with Ray; one after another in-process);
-        # time_generate is measured in the worker, where the generation runs (Table 5's compute).
-        # Under Ray a policy's generation may have started already, when its last update finished
-        pending = {name: self._prefetched.pop((name, step)) if (name, step) in self._prefetched
-                   else self._start_generation(name, step) for name in self.policies}
-        for name in self.policies:
-            gs, gen_s = self._result(pending[name])
-            rollouts = len(gs) * self.cfg.n
-            t0 = time.perf_counter()
-            vst = self._verify(gs)
-            times = {"time_generate": gen_s, "time_reward": time.perf_counter() - t0}
-            if self.cfg.method.dynamic_sampling:
-                gs, _, extra, lines[name]["gen_batches"] = self._dynamic_sampling(name, prompts, gs, step, vst, times)
-                rollouts += extra
-            lines[name].update(times)
-            lines[name].update(vst)
-            lines[name]["rollouts"] = rollouts
-            groups[name] = gs
-        for name, (store, peer_policy) in self.peers.items():
-            replayed = store.replay(peer_policy, step, prompts)
-            groups[name] = [
-                RolloutGroup(g.prompt_id, g.prompt, name, g.texts, g.token_ids, g.gen_logprobs, g.finish_reasons)
-                for g in replayed
-            ]
-            self._verify(groups[name])  # rewards are re-verified, not trusted from the records
-        return groups, lines
-
     def receiver_batches(self, step: int, groups: dict[str, list[RolloutGroup]], lines: dict[str, dict]) -> dict[str, ReceiverBatch]:
-        """A step's exchange phase: capabilities, each receiver's batch (selection, composition,
-        advantages; Section 4.1), and the groups' statistics in ``lines``. (``graft probe`` runs this.)"""
-        for name, gs in groups.items():
-            # HACPO's capability: the step's success rate, floored (its recipe's CapabilityTracker)
-            self.success_history[name].append(max(sum(g.k for g in gs) / max(1, sum(g.n for g in gs)), CAPABILITY_FLOOR))
-        if isinstance(getattr(self.exchange, "capability", None), dict):
-            self.exchange.capability.update({n: self._capability(n) for n in groups})
+        """A step's exchange phase: the method's per-step state (:meth:`Method.observe`), each
+        receiver's batch (selection, composition, advantages; Section 4.1), and the groups'
+        statistics in ``lines``. (``graft probe`` runs this.)"""
+        self.method.observe(groups)
         batches: dict[str, ReceiverBatch] = {}
         for name in self.policies:
             gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 6, step, self.names.index(name)))
             own = groups[name]
-            # GRPO + dynamic sampling trains each policy on its own filtered batch
-            view = groups if not self.cfg.method.dynamic_sampling else {name: own}
-            batches[name] = self.exchange.build(name, view, self.live, self.cfg.n, gen)
+            batches[name] = self.exchange.build(name, groups, self.live, self.cfg.n, gen)
             line = lines[name]
             rewards = [r for g in own for r in g.rewards]
             line["reward_mean"] = statistics.fmean(rewards)
@@ -348,9 +214,7 @@ class Trainer(Checkpointing, Validation):
         # every receiver's update is started before any is awaited: under Ray each policy's devices
         # score and train at the same time (in-process they run one after the other)
         pending = {name: self._train_receiver(name, batches[name], step) for name in self.policies}
-        if self.cfg.execution == "ray" and step < self._prefetch_until:
-            from graft_rl.distributed import completion_order
-
+        if step < self._prefetch_until and any(self.workers[name].concurrent for name in pending):
             # a policy whose update is done starts generating the next step at once (its weights are
             # final for the step), rather than idle until the slower policy's update is done too
             for name in completion_order(pending):
@@ -443,17 +307,8 @@ class Trainer(Checkpointing, Validation):
     def close(self) -> None:
         """Release the run-directory lock and any Ray actors and placement groups."""
         self.lock.release()
-        if self.cfg.execution != "ray":
-            return
-        import ray
-
-        from graft_rl.distributed import ActorGroup
-
-        for w in self.workers.values():
-            if isinstance(w, ActorGroup):
-                w.shutdown()
-            else:
-                ray.kill(w)
+        for handle in self.workers.values():
+            handle.close()
         self.workers = {}
 
     def _write_metrics(self, lines: list[dict]) -> None:
@@ -500,10 +355,6 @@ def _config_from_checkpoints(run_dir: Path, cfg_path: Path, exc: Exception) -> d
             print(f"graft train: {cfg_path} is damaged ({exc}); resuming with the config saved in checkpoint {ckpt.name}")
             return saved
     raise ConfigError(f"{cfg_path} is damaged ({exc}) and no checkpoint holds a copy of the config") from None
-
-
-class DynamicSamplingError(RuntimeError):
-    """Dynamic sampling found too few prompts with mixed rewards within ``method.max_num_gen_batches``."""
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from graft_rl import algo
-from graft_rl.config import MethodConfig
-from graft_rl.exchange import ReceiverBatch, Weighting, build_exchange
-from graft_rl.objectives import Objective, RowTensors, build_objective
+from graft_rl.methods import MethodConfig, build_method
+from graft_rl.methods.exchange import ReceiverBatch
+from graft_rl.methods.objectives import RowTensors
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch
 from graft_rl.policy.policy import PromptTooLongError
 
-__all__ = ["PolicyWorker", "prompt_budget"]
+__all__ = ["PolicyWorker", "ReceiverUpdate", "prompt_budget"]
 
 
 def prompt_budget(policy: Policy, problems, max_new_tokens: int) -> tuple[int, str | None]:
@@ -46,8 +47,6 @@ class PolicyWorker:
         method: MethodConfig,
         minibatch: int,
         nonfinite_loss: str = "skip",
-        objective: Objective | None = None,
-        weighting: Weighting | None = None,
         torch_threads: int | None = None,
     ):
         if torch_threads:
@@ -63,11 +62,11 @@ class PolicyWorker:
             self.policy = ShardedPolicy(policy, with_reference=ref)
         else:
             self.policy = Policy(policy, with_reference=ref)
-        self.method = method
+        self.method = build_method(method)  # its receiver-side parts: weighting, objective, loss mask
         self.minibatch = minibatch
         self.nonfinite_loss = nonfinite_loss
-        self.objective = objective or build_objective(method)
-        self.weighting = weighting or build_exchange(method).weighting
+        self.objective = self.method.objective()
+        self.weighting = self.method.weighting()
         if ref:  # an in-process Policy handed in (no-op when it was built with its reference)
             self.policy.init_reference()
 
@@ -141,20 +140,18 @@ class PolicyWorker:
             old[rows, : lp.shape[1]] = lp
 
     def _weigh(self, batch: ReceiverBatch, gen: torch.Generator, temperature: float, max_new_tokens: int | None):
-        """Encode the batch, score its peer rows under this policy (pi_old) and set their weights
-        (Section 4.2): ``(token batch, mask, old log-probs, peer rows, {row: (s_token, s_char)})``."""
-        pol, m = self.policy, self.method
+        """Encode the batch, score its peer rows under this policy (pi_old) and weight them (Section
+        4.2); the batch is not changed. Returns ``(token batch, loss mask, old log-probs, peer rows,
+        {row: (s_token, s_char)}, weight per row, included per row)``."""
+        pol, cfg = self.policy, self.method.cfg
         pol.logprob_temperature = temperature
         tb = self._encode(batch, max_new_tokens)
         mask = tb.response_mask()
+        weights = [r.weight for r in batch.rows]
+        included = [r.include for r in batch.rows]
         for i in tb.cut:  # a peer response longer than this policy's budget: the receiver could never
-            batch.rows[i].include = False  # have produced it, and its answer may be what was cut off
-        if m.name == "hacpo":  # its recipe pops a final EOS (own, and peer: re-tokenised without one)
-            eos = set(pol.eos_token_ids)
-            for i in range(len(batch.rows)):
-                ids = tb.response_ids[i]
-                if len(ids) > 1 and ids[-1] in eos:  # an EOS, not a stop string's text
-                    mask[i, len(ids) - 1] = 0
+            included[i] = False  # have produced it, and its answer may be what was cut off
+        self.method.loss_mask(tb.response_ids, mask, pol.eos_token_ids)
         old = torch.zeros(mask.shape)  # pi_old, filled where it is needed before the first update
         # compatibility of peer responses (Section 4.2); per-character variant logged too
         peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
@@ -168,12 +165,12 @@ class PolicyWorker:
             s_tok = algo.compatibility_score(recv_mean[rows], src_mean)
             chars = torch.tensor([max(len(batch.rows[i].text), 1) for i in rows], dtype=torch.float32)
             src_sum = torch.tensor([batch.rows[i].src_logprob_sum for i in rows])
-            s_chr = torch.exp((recv_sum[rows] - src_sum) / chars)
-            w = self.weighting(s_tok if m.compatibility == "token_mean" else s_chr, gen)
+            s_chr = algo.per_char_compatibility_score(recv_sum[rows], src_sum, chars)
+            w = self.weighting(s_tok if cfg.compatibility == "token_mean" else s_chr, gen)
             for i, wi, st, sc in zip(rows, w.tolist(), s_tok.tolist(), s_chr.tolist(), strict=True):
-                batch.rows[i].weight = wi
+                weights[i] = wi
                 compat[i] = (st, sc)
-        return tb, mask, old, peer_rows, compat
+        return tb, mask, old, peer_rows, compat, weights, included
 
     def score_peers(self, batch: ReceiverBatch, seed: int, temperature: float = 1.0,
                     max_new_tokens: int | None = None) -> list[dict]:
@@ -181,111 +178,117 @@ class PolicyWorker:
         peer row its prompt, source, reward, compatibility (token mean and per character) and
         weight, from the same code and, for the same ``seed``, the same draws."""
         gen = torch.Generator().manual_seed(seed)
-        _, _, _, peer_rows, compat = self._weigh(batch, gen, temperature, max_new_tokens)
+        _, _, _, peer_rows, compat, weights, _ = self._weigh(batch, gen, temperature, max_new_tokens)
         return [{"prompt_id": batch.rows[i].prompt_id, "source": batch.rows[i].source, "reward": batch.rows[i].reward,
-                 "compat_token": compat[i][0], "compat_char": compat[i][1], "weight": batch.rows[i].weight}
+                 "compat_token": compat[i][0], "compat_char": compat[i][1], "weight": weights[i]}
                 for i in peer_rows]
 
-    def train(self, batch: ReceiverBatch, step: int, seed: int, capabilities: dict[str, float], temperature: float = 1.0,
-              max_new_tokens: int | None = None):
+    def train(self, batch: ReceiverBatch, step: int, seed: int, temperature: float = 1.0,
+              max_new_tokens: int | None = None) -> ReceiverUpdate:
         """Score the rows that need pi_old, weight peer rows, run the peer-last minibatch epoch.
 
         pi_old (the receiver's log-probs before the step's first update) is computed beforehand
         only where it differs from what the update's own forward pass gives: peer rows (their
         compatibility score needs it before any update) and rows trained after the first update.
-        Rows of the first update take pi_old from that forward pass, detached (SPEC §2: the same
-        quantity, so one forward pass fewer per row; with one update per step, as ``minibatch >=
-        prompt_batch`` gives, own rows are never scored separately).
+        Rows of the first update take pi_old from that forward pass, detached (the same quantity,
+        so one forward pass fewer per row; with one update per step, as ``minibatch >= prompt_batch``
+        gives, own rows are never scored separately).
 
         ``temperature``: the rollout temperature; every log-prob here (old, new, reference; so the
-        ratio and the compatibility score) comes from logits divided by it (SPEC §2).
+        ratio and the compatibility score) comes from logits divided by it (as verl does).
         ``max_new_tokens``: the receiver's own response budget; re-tokenised peer responses are cut
-        to it (``peer_cut`` counts them).
-        Returns ``(stats, weights per row, exchange record rows)``.
+        to it (``peer_cut`` counts them). The batch is not changed: what was computed for its rows
+        comes back in the :class:`ReceiverUpdate`.
         """
-        pol, name = self.policy, self.policy.name
-        m = self.method
+        pol, cfg = self.policy, self.method.cfg
         gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
-        tb, mask, old, peer_rows, compat = self._weigh(batch, gen, temperature, max_new_tokens)
-        ref = pol.reference_logprobs(tb)[0] if m.kl_coef > 0 else None
+        tb, mask, old, peer_rows, compat, weights, included = self._weigh(batch, gen, temperature, max_new_tokens)
+        ref = pol.reference_logprobs(tb)[0] if cfg.kl_coef > 0 else None
         score_s = time.perf_counter() - t0
-        stats: dict = {}
-        by_source = [i for src in dict.fromkeys(batch.rows[i].source for i in peer_rows)
-                     for i in peer_rows if batch.rows[i].source == src]
-        s_tok_all = [compat[i][0] for i in by_source]
-        s_chr_all = [compat[i][1] for i in by_source]
-        weights_all = [batch.rows[i].weight for i in by_source]
-        kappa = []
-        for r in batch.rows:
-            if r.is_peer and m.name == "hacpo":
-                p_src = capabilities.get(r.source, 0.5)
-                p_recv = capabilities.get(name, 0.5)
-                kappa.append(algo.hacpo_capability_ratio(p_src, p_recv))
-            else:
-                kappa.append(1.0)
         exchange_rows = ([
             {"prompt_id": r.prompt_id, "source": r.source, "group_index": r.index, "reward": r.reward,
-             "advantage": r.advantage, "weight": r.weight, "compat_token": compat.get(i, (None, None))[0],
-             "compat_char": compat.get(i, (None, None))[1], "included": r.include, "auxiliary": r.is_aux}
+             "advantage": r.advantage, "weight": weights[i], "compat_token": compat.get(i, (None, None))[0],
+             "compat_char": compat.get(i, (None, None))[1], "included": included[i], "auxiliary": r.is_aux}
             for i, r in enumerate(batch.rows) if r.is_peer
         ])
         # peer-last minibatches over the receiver's prompt groups (Section 4.2)
         group_rows = batch.group_rows()
-        order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.minibatch, m.position, gen)
+        order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.minibatch, cfg.position, gen)
         # pi_old of the rows trained after the first update (the policy will have moved by then)
         t0 = time.perf_counter()
         first = {r for gi in order[0].tolist() for r in group_rows[gi]} if order else set()
         scored = set(peer_rows)
-        later = [i for i, r in enumerate(batch.rows) if i not in first and i not in scored and r.include and not r.is_aux]
+        later = [i for i, r in enumerate(batch.rows) if i not in first and i not in scored and included[i] and not r.is_aux]
         self._score(tb, later, old)
         score_s += time.perf_counter() - t0
-        t = RowTensors(
-            old,
-            mask,
-            [r.advantage for r in batch.rows],
-            [r.weight for r in batch.rows],
-            [r.is_peer for r in batch.rows],
-            [r.include for r in batch.rows],
-            [r.is_aux for r in batch.rows],
-            [r.src_mean_logprob for r in batch.rows],
-            kappa,
-            ref,
-            old_is_current=[i in first and i not in scored for i in range(len(batch.rows))],
-        )
+        rows = batch.rows
+        extras = {key: [r.extras.get(key, 1.0) for r in rows] for key in dict.fromkeys(k for r in rows for k in r.extras)}
+        t = RowTensors(old, mask, [r.advantage for r in rows], weights, [r.is_peer for r in rows], included,
+                       [r.is_aux for r in rows], [r.src_mean_logprob for r in rows], ref,
+                       old_is_current=[i in first and i not in scored for i in range(len(rows))], extras=extras)
         t0 = time.perf_counter()
+        stats: dict = {}
         upd: list[dict] = []
         for update_index, mb_groups in enumerate(order):
-            rows = [r for gi in mb_groups.tolist() for r in group_rows[gi]]
-            out = pol.update(tb.select(rows), self.objective.minibatch(t, rows, step, update_index))
+            mb = [r for gi in mb_groups.tolist() for r in group_rows[gi]]
+            out = pol.update(tb.select(mb), self.objective.minibatch(t, mb, step, update_index))
             upd.append(out)
             if out["skipped"] and self.nonfinite_loss == "stop":
                 stats["nonfinite_stop"] = True
                 break
         update_s = time.perf_counter() - t0
-
-        def ssum(key):
-            return sum(u.get(key, 0.0) for u in upd)
-
         stats.update(batch.stats)
         stats["peer_cut"] = len(tb.cut)  # peer responses longer than the receiver's max_new_tokens here
-        stats["admitted_frac"] = (sum(1 for w in weights_all if w > 0) / len(weights_all)) if weights_all else None
-        stats["peer_weight_mean"] = statistics.fmean(weights_all) if weights_all else None
-        stats["compat_token_median"] = statistics.median(s_tok_all) if s_tok_all else None
-        stats["compat_char_median"] = statistics.median(s_chr_all) if s_chr_all else None
-        stats["compat_token"] = [round(x, 5) for x in s_tok_all]
-        stats["compat_char"] = [round(x, 5) for x in s_chr_all]
-        stats["clip_frac_self"] = ssum("clipped_tokens_self") / max(ssum("tokens_self"), 1.0)
-        stats["clip_frac_peer"] = ssum("clipped_tokens_peer") / max(ssum("tokens_peer"), 1.0) if ssum("tokens_peer") else None
-        if ref is not None:
-            kls = [u["kl_ref"] for u in upd if "kl_ref" in u]  # none when every update was skipped
-            stats["kl_ref"] = statistics.fmean(kls) if kls else None
-        good = [u for u in upd if not u["skipped"]]
-        stats["loss"] = statistics.fmean(u["loss"] for u in good) if good else None
-        stats["grad_norm"] = statistics.fmean(u["grad_norm"] for u in good) if good else None
-        stats["skipped_updates"] = len(upd) - len(good)
-        stats["minibatches"] = len(upd)
+        by_source = [i for src in dict.fromkeys(rows[i].source for i in peer_rows) for i in peer_rows if rows[i].source == src]
+        stats.update(_exchange_stats([compat[i] for i in by_source], [weights[i] for i in by_source]))
+        stats.update(_update_stats(upd, ref is not None))
         stats["time_score"] = score_s
         stats["time_update"] = update_s
-        return stats, [r.weight for r in batch.rows], exchange_rows
+        return ReceiverUpdate(stats, weights, included, exchange_rows)
 
+
+@dataclass
+class ReceiverUpdate:
+    """What a receiver's :meth:`PolicyWorker.train` computed: its metric line's entries, each row's
+    compatibility weight and inclusion (a cut peer response is left out), and the exchange records."""
+
+    stats: dict
+    weights: list[float]
+    included: list[bool]
+    exchange_rows: list[dict]
+
+
+def _exchange_stats(compat: list[tuple[float, float]], weights: list[float]) -> dict:
+    """Compatibility and admission of the peer rows (Section 4.2; in source order)."""
+    s_tok = [c[0] for c in compat]
+    s_chr = [c[1] for c in compat]
+    return {
+        "admitted_frac": (sum(1 for w in weights if w > 0) / len(weights)) if weights else None,
+        "peer_weight_mean": statistics.fmean(weights) if weights else None,
+        "compat_token_median": statistics.median(s_tok) if s_tok else None,
+        "compat_char_median": statistics.median(s_chr) if s_chr else None,
+        "compat_token": [round(x, 5) for x in s_tok],
+        "compat_char": [round(x, 5) for x in s_chr],
+    }
+
+
+def _update_stats(upd: list[dict], with_kl: bool) -> dict:
+    """The step's updates summed up: self/peer clipped-token fractions (Table 9), KL, loss, grad norm."""
+
+    def ssum(key):
+        return sum(u.get(key, 0.0) for u in upd)
+
+    out: dict = {
+        "clip_frac_self": ssum("clipped_tokens_self") / max(ssum("tokens_self"), 1.0),
+        "clip_frac_peer": ssum("clipped_tokens_peer") / max(ssum("tokens_peer"), 1.0) if ssum("tokens_peer") else None,
+    }
+    if with_kl:
+        kls = [u["kl_ref"] for u in upd if "kl_ref" in u]  # none when every update was skipped
+        out["kl_ref"] = statistics.fmean(kls) if kls else None
+    good = [u for u in upd if not u["skipped"]]
+    out["loss"] = statistics.fmean(u["loss"] for u in good) if good else None
+    out["grad_norm"] = statistics.fmean(u["grad_norm"] for u in good) if good else None
+    out["skipped_updates"] = len(upd) - len(good)
+    out["minibatches"] = len(upd)
+    return out

@@ -7,7 +7,7 @@ import torch
 
 from graft_rl import algo
 from graft_rl.config import MethodConfig
-from graft_rl.exchange import build_exchange
+from graft_rl.methods import build_exchange
 from graft_rl.policy import RolloutGroup
 
 from .conftest import EXPECTED_A_TO_B, K

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from graft_rl.config import MethodConfig, load_config
-from graft_rl.exchange import build_exchange
-from graft_rl.objectives import RowTensors, build_objective
+from graft_rl.methods import build_exchange
+from graft_rl.methods import build_objective
+from graft_rl.methods.objectives import RowTensors
 from graft_rl.policy import RolloutGroup
 
 from .test_exchange import _groups
@@ -24,7 +25,7 @@ def _rows(is_peer: list[bool], T: int = 3) -> RowTensors:
     M = len(is_peer)
     old = torch.full((M, T), -1.0)
     return RowTensors(old, torch.ones(M, T), [1.0] * M, [1.0] * M, is_peer, [True] * M, [False] * M,
-                      [-1.1] * M, [1.0] * M, ref=torch.full((M, T), -1.0))
+                      [-1.1] * M, ref=torch.full((M, T), -1.0), extras={"kappa": [1.0] * M})
 
 
 def test_hacpo_peer_rollouts_still_have_a_gradient_late_in_training():
@@ -39,7 +40,7 @@ def test_hacpo_peer_rollouts_still_have_a_gradient_late_in_training():
 
 
 def test_hacpo_update_index_restarts_every_step(make_cfg, fake_rewards, monkeypatch):
-    from graft_rl.objectives import HacpoObjective
+    from graft_rl.methods.hacpo import HacpoObjective
     from graft_rl.trainer import Trainer
 
     seen = []

@@ -196,19 +196,20 @@ def test_hacpo_omega_is_clipped_to_its_recipes_0_1_to_10():
 
 
 def test_hacpo_capability_floor_is_the_recipes_1e_8(make_cfg, fake_rewards):
-    from graft_rl.exchange import CAPABILITY_FLOOR
+    from graft_rl.methods.hacpo import CAPABILITY_FLOOR
     from graft_rl.trainer import Trainer
 
     assert CAPABILITY_FLOOR == 1e-8
     tr = Trainer(make_cfg({"name": "hacpo"}, steps=1, run="floor"), show_progress=False)
-    tr.success_history["A"].extend([0.0, 0.0])
-    assert tr._capability("A") == 1e-8
+    tr.method.load_state_dict({"success_history": {"A": [0.0, 0.0]}})
+    assert tr.method.capability_of("A") == 1e-8
 
 
 def test_hacpo_kl_is_seq_mean_token_mean_low_var_kl_clamped_to_10():
     """The recipe: low_var_kl (k3 clamped to +-10) token-mean per own response, summed over own
     responses and divided by the minibatch's responses; peer responses carry none."""
-    from graft_rl.objectives import RowTensors, build_objective
+    from graft_rl.methods import build_objective
+    from graft_rl.methods.objectives import RowTensors
 
     M, T = 3, 4
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
@@ -216,7 +217,7 @@ def test_hacpo_kl_is_seq_mean_token_mean_low_var_kl_clamped_to_10():
     ref[0, 0] = 30.0  # k3 = e^20 - 21 clamped to 10 (the log ratio itself clamped to 20 first)
     ref[1] = -1.0
     t = RowTensors(torch.zeros(M, T), mask, [0.0] * M, [1.0] * M, [False, False, True], [True] * M, [False] * M,
-                   [0.0] * M, [1.0] * M, ref=ref)
+                   [0.0] * M, ref=ref, extras={"kappa": [1.0] * M})
     coef = 0.5
     obj = build_objective(_method(name="hacpo", kl_coef=coef))
     lp = torch.zeros(M, T, requires_grad=True)
@@ -229,7 +230,7 @@ def test_hacpo_kl_is_seq_mean_token_mean_low_var_kl_clamped_to_10():
 def test_hacpo_pops_a_final_eos_from_sequence_means(tiny_pair):
     """The recipe pops a finished response's final EOS (own and peer) before the sequence mean; the
     source's mean generation log-prob likewise leaves the EOS out."""
-    from graft_rl.exchange import build_exchange
+    from graft_rl.methods import build_exchange
     from graft_rl.policy import RolloutGroup
 
     groups = {p: [RolloutGroup("q0", "0+0=?", p, ["a", "b"], [[5, 6, 2], [5, 6]], [[-1.0, -2.0, -9.0], [-1.0, -2.0]],
@@ -242,7 +243,7 @@ def test_hacpo_pops_a_final_eos_from_sequence_means(tiny_pair):
 
 
 def test_hacpo_training_masks_the_final_eos(make_cfg, fake_rewards, monkeypatch):
-    from graft_rl.objectives import HacpoObjective
+    from graft_rl.methods.hacpo import HacpoObjective
     from graft_rl.trainer import Trainer
     from graft_rl.worker import PolicyWorker
 
@@ -283,7 +284,7 @@ def test_hacpo_graft_which_keeps_peer_responses_of_unselected_prompts_with_zero_
     zero advantage': every prompt pools the peer group (own advantages from HACPO's pooled
     baseline), and only the selected prompts' peer responses carry an advantage."""
     from graft_rl import algo
-    from graft_rl.exchange import build_exchange
+    from graft_rl.methods import build_exchange
 
     from .conftest import EXPECTED_A_TO_B
     from .test_exchange import _groups

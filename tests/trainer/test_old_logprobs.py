@@ -7,14 +7,15 @@ import torch
 
 from graft_rl import algo
 from graft_rl.config import MethodConfig
-from graft_rl.objectives import RowTensors, build_objective
+from graft_rl.methods import build_objective
+from graft_rl.methods.objectives import RowTensors
 from graft_rl.policy import Policy
 from graft_rl.trainer import Trainer
 
 
 def _rows(old, mask, current=None):
     m = len(mask)
-    return RowTensors(old, mask, [1.0, -1.0, 0.5][:m], [1.0] * m, [False] * m, [True] * m, [False] * m, [0.0] * m, [1.0] * m,
+    return RowTensors(old, mask, [1.0, -1.0, 0.5][:m], [1.0] * m, [False] * m, [True] * m, [False] * m, [0.0] * m,
                       old_is_current=current)
 
 
@@ -39,7 +40,7 @@ def test_rows_flagged_current_ignore_stored_old():
     mask = torch.ones(2, 2)
     lp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
     rows = RowTensors(torch.full((2, 2), -9.0), mask, [1.0, 1.0], [1.0, 1.0], [False] * 2, [True] * 2, [False] * 2, [0.0] * 2,
-                      [1.0] * 2, old_is_current=[True, False])
+                      old_is_current=[True, False])
     old = rows.old_for(torch.tensor([0, 1]), lp)
     assert old[0].tolist() == lp[0].tolist() and old[1].tolist() == [-9.0, -9.0]
 

@@ -58,7 +58,7 @@ def test_ray_matches_in_process(make_cfg, ray_local, monkeypatch):
                 assert x[k] == y[k], k
     # same parameters: the actor's weights fingerprint equals the in-process model's
     for name in ("A", "B"):
-        digest = ray.get(remote.workers[name].state_digest.remote())
+        digest = ray.get(remote.workers[name].actor.state_digest.remote())
         here = [float(p.detach().double().sum()) for p in local.policies[name].model.parameters()]
         assert digest == pytest.approx(here, rel=1e-6, abs=1e-8)
     # checkpoints written by the actors load as ordinary transformers directories
@@ -75,7 +75,7 @@ def test_dead_actor_is_reported_with_its_policy_name(make_cfg, ray_local, monkey
     monkeypatch.setattr(Trainer, "_verify", fake_verify)
     tr = Trainer(make_cfg({"name": "graft"}, steps=2, run="dies", execution="ray"), show_progress=False)
     tr.run(max_steps=1)
-    ray.kill(tr.workers["B"])
+    ray.kill(tr.workers["B"].actor)
     with pytest.raises(ActorDied, match=r"policy 'B' died.*--resume"):
         tr.run()
 
@@ -100,7 +100,7 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
                  ray={"num_cpus": 0.5, "torch_threads": 1}),
         show_progress=False,
     )
-    assert all(isinstance(w, ActorGroup) for w in remote.workers.values())
+    assert all(isinstance(w.actor, ActorGroup) for w in remote.workers.values())
     remote_lines = remote.run()
     for name in ("A", "B"):
         a = RecordStore(local.run_dir).read_exchange(name)
@@ -121,7 +121,7 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
     # (but for a few elements where Adam divides float noise by a near-zero gradient)
     for name in ("A", "B"):
         saved = Policy(PolicyConfig(name, str(remote.run_dir / "checkpoints" / "step_000003" / name)))
-        assert get(remote.workers[name].state_digest.remote()) == pytest.approx(saved.param_digest(), rel=1e-9, abs=1e-9)
+        assert get(remote.workers[name].actor.state_digest.remote()) == pytest.approx(saved.param_digest(), rel=1e-9, abs=1e-9)
         diffs = torch.cat([(a - b).detach().abs().flatten()
                            for a, b in zip(saved.model.parameters(), local.policies[name].model.parameters(), strict=True)])
         assert (diffs > 1e-6).float().mean() < 1e-3 and diffs.max() <= 2 * 1e-3 * 3  # measured: 0.02 %

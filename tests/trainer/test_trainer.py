@@ -266,18 +266,23 @@ def test_resume_reproduces_an_uninterrupted_run(make_cfg, fake_rewards, kl_coef)
 
 
 def test_nonfinite_loss_skips_the_update_and_is_logged(make_cfg, fake_rewards, monkeypatch):
+    def poison(trainer):  # every receiver's objective returns a NaN loss
+        for handle in trainer.workers.values():
+            objective = handle.worker.objective
+            real = objective.minibatch
+
+            def nan_minibatch(t, rows, step, update_index=0, _real=real):
+                fn = _real(t, rows, step, update_index)
+                return lambda lp, mask, micro: (fn(lp, mask, micro)[0] * float("nan"), {})
+
+            monkeypatch.setattr(objective, "minibatch", nan_minibatch)
+
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="nan"), show_progress=False)
-    real = tr.objective.minibatch
-
-    def nan_minibatch(t, rows, step, update_index=0):
-        fn = real(t, rows, step, update_index)
-        return lambda lp, mask, micro: (fn(lp, mask, micro)[0] * float("nan"), {})
-
-    monkeypatch.setattr(tr.objective, "minibatch", nan_minibatch)
+    poison(tr)
     lines = tr.run()
     assert all(ln["skipped_updates"] == ln["minibatches"] > 0 for ln in lines)
     stop = Trainer(make_cfg({"name": "graft"}, steps=1, run="nan_stop", nonfinite_loss="stop"), show_progress=False)
-    monkeypatch.setattr(stop.objective, "minibatch", nan_minibatch)
+    poison(stop)
     with pytest.raises(FloatingPointError, match="non-finite"):
         stop.run()
 

@@ -34,6 +34,7 @@ from graft_rl.algo.core import (
     grpo_advantages,
     mean_token_logprob,
     minibatch_order,
+    per_char_compatibility_score,
     policy_loss,
 )
 
@@ -54,6 +55,7 @@ __all__ = [
     "luffy_shaping",
     "mean_token_logprob",
     "minibatch_order",
+    "per_char_compatibility_score",
     "policy_loss",
     "pooled_advantages",
     "random_admission_weight",

@@ -200,6 +200,29 @@ def compatibility_score(recv_mean_logprob: torch.Tensor, src_mean_logprob: torch
     return torch.exp(diff).to(recv_mean_logprob.dtype)
 
 
+def per_char_compatibility_score(recv_sum_logprob: torch.Tensor, src_sum_logprob: torch.Tensor,
+                                 chars: torch.Tensor) -> torch.Tensor:
+    r"""Tokenisation-invariant compatibility (beyond the paper; ``method.compatibility: per_char``).
+
+    .. math:: s_{char}(o\mid q) = \exp\big((\textstyle\sum_t \log\pi_B(o^B_t) - \sum_t \log\pi_A(o^A_t)) / |o|_{chars}\big)
+
+    The token-mean score of :func:`compatibility_score` divides each side by its own token count,
+    so a receiver whose tokenizer cuts the text into more (likelier) pieces looks more compatible;
+    dividing both summed log-likelihoods of the same text by its character count does not.
+
+    Args:
+        recv_sum_logprob, src_sum_logprob: ``[M]`` summed log-probs (receiver on its tokens, source
+            at generation on its own); chars: ``[M]`` characters of each response text (>= 1).
+
+    Example:
+        >>> per_char_compatibility_score(torch.tensor([-4.0]), torch.tensor([-2.0]), torch.tensor([4.0]))
+        tensor([0.6065])
+    """
+    if not recv_sum_logprob.shape == src_sum_logprob.shape == chars.shape:
+        raise ValueError("per_char_compatibility_score: recv_sum_logprob, src_sum_logprob and chars must all be [M]")
+    return torch.exp((recv_sum_logprob.detach() - src_sum_logprob.detach()) / chars)
+
+
 def compatibility_weight(score: torch.Tensor, delta: float = 0.8, floor: bool = True) -> torch.Tensor:
     r"""Gated, capped compatibility weight (paper Section 4.2 and Appendix G).
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -20,8 +19,9 @@ import torch
 
 from graft_rl.data import PROMPT_SUFFIX, make_prompt
 from graft_rl.policy import zoo
-from graft_rl.policy.heads import logprob_head
 from graft_rl.policy.rollout import make_backend, shield_from_vllm_patches
+from graft_rl.policy.scoring import PASS_OVERHEAD, PolicyScoring, length_micro_batches, token_logprobs_from_logits
+from graft_rl.policy.training import POLICY_SETTINGS, PolicyTraining
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
 __all__ = [
@@ -32,8 +32,6 @@ __all__ = [
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-#: File in every saved policy directory holding the policy's settings (prompt format etc.).
-POLICY_SETTINGS = "graft_policy.json"
 
 
 def saved_policy_config(model_dir: str | Path, **overrides) -> PolicyConfig | None:
@@ -183,67 +181,6 @@ def auto_micro_batch_tokens(vocab_size: int, budget_bytes: int = LOGITS_BUDGET_B
     return max(512, min(16384, budget_bytes // (4 * max(vocab_size, 1))))
 
 
-def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """``log softmax(logits)[target]`` for ``[B, L, V]`` logits and ``[B, L]`` targets, in float32.
-
-    Computed ``chunk`` positions at a time as ``logit[target] - logsumexp(logits)``, so the
-    full float32 ``[B, L, V]`` log-softmax never exists at once (Gemma's 262k vocabulary
-    would need 18.5 GB for a 16 x 192 batch).
-    """
-    out = []
-    for s in range(0, logits.shape[1], chunk):
-        part = logits[:, s : s + chunk].float()
-        tgt = targets[:, s : s + chunk]
-        out.append(part.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - part.logsumexp(-1))
-    return torch.cat(out, dim=1) if out else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
-
-
-#: A forward/backward pass's fixed cost, in tokens' worth of compute, as a share of the pass budget:
-#: kernel launches, reading the weights, FSDP's all-gather of each layer. A planning figure: on an
-#: H200 a 3B model's 32k-token pass takes ~1 s, its all-gathers ~10-20 ms.
-PASS_OVERHEAD = 1 / 64
-
-
-def length_micro_batches(lengths: Sequence[int], budget: int, ranks: int = 1,
-                         overhead: float = PASS_OVERHEAD) -> list[list[int]]:
-    """Rows in forward passes of at most ``budget`` padded tokens per rank (rows x longest row),
-    formed by length; with ``ranks`` > 1 each pass is dealt over the ranks (rows ``r, r + ranks, ...``
-    of it to rank ``r``), which run it in lock step (FSDP's collectives).
-
-    A pass pads every row to its longest, so passes are runs of the rows sorted by length (longest
-    first, ties in arrival order): some optimal split is such a run (swapping a longer row of a
-    shorter-max pass with a shorter row of a longer-max pass never costs more), and over runs the
-    split minimising ``computed tokens + overhead x budget x passes`` is exact by dynamic
-    programming. Each pass then holds rows of similar length: its padding is what one length class
-    differs by, not what the batch's shortest and longest responses differ by (math RL responses run
-    from tens of tokens to the 4,096 cap). A batch that fits one pass stays one pass in arrival
-    order; a row longer than ``budget`` is a pass of its own. The loss does not depend on the order
-    (every pass scores its rows by index); ``benchmarks/padding.py`` measures useful / computed tokens.
-    """
-    n = len(lengths)
-    if n == 0:
-        return []
-    if max(lengths) * -(-n // ranks) <= budget:
-        return [list(range(n))]
-    order = sorted(range(n), key=lambda i: -lengths[i])
-    ln = [lengths[i] for i in order]
-    fixed = overhead * budget
-    best = [0.0] + [math.inf] * n  # best[j]: cost of the j longest rows in passes
-    cut = [0] * (n + 1)
-    for i in range(n):  # a pass starting at row i (its longest) takes rows i .. j-1
-        rows = max(1, budget // ln[i]) * ranks
-        base = best[i] + fixed
-        for j in range(i + 1, min(n, i + rows) + 1):
-            c = base + -(-(j - i) // ranks) * ranks * ln[i]  # every rank computes the pass's widest share
-            if c < best[j]:
-                best[j], cut[j] = c, i
-    out, j = [], n
-    while j > 0:
-        out.append(order[cut[j] : j])
-        j = cut[j]
-    return out[::-1]
-
-
 def disable_dropout(model: torch.nn.Module) -> None:
     """Zero every dropout: ``nn.Dropout`` modules and the float ``*dropout*`` attributes that
     attention layers read in train mode (so train mode, needed by gradient checkpointing, computes
@@ -275,7 +212,7 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-class Policy:
+class Policy(PolicyScoring, PolicyTraining):
     """One trainable model with its tokenizer, optimiser and rollout backend."""
 
     def __init__(self, config: PolicyConfig, with_reference: bool = False):
@@ -535,86 +472,6 @@ class Policy:
             return im_end
         return self.tokenizer.eos_token_id
 
-    # ------------------------------------------------------------------ log-probs
-    def _micro_batches(self, batch: TokenBatch) -> list[list[int]]:
-        """Row lists of the forward passes over ``batch``: :func:`length_micro_batches` within
-        ``micro_batch_tokens`` padded tokens per pass."""
-        return length_micro_batches(batch.lengths(), self.micro_batch_tokens)
-
-    def _forward(self, batch: TokenBatch, model=None, fused: bool | None = None) -> torch.Tensor:
-        """Response-token log-probs ``[M, T]`` (float32) for a batch that fits one forward pass.
-
-        ``fused`` (default: :attr:`fused_head`) scores through the chunked LM head
-        (:mod:`graft_rl.policy.heads`); otherwise the logits of the response positions are built.
-        """
-        model = self.model if model is None else model
-        fused = self.fused_head if fused is None else fused
-        device = self.config.device
-        seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
-        L = max(len(s) for s in seqs)
-        pad = self.tokenizer.pad_token_id
-        inp = torch.full((len(seqs), L), pad, dtype=torch.long)
-        attn = torch.zeros((len(seqs), L), dtype=torch.long)
-        for i, s in enumerate(seqs):  # right padding: positions start at 0 for every row
-            inp[i, : len(s)] = torch.tensor(s)
-            attn[i, : len(s)] = 1
-        inp, attn = inp.to(device), attn.to(device)
-        # only positions from the earliest response start on predict response tokens: skip the
-        # prompt-only positions' logits (with long prompts they dominate the [B, L, V] tensor)
-        starts = [len(p) - 1 for p in batch.prompt_ids]
-        first = min(starts)
-        targets = inp[:, first + 1 :]
-        with self.compute_context():
-            if fused:  # hidden state k (position first + k) predicts token first + k + 1
-                with logprob_head(model, targets, self.config.logprob_chunk, self.logprob_temperature):
-                    lp_all = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits[..., 0]
-            else:
-                if self._keeps_logits:
-                    logits = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits
-                else:
-                    logits = model(input_ids=inp, attention_mask=attn, use_cache=False).logits[:, first:]
-                if self.logprob_temperature != 1.0:
-                    logits = logits / self.logprob_temperature
-                # logits[:, k] is position first + k and predicts token first + k + 1
-                lp_all = token_logprobs_from_logits(logits[:, :-1], targets, self.config.logprob_chunk)
-        T = batch.max_response_len
-        rel = torch.tensor(starts, device=device) - first
-        idx = (rel[:, None] + torch.arange(T, device=device)[None, :]).clamp(max=max(L - 2 - first, 0))
-        mask = batch.response_mask().to(device)
-        return lp_all.gather(1, idx) * mask
-
-    @torch.no_grad()
-    def token_logprobs(self, batch: TokenBatch, model=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score every response under this policy: ``(logprobs [M, T], mask [M, T])`` on CPU, float32.
-
-        Micro-batched by ``micro_batch_tokens``; no gradient. ``model`` scores with another
-        module sharing this tokenizer (the frozen reference of :meth:`init_reference`).
-        """
-        T = batch.max_response_len
-        out = torch.zeros(len(batch), T)
-        for rows in self._passes(batch):
-            lp = self._forward(batch.select(rows or [0]), model).cpu()
-            if rows is not None:
-                out[rows, : lp.shape[1]] = lp
-        return self._gather_rows(out), batch.response_mask()
-
-    # hooks a sharded policy overrides (policy.fsdp): which micro-batches this process runs, and
-    # how per-process results combine. One process: all micro-batches, nothing to combine.
-    def _passes(self, batch: TokenBatch) -> list[list[int] | None]:
-        """Row lists of the forward passes this process runs; ``None`` is a padding pass (result unused)."""
-        return self._micro_batches(batch)
-
-    def _gather_rows(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """Combine the rows each process scored into the full ``[M, T]`` matrix."""
-        return logprobs
-
-    def _reduce_sums(self, values: list[float]) -> list[float]:
-        """Sum per-process scalars over the processes of this policy."""
-        return values
-
-    #: each micro-batch's loss is multiplied by this before backward (FSDP averages over ranks)
-    loss_scale = 1.0
-
     def init_reference(self) -> None:
         """Load the frozen KL reference: ``config.reference_model`` if set (a resumed run's original
         model), else a copy of the weights as loaded (call before any update)."""
@@ -634,151 +491,3 @@ class Policy:
         if self.reference is None:
             raise PolicyError(f"policy {self.name!r}: no reference model; call init_reference() before training")
         return self.token_logprobs(batch, self.reference)
-
-    def score_texts(self, problems: Sequence[str], responses: Sequence[str], finished: Sequence[bool] | None = None):
-        """Convenience: :meth:`encode_texts` then :meth:`token_logprobs`."""
-        finished = [True] * len(responses) if finished is None else finished
-        return self.token_logprobs(self.encode_texts(problems, responses, finished))
-
-    # ------------------------------------------------------------------ optimisation
-    def update(
-        self,
-        batch: TokenBatch,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor, list[int]], tuple[torch.Tensor, dict]],
-    ) -> dict[str, float]:
-        """One optimiser step on a minibatch, with gradient accumulation over micro-batches.
-
-        ``loss_fn(logprobs [m, T_m], mask [m, T_m], rows)`` returns this micro-batch's
-        *contribution* to the minibatch loss (the caller scales token-mean losses by
-        ``micro tokens / minibatch tokens``) and a stats dict. A non-finite loss or gradient
-        norm skips the step (``skipped = 1``) and leaves the weights untouched.
-        """
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.config.gradient_checkpointing:
-            self.model.train()  # transformers checkpoints layers only in train mode (dropout is off)
-        try:
-            total_loss, stats_sum, n_micro, bad = self._accumulate(batch, loss_fn)
-        finally:
-            self.model.eval()
-        grad_norm = self._clip_grad_norm()
-        if bad or not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return {"loss": float("nan"), "grad_norm": grad_norm, "skipped": 1.0}
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.weights_version += 1
-        out = {k: v / max(n_micro, 1) for k, v in stats_sum.items()}
-        out.update(loss=total_loss, grad_norm=grad_norm, skipped=0.0)
-        return out
-
-    def _accumulate(self, batch: TokenBatch, loss_fn):
-        """Forward + backward of each micro-batch; ``(loss, stats sums, micro-batches, non-finite?)``.
-
-        A padding pass, or one whose loss is not finite, still runs a zero backward (a sharded
-        policy's collectives need every rank to take part); a non-finite loss marks the whole
-        update for skipping.
-        """
-        total_loss, stats_sum, n_micro, bad = 0.0, {}, 0, False
-        for rows in self._passes(batch):
-            sub = batch.select(rows or [0])
-            lp = self._forward(sub)
-            loss, stats = loss_fn(lp, sub.response_mask().to(lp.device), rows) if rows is not None else (None, {})
-            if loss is None or bad or not torch.isfinite(loss):
-                bad = bad or loss is not None
-                (lp.sum() * 0.0).backward()
-                continue
-            (loss * self.loss_scale).backward()
-            total_loss += float(loss.detach())
-            n_micro += 1
-            for k, v in stats.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
-        keys = sorted(stats_sum)
-        sums = self._reduce_sums([total_loss, float(n_micro), float(bad)] + [stats_sum[k] for k in keys])
-        return sums[0], dict(zip(keys, sums[3:], strict=True)), int(sums[1]), sums[2] > 0
-
-    def _clip_grad_norm(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)) if params else 0.0
-
-    def sync_rollout_weights(self) -> None:
-        """Push the current weights to the rollout engine, once per step and only if they changed."""
-        if self._synced_version != self.weights_version:
-            self.backend.sync_weights()
-            self._synced_version = self.weights_version
-
-    def param_digest(self) -> list[float]:
-        """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
-        return [float(p.detach().double().sum()) for p in self.model.parameters()]
-
-    def rollout_check(self, prompts: Sequence[tuple[str, str]], max_new_tokens: int = 16, seed: int = 0,
-                      reference: dict | None = None) -> dict:
-        """Does the rollout engine sample from the trainer's current weights? (``graft preflight``)
-
-        Pushes the weights if they changed (as a step's generation does), samples two responses per
-        prompt at temperature 1 / top-p 1 (where generation log-probs are the model's own) and scores
-        them with the trainer's model: ``now_mean``/``now_max`` are the per-token ``|generation
-        log-prob - trainer log-prob|``. The result also carries the sampled sequences and their
-        trainer log-probs; given an earlier result as ``reference``, ``moved_mean`` is how far the
-        trainer's log-probs of *those* sequences moved since (what a stale engine would be off by).
-        """
-        saved_t = self.logprob_temperature
-        self.logprob_temperature = 1.0
-        try:
-            groups = self.generate(list(prompts), SamplingParams(n=2, max_new_tokens=max_new_tokens), seed=seed)
-            batch = self.encode_own(groups)
-            now, mask = self.token_logprobs(batch)
-            moved = None
-            if reference is not None:
-                ref_batch = TokenBatch(*map(list, zip(*reference["sequences"], strict=True)))
-                lp, ref_mask = self.token_logprobs(ref_batch)
-                before = torch.zeros_like(lp)
-                for i, row in enumerate(reference["logprobs"]):
-                    before[i, : len(row)] = torch.tensor(row)
-                moved = float(((lp - before).abs() * ref_mask).sum()) / max(float(ref_mask.sum()), 1.0)
-        finally:
-            self.logprob_temperature = saved_t
-        gen = torch.zeros_like(now)
-        for i, lp in enumerate(x for g in groups for x in g.gen_logprobs):
-            gen[i, : len(lp)] = torch.tensor(lp)
-        tokens = float(mask.sum())
-        d = (gen - now).abs() * mask
-        return {
-            "tokens": tokens,
-            "now_mean": float(d.sum()) / max(tokens, 1.0),
-            "now_max": float(d.max()) if tokens else 0.0,
-            "moved_mean": moved,
-            "sequences": [[p, r] for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)],
-            "logprobs": [now[i, : len(r)].tolist() for i, r in enumerate(batch.response_ids)],
-        }
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, out_dir: str | Path) -> Path:
-        """``save_pretrained`` model + tokenizer, ``graft_policy.json`` (how this policy formats
-        prompts, so ``graft eval CHECKPOINT`` prompts it as training did), and ``policy_state.pt``
-        (optimiser, RNG)."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
-        self.save_settings(out)
-        state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-        tmp = out / "policy_state.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, out / "policy_state.pt")
-        return out
-
-    def save_settings(self, out: Path) -> None:
-        """Write ``graft_policy.json``: this policy's config (prompt format, template, suffix, lengths,
-        backend, dtype), read back by :func:`saved_policy_config`."""
-        import dataclasses
-        import json
-
-        keep = {k: v for k, v in dataclasses.asdict(self.config).items()
-                if k not in ("model", "gguf_file", "tokenizer", "reference_model", "reference_gguf_file")}
-        (Path(out) / POLICY_SETTINGS).write_text(json.dumps(keep, indent=1))
-
-    def load_state(self, ckpt_dir: str | Path) -> None:
-        """Restore optimiser and RNG from :meth:`save` (weights come from loading the directory)."""
-        state = torch.load(Path(ckpt_dir) / "policy_state.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])

@@ -169,6 +169,40 @@ class VerifierPool:
         return [w.proc.pid for w in self._workers]
 
     # -------------------------------------------------------------- work
+    def _receive(self, w: _Worker, busy: dict, results: list) -> None:
+        """Read one line from a readable worker: its start-up signal, an item's reward (or error), or
+        its death (the item it held scores 0 as a crash); an out-of-step worker is replaced."""
+        line = w.read_line()
+        if line is None:
+            return
+        if line == b"":  # the worker died
+            if w in busy:
+                i, _ = busy.pop(w)
+                code = w.proc.poll()
+                results[i] = Outcome(0.0, "crash", f"worker exited with code {code}")
+            elif time.monotonic() - w.started < 1.0 and self.restarts > 10 * self.num_workers:
+                raise RuntimeError("VerifierPool: verifier workers die at start-up; is graft_rl importable?")
+            self._replace(w)
+            return
+        if not w.ready:
+            w.ready = line.strip() == b"READY"
+            return
+        if w not in busy:  # a line nobody asked for: the worker is out of step, replace it
+            self._replace(w)
+            return
+        i, _ = busy.pop(w)
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError:
+            reply = {}
+        if not isinstance(reply, dict) or reply.get("id") != i:  # never take another item's answer
+            results[i] = Outcome(0.0, "error", "verifier protocol out of step; worker replaced")
+            self._replace(w)
+        elif "err" in reply:
+            results[i] = Outcome(0.0, "error", reply["err"])
+        else:
+            results[i] = Outcome(float(reply["r"]), "ok")
+
     def map(self, fn: str, arg_list: Sequence[Sequence], timeout: float = 5.0, budget: float | None = None) -> list[Outcome]:
         """Run ``fn(*args)`` for each ``args``; each item gets at most ``timeout`` seconds, and the
         whole call at most ``budget`` seconds: items not finished by then score 0 (``budget``)."""
@@ -211,37 +245,7 @@ class VerifierPool:
                 readable, _, _ = select.select([w.fd for w in waiting], [], [], max(0.0, min(min(deadlines), end) - now))
                 by_fd = {w.fd: w for w in waiting}
                 for fd in readable:
-                    w = by_fd[fd]
-                    line = w.read_line()
-                    if line is None:
-                        continue
-                    if line == b"":  # the worker died
-                        if w in busy:
-                            i, _ = busy.pop(w)
-                            code = w.proc.poll()
-                            results[i] = Outcome(0.0, "crash", f"worker exited with code {code}")
-                        elif time.monotonic() - w.started < 1.0 and self.restarts > 10 * self.num_workers:
-                            raise RuntimeError("VerifierPool: verifier workers die at start-up; is graft_rl importable?")
-                        self._replace(w)
-                        continue
-                    if not w.ready:
-                        w.ready = line.strip() == b"READY"
-                        continue
-                    if w not in busy:  # a line nobody asked for: the worker is out of step, replace it
-                        self._replace(w)
-                        continue
-                    i, _ = busy.pop(w)
-                    try:
-                        reply = json.loads(line)
-                    except json.JSONDecodeError:
-                        reply = {}
-                    if not isinstance(reply, dict) or reply.get("id") != i:  # never take another item's answer
-                        results[i] = Outcome(0.0, "error", "verifier protocol out of step; worker replaced")
-                        self._replace(w)
-                    elif "err" in reply:
-                        results[i] = Outcome(0.0, "error", reply["err"])
-                    else:
-                        results[i] = Outcome(float(reply["r"]), "ok")
+                    self._receive(by_fd[fd], busy, results)
                 now = time.monotonic()
                 for w in list(self._workers):
                     if w in busy and now >= busy[w][1]:

@@ -1,17 +1,18 @@
-"""Build each receiver's training batch from all policies' rollouts (SPEC §4 layer 4).
+"""Build each receiver's training batch from all policies' rollouts (Sections 4.1-4.2).
 
-A method is three small strategies chosen by config, not branches in the step loop:
+An exchange is three small strategies, chosen by the method (``graft_rl.methods``), never
+branches in the step loop:
 
-- a **selection** decides which prompts take which peer's group: complementary candidates
-  with balanced exchange (GRAFT, Section 4.1), count-matched random prompts (Appendix G),
-  SGT's rule (receiver fails, peer has a success), or every prompt (HACPO);
-- a **composition** decides what the receiver trains on for a selected prompt: the peer
-  group *replaces* the failed own group (GRAFT, LUFFY), is *pooled* with it (pooled-groups
-  ablation, HACPO), or supplies one correct response for an *auxiliary* NLL (SGT);
-- a **weighting** turns compatibility scores into weights: the gate (Section 4.2), no gate,
-  no floor, count-matched random admission, or none (LUFFY).
-
-The objective (clipped token loss, LUFFY, HACPO) is chosen in :mod:`graft_rl.objectives`.
+- a **selection** (:data:`SELECTIONS`, ``method.selection``) decides which prompts take which
+  peer's group: complementary candidates with balanced exchange (GRAFT, Section 4.1),
+  count-matched random prompts (Appendix G), SGT's rule (receiver fails, peer has a success), or
+  every prompt (HACPO);
+- a **composition** (:meth:`Exchange.compose`) decides what the receiver trains on for a selected
+  prompt: here the peer group *replaces* the failed own group (GRAFT, LUFFY); methods override it
+  to pool the groups (pooled-groups ablation, HACPO) or to add one correct response as an
+  auxiliary NLL target (SGT);
+- a **weighting** (:class:`Weighting`) turns compatibility scores into weights on the receiver's
+  worker: the gate (Section 4.2), no gate, no floor, count-matched random admission, or none.
 
 More than two policies (beyond the paper): for receiver R each peer P is first selected
 pairwise, exactly as with two models (balancing between R and P); a prompt selected from
@@ -27,10 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from graft_rl import algo
-from graft_rl.config import MethodConfig
+from graft_rl.methods.base import MethodConfig
 from graft_rl.policy import RolloutGroup
 
-__all__ = ["Row", "ReceiverBatch", "Exchange", "build_exchange"]
+__all__ = ["SELECTIONS", "Exchange", "NoWeighting", "ReceiverBatch", "Row", "Selection", "Weighting", "group_rewards", "rows_of",
+           "success_counts"]
 
 
 @dataclass
@@ -53,6 +55,8 @@ class Row:
     is_aux: bool = False  # SGT auxiliary NLL target, not in the policy-gradient term
     include: bool = True  # False: removed from numerator and denominator (success-only)
     weight: float = 1.0  # compatibility weight, set by the weighting after scoring
+    # per-row numbers a method's objective reads (e.g. HACPO's capability ratio "kappa"), by name
+    extras: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,15 +74,15 @@ class ReceiverBatch:
 
 
 # --------------------------------------------------------------------------- helpers
-def _k(groups: list[RolloutGroup]) -> torch.Tensor:
+def success_counts(groups: list[RolloutGroup]) -> torch.Tensor:
     return torch.tensor([g.k for g in groups], dtype=torch.long)
 
 
-def _rewards(groups: list[RolloutGroup]) -> torch.Tensor:
+def group_rewards(groups: list[RolloutGroup]) -> torch.Tensor:
     return torch.tensor([g.rewards for g in groups], dtype=torch.float64)
 
 
-def _rows_of(group: RolloutGroup, gi: int, is_peer: bool, adv: list[float]) -> list[Row]:
+def rows_of(group: RolloutGroup, gi: int, is_peer: bool, adv: list[float]) -> list[Row]:
     rows = []
     for i in range(group.n):
         lps = group.gen_logprobs[i]
@@ -174,7 +178,9 @@ class Every(Selection):
         return torch.ones_like(k_recv, dtype=torch.bool)
 
 
-_SELECTIONS = {"complementary": Complementary, "graft": Complementary, "random": CountMatchedRandom, "sgt": SGTRule, "all": Every}
+#: ``method.selection`` -> its rule (the config's allowed values come from here)
+SELECTIONS: dict[str, type[Selection]] = {"complementary": Complementary, "graft": Complementary, "random": CountMatchedRandom,
+                                          "sgt": SGTRule, "all": Every}
 
 
 # --------------------------------------------------------------------------- weightings
@@ -194,7 +200,7 @@ class Weighting:
 
 
 class NoWeighting(Weighting):
-    """LUFFY and HACPO bring their own off-policy correction: every peer response counts fully."""
+    """For methods with their own off-policy correction (LUFFY, HACPO): every peer response counts fully."""
 
     def __call__(self, score, gen):
         return torch.ones_like(score)
@@ -202,16 +208,16 @@ class NoWeighting(Weighting):
 
 # --------------------------------------------------------------------------- the exchange
 class Exchange:
-    """Selection + composition + weighting, for one method config."""
-
-    composition = "replace"
+    """Selection + composition (GRAFT's: the peer group replaces the failed own group)."""
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
-        self.selection = _SELECTIONS[cfg.selection](cfg)
-        self.weighting: Weighting = Weighting(cfg)
+        self.selection = SELECTIONS[cfg.selection](cfg)
 
-    # which compositions: replace (GRAFT/LUFFY), pool, aux (SGT), none (GRPO)
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Each group's advantages ``[G, n]`` on its own rewards ``[G, n]`` (GRPO's, Section 3)."""
+        return algo.grpo_advantages(rewards, self.cfg.adv_eps)
+
     def build(
         self,
         receiver: str,
@@ -221,8 +227,8 @@ class Exchange:
         gen: torch.Generator,
     ) -> ReceiverBatch:
         own = groups[receiver]
-        k = {name: _k(gs) for name, gs in groups.items()}
-        adv = {name: algo.grpo_advantages(_rewards(gs), self.cfg.adv_eps) for name, gs in groups.items()}
+        k = {name: success_counts(gs) for name, gs in groups.items()}
+        adv = {name: self.advantages(group_rewards(gs)) for name, gs in groups.items()}
         group_n = {name: (gs[0].n if gs else n) for name, gs in groups.items()}
         chosen, candidates = (self.selection.select(receiver, k, group_n, live, gen) if len(groups) > 1 else ({}, {}))
         from_peer = {}  # prompt index -> peer
@@ -247,134 +253,15 @@ class Exchange:
     def compose(self, q, own_group, peer, groups, adv, gen, gi):
         """Yield ``(rows, is_peer_group)`` for prompt ``q`` (GRAFT: the peer group replaces the own one)."""
         if peer is None:
-            yield _rows_of(own_group, gi, False, adv[own_group.policy][q].tolist()), False
+            yield rows_of(own_group, gi, False, adv[own_group.policy][q].tolist()), False
             return
         pg = groups[peer][q]
-        rows = _rows_of(pg, gi, True, adv[peer][q].tolist())
-        if self.cfg.success_only:
-            for r in rows:
-                r.include = r.reward > 0
+        rows = rows_of(pg, gi, True, adv[peer][q].tolist())
+        if self.cfg.success_only:  # Appendix G: unsuccessful peer responses leave the loss
+            keep = algo.success_only_mask(torch.ones(len(rows), 1), torch.tensor([r.reward for r in rows]),
+                                          torch.ones(len(rows), dtype=torch.bool))
+            for r, k in zip(rows, keep[:, 0].tolist(), strict=True):
+                r.include = k > 0
         yield rows, True
 
 
-class PooledExchange(Exchange):
-    """Pooled groups (Appendix G): the selected prompt trains on G_B || G_A with pooled advantages."""
-
-    def compose(self, q, own_group, peer, groups, adv, gen, gi):
-        if peer is None:
-            yield from super().compose(q, own_group, None, groups, adv, gen, gi)
-            return
-        pg = groups[peer][q]
-        a_own, a_peer = algo.pooled_advantages(
-            torch.tensor([own_group.rewards], dtype=torch.float64), torch.tensor([pg.rewards], dtype=torch.float64), self.cfg.adv_eps
-        )
-        yield _rows_of(own_group, gi, False, a_own[0].tolist()) + _rows_of(pg, gi, True, a_peer[0].tolist()), True
-
-
-#: HACPO's capability floor (``CapabilityTracker`` ``minimum`` in its recipe's hacpo_trainer.yaml)
-CAPABILITY_FLOOR = 1e-8
-
-
-class HacpoExchange(Exchange):
-    """HACPO: own group plus the peer's, capability-aware advantages (Appendix B).
-
-    "HACPO + GRAFT which" (``selection: graft``, Appendix G): "We keep the HACPO configuration of
-    Appendix B but apply its peer-rollout loss only on prompts where the receiver fails [...] and
-    the peer succeeds at least once [...], subject to the balanced exchange. Peer responses on all
-    other prompts receive zero advantage and contribute no gradient." So every prompt still pools
-    the peer's group (own responses keep HACPO's pooled, capability-weighted baseline, and the peer
-    responses stay in the batch and in the loss's per-response mean); on prompts GRAFT's rule did
-    not select, the peer responses' advantages are zero.
-    """
-
-    def __init__(self, cfg: MethodConfig):
-        super().__init__(cfg)
-        self.weighting = NoWeighting(cfg)
-        self.capability: dict[str, float] = {}
-        self._pool_peer: dict[int, str] = {}  # prompt -> the peer whose group it pools (selection != all)
-
-    def build(self, receiver, groups, live, n, gen):
-        self._pool_peer = {}
-        if self.cfg.selection != "all" and len(groups) > 1:  # HACPO's pooling, on every prompt
-            k = {name: _k(gs) for name, gs in groups.items()}
-            group_n = {name: (gs[0].n if gs else n) for name, gs in groups.items()}
-            every, _ = Every(self.cfg).select(receiver, k, group_n, live, gen)  # deterministic: no draw
-            for peer, mask in every.items():
-                self._pool_peer.update({q: peer for q in torch.nonzero(mask).flatten().tolist()})
-        return super().build(receiver, groups, live, n, gen)
-
-    def compose(self, q, own_group, peer, groups, adv, gen, gi):
-        selected = peer is not None
-        peer = peer if selected else self._pool_peer.get(q)
-        if peer is None:
-            yield from super().compose(q, own_group, None, groups, adv, gen, gi)
-            return
-        pg = groups[peer][q]
-        cap_self = max(self.capability.get(own_group.policy, 0.5), CAPABILITY_FLOOR)
-        cap_peer = max(self.capability.get(peer, 0.5), CAPABILITY_FLOOR)
-        a_own, a_peer = algo.hacpo_advantages(
-            torch.tensor([own_group.rewards], dtype=torch.float64),
-            torch.tensor([pg.rewards], dtype=torch.float64),
-            cap_self,
-            cap_peer,
-            self.cfg.adv_eps,
-        )
-        if not selected:  # "which": a prompt GRAFT's rule did not select
-            a_peer = torch.zeros_like(a_peer)
-        peer_rows = _rows_of(pg, gi, True, a_peer[0].tolist())
-        for r, lps in zip(peer_rows, pg.gen_logprobs, strict=True):
-            # the recipe pops a final EOS before the sequence mean (a source that ended on a stop string
-            # rather than EOS loses its last token here too: the paper's presets set no stop strings)
-            if r.finished and len(lps) > 1:
-                r.src_mean_logprob = (r.src_logprob_sum - lps[-1]) / (len(lps) - 1)
-        # Minibatch order. The recipe lays out each learner's batch self first, then peer
-        # (`_target_trajectories_self_first`, actor.shuffle=false), and verl splits it contiguously
-        # over the data-parallel ranks *before* cutting minibatches: on its 8-GPU launcher ranks 0-3
-        # hold own responses of prompts 0-31, 32-63, ..., ranks 4-7 the peer responses of the same
-        # prompts, so update m holds own and peer responses of the same 8 prompts per rank pair. A
-        # prompt's pooled group (own then peer) in ordinary order gives updates of exactly that kind;
-        # the preset's minibatch of 32 pooled groups (512 responses) gives the recipe's 4 updates.
-        yield _rows_of(own_group, gi, False, a_own[0].tolist()) + peer_rows, False
-
-
-class SGTExchange(Exchange):
-    """SGT (Appendix B): the own group stays; one uniformly drawn correct peer response per
-    selected prompt is an auxiliary NLL target (weight ``sgt_coef``)."""
-
-    def compose(self, q, own_group, peer, groups, adv, gen, gi):
-        own_rows = _rows_of(own_group, gi, False, adv[own_group.policy][q].tolist())
-        if peer is None:
-            yield own_rows, False
-            return
-        pg = groups[peer][q]
-        idx = int(algo.sgt_select(torch.tensor([pg.rewards]), torch.tensor([True]), gen)[0])
-        if idx < 0:
-            yield own_rows, False
-            return
-        aux = _rows_of(pg, gi, True, [0.0] * pg.n)[idx]
-        aux.is_aux = True
-        # the NLL target travels with its prompt's own group, in ordinary minibatch order: SGT is
-        # "GRPO + a supervised NLL term", not GRAFT's peer-last packing (Appendix B)
-        yield own_rows + [aux], False
-
-
-class NoExchange(Exchange):
-    """GRPO: every receiver trains on its own groups only."""
-
-    def build(self, receiver, groups, live, n, gen):
-        return super().build(receiver, {receiver: groups[receiver]}, live, n, gen)
-
-
-def build_exchange(cfg: MethodConfig) -> Exchange:
-    """The exchange strategy for a method config."""
-    if cfg.name == "grpo":
-        return NoExchange(cfg)
-    if cfg.name == "hacpo":
-        return HacpoExchange(cfg)
-    if cfg.name == "sgt":
-        return SGTExchange(cfg)
-    if cfg.name == "luffy":
-        ex = Exchange(cfg)
-        ex.weighting = NoWeighting(cfg)
-        return ex
-    return PooledExchange(cfg) if cfg.pooled else Exchange(cfg)

@@ -1,0 +1,126 @@
+"""One interface to a policy's worker, wherever it runs (docs/design.md, "Engine").
+
+The trainer, validation, checkpointing and ``graft probe`` call a policy's
+:class:`~graft_rl.worker.PolicyWorker` through a :class:`WorkerHandle`: ``submit(method, *args)``
+starts a call and returns a pending result, ``result(pending)`` waits for it. In-process
+(:class:`LocalHandle`) the call runs at submit; under Ray (:class:`RayHandle`) it runs in the
+policy's actor, or on every rank of its actor group, while the driver goes on, so the policies'
+devices work at the same time. :func:`start_workers` builds the handles a config asks for; the
+trainer never asks which kind it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["LocalHandle", "Pending", "RayHandle", "WorkerHandle", "completion_order", "start_workers"]
+
+
+class Pending:
+    """A submitted call: :meth:`get` waits for its result (an exception inside the call is raised there)."""
+
+    __slots__ = ("handle", "ref")
+
+    def __init__(self, handle: WorkerHandle, ref: Any):
+        self.handle, self.ref = handle, ref
+
+    def get(self) -> Any:
+        return self.handle.result(self.ref)
+
+
+class WorkerHandle:
+    """A policy's worker as the driver sees it."""
+
+    #: calls run while the driver goes on (so starting work early pays off)
+    concurrent: bool = False
+
+    def __init__(self, name: str, policy: Any):
+        self.name = name
+        self.policy = policy  # the in-process Policy, or (Ray) its PolicyConfig: the model lives in the actor
+
+    def submit(self, method: str, *args) -> Pending:
+        """Start ``PolicyWorker.<method>(*args)``."""
+        return Pending(self, self._start(method, *args))
+
+    def call(self, method: str, *args) -> Any:
+        return self.submit(method, *args).get()
+
+    def _start(self, method: str, *args) -> Any:
+        raise NotImplementedError
+
+    def result(self, ref: Any) -> Any:
+        """Wait for a started call's reference; its exception is raised here."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the worker holds outside this process (Ray actors, placement groups)."""
+
+
+class LocalHandle(WorkerHandle):
+    """A :class:`~graft_rl.worker.PolicyWorker` in this process: a call runs when it is submitted."""
+
+    def __init__(self, worker):
+        super().__init__(worker.policy.name, worker.policy)
+        self.worker = worker
+
+    def _start(self, method: str, *args) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def result(self, ref: Any) -> Any:
+        return ref
+
+
+class RayHandle(WorkerHandle):
+    """A policy's Ray actor (``world_size`` 1) or :class:`~graft_rl.distributed.ActorGroup`."""
+
+    concurrent = True
+
+    def __init__(self, name: str, policy_config, actor):
+        super().__init__(name, policy_config)
+        self.actor = actor
+
+    def _start(self, method: str, *args) -> Any:
+        return getattr(self.actor, method).remote(*args)
+
+    def result(self, ref: Any) -> Any:
+        from graft_rl.distributed import get
+
+        return get(ref)
+
+    def close(self) -> None:
+        import ray
+
+        from graft_rl.distributed import ActorGroup
+
+        if isinstance(self.actor, ActorGroup):
+            self.actor.shutdown()
+        else:
+            ray.kill(self.actor)
+
+
+def completion_order(pending: dict[str, Pending]) -> Iterator[str]:
+    """The names of ``pending`` calls in the order they finish (in-process: as submitted, all done)."""
+    remote = {name: p.ref for name, p in pending.items() if p.handle.concurrent}
+    yield from (name for name in pending if name not in remote)
+    if remote:
+        from graft_rl.distributed import completion_order as ray_order
+
+        yield from ray_order(remote)
+
+
+def start_workers(cfg, policy_configs) -> dict[str, WorkerHandle]:
+    """A handle per policy: in this process (``execution: local``) or in Ray actors (``execution: ray``)."""
+    if cfg.execution == "ray":
+        from graft_rl.distributed import start_actors
+
+        actors = start_actors(cfg, policy_configs)
+        return {pc.name: RayHandle(pc.name, pc, actors[pc.name]) for pc in policy_configs}
+    from graft_rl.policy import Policy
+    from graft_rl.worker import PolicyWorker
+
+    handles: dict[str, WorkerHandle] = {}
+    for pc in policy_configs:
+        policy = Policy(pc, with_reference=cfg.method.kl_coef > 0)
+        handles[pc.name] = LocalHandle(PolicyWorker(policy, cfg.method, cfg.minibatch, cfg.nonfinite_loss))
+    return handles

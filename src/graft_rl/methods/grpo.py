@@ -1,0 +1,49 @@
+"""GRPO (Section 3): each policy trains on its own groups only; with ``dynamic_sampling``, DAPO's
+filter keeps the groups whose rewards vary and refills the batch (Appendix B, "GRPO + dynamic
+sampling")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graft_rl import algo
+from graft_rl.methods.base import Method, RolloutFilter, register_method
+from graft_rl.methods.exchange import Exchange
+
+__all__ = ["GRPO", "OwnGroupsOnly"]
+
+
+class OwnGroupsOnly(Exchange):
+    """No exchange: every receiver's batch is its own groups, with their GRPO advantages."""
+
+    def build(self, receiver, groups, live, n, gen):
+        return super().build(receiver, {receiver: groups[receiver]}, live, n, gen)
+
+
+def _rewards_vary(group) -> bool:
+    """DAPO's filter for one group (:func:`graft_rl.algo.dynamic_sampling_mask`)."""
+    return bool(algo.dynamic_sampling_mask(torch.tensor([group.rewards], dtype=torch.float64))[0])
+
+
+@register_method("grpo")
+class GRPO(Method):
+    """Group-relative policy optimisation on the policy's own rollouts."""
+
+    @dataclass
+    class Params:
+        dynamic_sampling: bool = False  # DAPO's dynamic sampling: keep groups with mixed rewards, refill
+        # DAPO's filter_groups.max_num_gen_batches: generation batches per step, the first included; past
+        # it the run stops with one line ("the data may be too hard"). <= 0: no limit, as in verl (whose
+        # yaml default that is); 10 is what DAPO's README and run scripts use, and a run cannot loop forever
+        max_num_gen_batches: int = 10
+
+    uses_peers = False
+
+    def exchange(self):
+        return OwnGroupsOnly(self.cfg)
+
+    def rollout_filter(self) -> RolloutFilter | None:
+        p = self.cfg.params
+        return RolloutFilter(_rewards_vary, p["max_num_gen_batches"]) if p["dynamic_sampling"] else None

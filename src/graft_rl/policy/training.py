@@ -1,0 +1,168 @@
+"""A policy's optimisation, weight sync and checkpoints (:class:`PolicyTraining`, a part of
+:class:`~graft_rl.policy.policy.Policy`): minibatch optimiser steps with gradient accumulation over
+micro-batches, skipping non-finite updates; the once-per-step push of weights to the rollout
+engine; ``save_pretrained`` checkpoints with optimiser and RNG state."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from graft_rl.policy.types import SamplingParams, TokenBatch
+
+__all__ = ["POLICY_SETTINGS", "PolicyTraining"]
+
+#: File in every saved policy directory holding the policy's settings (prompt format etc.).
+POLICY_SETTINGS = "graft_policy.json"
+
+
+class PolicyTraining:
+    """Mixed into :class:`~graft_rl.policy.policy.Policy`, whose model, optimizer, config, backend,
+    ``_passes``/``_forward``/``_reduce_sums`` and generation/scoring it uses."""
+
+    # ------------------------------------------------------------------ optimisation
+    def update(
+        self,
+        batch: TokenBatch,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor, list[int]], tuple[torch.Tensor, dict]],
+    ) -> dict[str, float]:
+        """One optimiser step on a minibatch, with gradient accumulation over micro-batches.
+
+        ``loss_fn(logprobs [m, T_m], mask [m, T_m], rows)`` returns this micro-batch's
+        *contribution* to the minibatch loss (the caller scales token-mean losses by
+        ``micro tokens / minibatch tokens``) and a stats dict. A non-finite loss or gradient
+        norm skips the step (``skipped = 1``) and leaves the weights untouched.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.config.gradient_checkpointing:
+            self.model.train()  # transformers checkpoints layers only in train mode (dropout is off)
+        try:
+            total_loss, stats_sum, n_micro, bad = self._accumulate(batch, loss_fn)
+        finally:
+            self.model.eval()
+        grad_norm = self._clip_grad_norm()
+        if bad or not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"loss": float("nan"), "grad_norm": grad_norm, "skipped": 1.0}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.weights_version += 1
+        out = {k: v / max(n_micro, 1) for k, v in stats_sum.items()}
+        out.update(loss=total_loss, grad_norm=grad_norm, skipped=0.0)
+        return out
+
+    def _accumulate(self, batch: TokenBatch, loss_fn):
+        """Forward + backward of each micro-batch; ``(loss, stats sums, micro-batches, non-finite?)``.
+
+        A padding pass, or one whose loss is not finite, still runs a zero backward (a sharded
+        policy's collectives need every rank to take part); a non-finite loss marks the whole
+        update for skipping.
+        """
+        total_loss, stats_sum, n_micro, bad = 0.0, {}, 0, False
+        for rows in self._passes(batch):
+            sub = batch.select(rows or [0])
+            lp = self._forward(sub)
+            loss, stats = loss_fn(lp, sub.response_mask().to(lp.device), rows) if rows is not None else (None, {})
+            if loss is None or bad or not torch.isfinite(loss):
+                bad = bad or loss is not None
+                (lp.sum() * 0.0).backward()
+                continue
+            (loss * self.loss_scale).backward()
+            total_loss += float(loss.detach())
+            n_micro += 1
+            for k, v in stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+        keys = sorted(stats_sum)
+        sums = self._reduce_sums([total_loss, float(n_micro), float(bad)] + [stats_sum[k] for k in keys])
+        return sums[0], dict(zip(keys, sums[3:], strict=True)), int(sums[1]), sums[2] > 0
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)) if params else 0.0
+
+    def sync_rollout_weights(self) -> None:
+        """Push the current weights to the rollout engine, once per step and only if they changed."""
+        if self._synced_version != self.weights_version:
+            self.backend.sync_weights()
+            self._synced_version = self.weights_version
+
+    def param_digest(self) -> list[float]:
+        """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
+        return [float(p.detach().double().sum()) for p in self.model.parameters()]
+
+    def rollout_check(self, prompts: Sequence[tuple[str, str]], max_new_tokens: int = 16, seed: int = 0,
+                      reference: dict | None = None) -> dict:
+        """Does the rollout engine sample from the trainer's current weights? (``graft preflight``)
+
+        Pushes the weights if they changed (as a step's generation does), samples two responses per
+        prompt at temperature 1 / top-p 1 (where generation log-probs are the model's own) and scores
+        them with the trainer's model: ``now_mean``/``now_max`` are the per-token ``|generation
+        log-prob - trainer log-prob|``. The result also carries the sampled sequences and their
+        trainer log-probs; given an earlier result as ``reference``, ``moved_mean`` is how far the
+        trainer's log-probs of *those* sequences moved since (what a stale engine would be off by).
+        """
+        saved_t = self.logprob_temperature
+        self.logprob_temperature = 1.0
+        try:
+            groups = self.generate(list(prompts), SamplingParams(n=2, max_new_tokens=max_new_tokens), seed=seed)
+            batch = self.encode_own(groups)
+            now, mask = self.token_logprobs(batch)
+            moved = None
+            if reference is not None:
+                ref_batch = TokenBatch(*map(list, zip(*reference["sequences"], strict=True)))
+                lp, ref_mask = self.token_logprobs(ref_batch)
+                before = torch.zeros_like(lp)
+                for i, row in enumerate(reference["logprobs"]):
+                    before[i, : len(row)] = torch.tensor(row)
+                moved = float(((lp - before).abs() * ref_mask).sum()) / max(float(ref_mask.sum()), 1.0)
+        finally:
+            self.logprob_temperature = saved_t
+        gen = torch.zeros_like(now)
+        for i, lp in enumerate(x for g in groups for x in g.gen_logprobs):
+            gen[i, : len(lp)] = torch.tensor(lp)
+        tokens = float(mask.sum())
+        d = (gen - now).abs() * mask
+        return {
+            "tokens": tokens,
+            "now_mean": float(d.sum()) / max(tokens, 1.0),
+            "now_max": float(d.max()) if tokens else 0.0,
+            "moved_mean": moved,
+            "sequences": [[p, r] for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)],
+            "logprobs": [now[i, : len(r)].tolist() for i, r in enumerate(batch.response_ids)],
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, out_dir: str | Path) -> Path:
+        """``save_pretrained`` model + tokenizer, ``graft_policy.json`` (how this policy formats
+        prompts, so ``graft eval CHECKPOINT`` prompts it as training did), and ``policy_state.pt``
+        (optimiser, RNG)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        self.save_settings(out)
+        state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        tmp = out / "policy_state.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, out / "policy_state.pt")
+        return out
+
+    def save_settings(self, out: Path) -> None:
+        """Write ``graft_policy.json``: this policy's config (prompt format, template, suffix, lengths,
+        backend, dtype), read back by :func:`saved_policy_config`."""
+        import dataclasses
+        import json
+
+        keep = {k: v for k, v in dataclasses.asdict(self.config).items()
+                if k not in ("model", "gguf_file", "tokenizer", "reference_model", "reference_gguf_file")}
+        (Path(out) / POLICY_SETTINGS).write_text(json.dumps(keep, indent=1))
+
+    def load_state(self, ckpt_dir: str | Path) -> None:
+        """Restore optimiser and RNG from :meth:`save` (weights come from loading the directory)."""
+        state = torch.load(Path(ckpt_dir) / "policy_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
