@@ -68,7 +68,7 @@ def graft_step(x: dict, G: int, n: int, minibatch: int, gen: torch.Generator) ->
     adv_a, adv_b = clock("advantages", lambda: (grpo_advantages(rew_a), grpo_advantages(rew_b)))
     a_to_b, b_to_a = clock("selection", lambda: balanced_exchange(rew_a.sum(1).long(), rew_b.sum(1).long(), n))
     mask = x["mask"]
-    for d, (sel, src, recv, adv_src, adv_recv) in enumerate(
+    for _d, (sel, src, recv, adv_src, adv_recv) in enumerate(
         ((a_to_b, 0, 1, adv_a, adv_b), (b_to_a, 1, 0, adv_b, adv_a))
     ):
 

@@ -52,7 +52,6 @@ def main() -> int:
     ap.add_argument("--out", default="runs/mechanism")
     args = ap.parse_args()
     import torch
-
     from build_testbed import cpu_model
 
     from graft_rl.data import load_jsonl

@@ -7,9 +7,17 @@ import torch
 
 from graft_rl.cli import main
 from graft_rl.config import ConfigError, load_config
-from graft_rl.plan import ALLOCATOR_MARGIN, GiB, KNOWN_SHAPES, RUNTIME_BYTES, check_resources, model_shape, plan, plan_policy
-from graft_rl.policy import PolicyError
-from graft_rl.policy import PolicyConfig
+from graft_rl.plan import (
+    ALLOCATOR_MARGIN,
+    KNOWN_SHAPES,
+    RUNTIME_BYTES,
+    GiB,
+    check_resources,
+    model_shape,
+    plan,
+    plan_policy,
+)
+from graft_rl.policy import PolicyConfig, PolicyError
 
 
 @pytest.mark.parametrize("name, billions", [("HuggingFaceTB/SmolLM3-3B-Base", 3.08), ("Qwen/Qwen3-1.7B-Base", 1.72),

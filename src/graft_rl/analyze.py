@@ -339,7 +339,7 @@ def _plot_curves(curves: list[tuple[Path, list[dict], list[dict]]], path: Path) 
                                        label=f"{rdir.name}:{p}")
                 # per prompt family (validation data naming a few, e.g. the transfer testbed): thinner, same colour
                 fam_keys = sorted({k for v in vv for k in v if k.startswith("val/") and k.count("/") == 2})
-                for k, style in zip(fam_keys, ("--", ":", "-.") * 3):
+                for k, style in zip(fam_keys, ("--", ":", "-.") * 3, strict=False):
                     pts = [(v["step"], v[k]) for v in vv if k in v]
                     axes[1].plot([x for x, _ in pts], [y for _, y in pts], linestyle=style, marker=".", linewidth=1,
                                  color=line.get_color(), label=f"{rdir.name}:{p} {k.rsplit('/', 1)[1]}")

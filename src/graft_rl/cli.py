@@ -9,7 +9,6 @@ import sys
 from graft_rl import __version__
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graft",

@@ -133,6 +133,11 @@ class TrainConfig:
             raise ConfigError(f"method.name {self.method.name!r} needs at least two policies (or a peer from records)")
         if self.peers:
             method.with_stored_peers(self.method)
+        self._validate_sizes()
+        self._validate_data_and_validation()
+        self._validate_execution()
+
+    def _validate_sizes(self) -> None:
         for key in ("prompt_batch", "minibatch", "n", "max_new_tokens", "epochs", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
@@ -144,6 +149,12 @@ class TrainConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError(f"torch_threads must be >= 1 (or null for all cores), got {self.torch_threads}")
+        if self.nonfinite_loss not in ("skip", "stop"):
+            raise ConfigError(f"nonfinite_loss: must be skip or stop, got {self.nonfinite_loss!r}")
+
+    def _validate_data_and_validation(self) -> None:
         if self.data.limit is not None and self.data.limit < 1:
             raise ConfigError(f"data.limit must be >= 1 (or null for every problem), got {self.data.limit}")
         if self.validation.limit is not None and self.validation.limit < 1:
@@ -156,8 +167,8 @@ class TrainConfig:
             raise ConfigError(f"validation.temperature must be > 0 and validation.top_p in (0, 1], got {v.temperature}, {v.top_p}")
         if not self.data.verify_timeout > 0 or not self.data.verify_budget > 0:
             raise ConfigError(f"data.verify_timeout and data.verify_budget must be > 0, got {self.data.verify_timeout}, {self.data.verify_budget}")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ConfigError(f"torch_threads must be >= 1 (or null for all cores), got {self.torch_threads}")
+
+    def _validate_execution(self) -> None:
         if not self.ray.collective_timeout > 0:
             raise ConfigError(f"ray.collective_timeout must be > 0 seconds, got {self.ray.collective_timeout}")
         if not self.ray.placement_timeout > 0 or self.ray.num_cpus < 0 or self.ray.num_gpus < 0:
@@ -168,8 +179,6 @@ class TrainConfig:
         for i, pc in enumerate(self.policies):
             if pc.world_size > 1 and self.execution != "ray":
                 raise ConfigError(f"policies.{i}.world_size={pc.world_size} (FSDP2 over {pc.world_size} ranks) needs execution: ray")
-        if self.nonfinite_loss not in ("skip", "stop"):
-            raise ConfigError(f"nonfinite_loss: must be skip or stop, got {self.nonfinite_loss!r}")
 
 
 # ---------------------------------------------------------------------------------- building
@@ -178,33 +187,42 @@ def _suggest(key: str, valid: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
 
 
+def _build_method(data, where: str) -> MethodConfig:
+    """The common keys typed here, the method's own (its Params) by :meth:`MethodConfig.validate`."""
+    if isinstance(data, MethodConfig):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(MethodConfig)
+    common = {f.name for f in dataclasses.fields(MethodConfig) if f.name not in ("params", "_foreign")}
+    kw = {k: _build(hints[k], v, f"{where}.{k}") if k in common else v for k, v in data.items()}
+    return MethodConfig(**{str(k): v for k, v in kw.items()})
+
+
+def _build_dataclass(cls, data, where: str):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, val in data.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key {where + '.' if where else ''}{key}{_suggest(key, list(fields))}")
+        kwargs[key] = _build(hints[key], val, f"{where}.{key}" if where else key)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
 def _build(cls, data, where: str):
+    """``data`` (parsed YAML) as a value of type ``cls``; ``where``: its dotted key, for errors."""
     if cls is MethodConfig:
-        if isinstance(data, MethodConfig):
-            return data
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-        hints = typing.get_type_hints(MethodConfig)
-        common = {f.name for f in dataclasses.fields(MethodConfig) if f.name not in ("params", "_foreign")}
-        # the common keys typed here, the method's own (its Params) by MethodConfig.validate
-        kw = {k: _build(hints[k], v, f"{where}.{k}") if k in common else v for k, v in data.items()}
-        return MethodConfig(**{str(k): v for k, v in kw.items()})
+        return _build_method(data, where)
     if dataclasses.is_dataclass(cls):
-        if isinstance(data, cls):
-            return data
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for key, val in data.items():
-            if key not in fields:
-                raise ConfigError(f"unknown key {where + '.' if where else ''}{key}{_suggest(key, list(fields))}")
-            kwargs[key] = _build(hints[key], val, f"{where}.{key}" if where else key)
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where or 'config'}: {exc}") from None
+        return _build_dataclass(cls, data, where)
     origin = typing.get_origin(cls)
     args = typing.get_args(cls)
     if origin is list:

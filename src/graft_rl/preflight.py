@@ -96,9 +96,9 @@ def build_toy_model(out: Path, family: str, tokenizer_kind: int, seed: int = 0) 
     1: a small BPE; both with a ChatML template), saved with ``save_pretrained``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from graft_rl.policy.tiny import CHATML_TEMPLATE, bpe_tokenizer, char_tokenizer
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars in the checklist
 
@@ -157,6 +157,35 @@ def _vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _toy_policy(pc, p: dict, i: int, work: Path, families: dict, on_gpu: bool, vllm_ok: bool) -> dict:
+    """Policy ``i``'s toy entry ``p``: a tiny model of its architecture family, toy lr and lengths, the
+    real model's choice of LM head, CPU devices where the GPUs are missing, vLLM at toy size."""
+    model, what = _toy_model(pc, i, work)
+    families[pc.name] = what
+    p.update(model=model, gguf_file=None, tokenizer=None, reference_model=None, reference_gguf_file=None,
+             lr=TOY["lr"], micro_batch_tokens=TOY["micro_batch_tokens"], gen_batch_size=None)
+    try:  # the chunked LM head as the real model would take it (a toy vocabulary is too small to pick it)
+        s = model_shape(pc)
+        real_tokens = pc.micro_batch_tokens or 16384
+        if pc.fused_logprobs is None and uses_fused_head(None, s.vocab, real_tokens):
+            p["fused_logprobs"] = True
+    except ConfigError:
+        pass
+    if not on_gpu and pc.device.startswith("cuda"):
+        p["device"] = "cpu"
+    if pc.backend == "vllm":
+        kw = dict(p.get("vllm_kwargs") or {})
+        kw["max_model_len"] = pc.max_prompt_tokens + TOY["max_new_tokens"]
+        if not on_gpu:
+            kw["sleep"] = False
+            kw.pop("gpu_memory_utilization", None)
+            kw.pop("enforce_eager", None)
+        p["vllm_kwargs"] = kw
+        if not vllm_ok:
+            p["backend"] = "hf"
+    return p
+
+
 def toy_config(cfg: TrainConfig, run_dir: Path, work: Path) -> Toy:
     """The config at toy size for this machine (see the module docstring), and what changed."""
     d = to_dict(cfg)
@@ -182,34 +211,8 @@ def toy_config(cfg: TrainConfig, run_dir: Path, work: Path) -> Toy:
                  f"{TOY['max_new_tokens']} new tokens (was {cfg.max_new_tokens}), first {TOY['data_limit']} training problems, "
                  f"{TOY['steps']} steps (2, then a resume to 3), validation on {TOY['val_limit']} problems per set, "
                  f"lr {TOY['lr']:g}, micro_batch_tokens {TOY['micro_batch_tokens']}; n {cfg.n} as configured")
-    pols = []
-    for i, pc in enumerate(cfg.policies):
-        p = dict(d["policies"][i])
-        model, what = _toy_model(pc, i, work)
-        families[pc.name] = what
-        p.update(model=model, gguf_file=None, tokenizer=None, reference_model=None, reference_gguf_file=None,
-                 lr=TOY["lr"], micro_batch_tokens=TOY["micro_batch_tokens"], gen_batch_size=None)
-        try:  # the chunked LM head as the real model would take it (a toy vocabulary is too small to pick it)
-            s = model_shape(pc)
-            real_tokens = pc.micro_batch_tokens or 16384
-            if pc.fused_logprobs is None and uses_fused_head(None, s.vocab, real_tokens):
-                p["fused_logprobs"] = True
-        except ConfigError:
-            pass
-        if not on_gpu and pc.device.startswith("cuda"):
-            p["device"] = "cpu"
-        if pc.backend == "vllm":
-            kw = dict(p.get("vllm_kwargs") or {})
-            kw["max_model_len"] = pc.max_prompt_tokens + TOY["max_new_tokens"]
-            if not on_gpu:
-                kw["sleep"] = False
-                kw.pop("gpu_memory_utilization", None)
-                kw.pop("enforce_eager", None)
-            p["vllm_kwargs"] = kw
-            if not vllm_ok:
-                p["backend"] = "hf"
-        pols.append(p)
-    d["policies"] = pols
+    d["policies"] = [_toy_policy(pc, dict(d["policies"][i]), i, work, families, on_gpu, vllm_ok)
+                     for i, pc in enumerate(cfg.policies)]
     if any(pc.backend == "vllm" for pc in cfg.policies):
         if not vllm_ok:
             notes.append("vLLM is not installed here: rollouts rehearsed with the hf backend (GPU: pip install "

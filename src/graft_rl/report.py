@@ -70,7 +70,7 @@ def family_summary(run_dir: str | Path) -> list[dict]:
         fams = sorted({k.split("/", 1)[1] for ln in mine for k in ln if k.startswith("groups/")}
                       | {k.rsplit("/", 1)[1] for v in vals for k in v if k.count("/") == 2 and k.startswith("val/")})
         for fam in fams:
-            def total(key: str, fam: str = fam) -> float:
+            def total(key: str, fam: str = fam, mine: list = mine) -> float:
                 return sum(ln.get(f"{key}/{fam}") or 0 for ln in mine)
 
             def val_at(v: dict | None, fam: str = fam) -> float | None:

@@ -472,7 +472,7 @@ def _prompt_sets(spec: PairSpec, seed: int, pool: int, heldout: int) -> tuple[li
         if len(rows) < heldout:
             raise ValueError(f"testbed family {fam!r} has fewer than {heldout} held-out problems outside a pool of {pool}")
         per.append(rows[:heldout])
-    held = [dict(r, id=f"heldout-{i}") for i, r in enumerate(r for group in zip(*per) for r in group)]
+    held = [dict(r, id=f"heldout-{i}") for i, r in enumerate(r for group in zip(*per, strict=False) for r in group)]
     return train, held
 
 

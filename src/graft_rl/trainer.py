@@ -17,6 +17,7 @@ resumed run reproduces an uninterrupted one exactly on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,6 +31,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from graft_rl.checkpointing import CheckpointError, Checkpointing
 from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.data import Problem, check_answers, load_dataset, verifier_for
 from graft_rl.evaluation import families
@@ -37,7 +39,6 @@ from graft_rl.handles import Pending, WorkerHandle, completion_order, start_work
 from graft_rl.methods import build_method
 from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.plan import check_resources
-from graft_rl.checkpointing import CheckpointError, Checkpointing
 from graft_rl.policy import PolicyConfig, RolloutGroup, SamplingParams
 from graft_rl.rollouts import DynamicSamplingError, Rollouts
 from graft_rl.rundir import RunLock, clean_stale, finite_json, write_text_atomic
@@ -373,10 +374,8 @@ class _GracefulStop:
         self.signum: int | None = None
         self.previous: dict = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread: signals keep their handlers
                 self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: signals keep their handlers
-                pass
 
     def _handle(self, signum, frame):
         if self.signum is not None:

@@ -184,7 +184,7 @@ def test_policy_loss_gradcheck():
     mask = torch.ones(3, 4, dtype=torch.float64)
     w = torch.tensor([1.0, 0.9, 0.85], dtype=torch.float64)
     for ratio in ("token", "sequence"):
-        assert torch.autograd.gradcheck(lambda x: policy_loss(x, old, adv, mask, w, ratio=ratio)[0], (lp,))
+        assert torch.autograd.gradcheck(lambda x, ratio=ratio: policy_loss(x, old, adv, mask, w, ratio=ratio)[0], (lp,))
 
 
 def test_rule_denominator_counts_gated_tokens():

@@ -29,7 +29,7 @@ class FakePolicy:
             i = int(pid.split("-")[1])
             run = seed // 1000
             c = (i + run) % (sp.n + 1)
-            texts = ["\\boxed{%d}" % (i if j < c else -1) for j in range(sp.n)]
+            texts = [f"\\boxed{{{i if j < c else -1}}}" for j in range(sp.n)]
             out.append(RolloutGroup(pid, "", self.name, texts, [[0]] * sp.n, [[0.0]] * sp.n, ["stop"] * sp.n))
         return out
 

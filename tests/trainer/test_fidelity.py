@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from graft_rl.config import MethodConfig, load_config
-from graft_rl.methods import build_exchange
-from graft_rl.methods import build_objective
+from graft_rl.methods import build_exchange, build_objective
 from graft_rl.methods.objectives import RowTensors
 from graft_rl.policy import RolloutGroup
 

@@ -9,8 +9,8 @@ import torch
 
 from graft_rl import algo
 from graft_rl.config import ConfigError, load_config
-from graft_rl.store import RecordError, RecordStore
 from graft_rl.rundir import read_log
+from graft_rl.store import RecordError, RecordStore
 from graft_rl.trainer import Trainer
 
 from .conftest import EXPECTED_A_TO_B, EXPECTED_B_TO_A, K

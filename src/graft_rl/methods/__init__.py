@@ -16,7 +16,11 @@ from graft_rl.methods.base import (
     method_names,
     register_method,
 )
-from graft_rl.methods import grpo, graft, sgt, luffy, hacpo, dr_grpo  # noqa: E402,F401  (registers them)
+
+# the shipped methods register on import, in this order (the paper's; error messages list them so)
+# isort: off
+from graft_rl.methods import grpo, graft, sgt, luffy, hacpo, dr_grpo  # noqa: E402,F401
+# isort: on
 
 __all__ = ["EXCHANGE_KEYS", "Method", "MethodConfig", "RolloutFilter", "build_exchange", "build_method", "build_objective",
            "method_class", "method_names", "register_method"]

@@ -13,6 +13,7 @@ is detected by end-of-file and replaced. Either way the item scores 0 and is cou
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -98,15 +99,11 @@ class _Worker:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a process that survives SIGKILL
             self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - a process that survives SIGKILL
-            pass
         for f in (self.proc.stdin, self.proc.stdout):
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except OSError:
-                pass
 
 
 _POOLS: weakref.WeakSet = weakref.WeakSet()
