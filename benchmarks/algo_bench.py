@@ -39,6 +39,7 @@ def make_inputs(G: int, n: int, T: int, seed: int, device: str):
     rew_b = (torch.rand(G, n, generator=g) < p_b * p_b).float()
     lengths = torch.randint(T // 8, T + 1, (M,), generator=g)
     mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+
     def mk():
         return (-torch.rand(M, T, generator=g) * 2).to(device)
 

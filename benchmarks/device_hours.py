@@ -56,8 +56,14 @@ def one_run(policies: list[str], steps: int, prompt_batch: int, method: str) -> 
     from graft_rl.trainer import Trainer
 
     base = shipped_testbed().train_config(run_dir=tempfile.mkdtemp() + "/run", method=method)
-    base.update(steps=steps, prompt_batch=prompt_batch, checkpoint_every=10_000, validation={"data": []},
-                execution="ray", ray={"num_cpus": 1, "torch_threads": 1})
+    base.update(
+        steps=steps,
+        prompt_batch=prompt_batch,
+        checkpoint_every=10_000,
+        validation={"data": []},
+        execution="ray",
+        ray={"num_cpus": 1, "torch_threads": 1},
+    )
     base["policies"] = [p for p in base["policies"] if p["name"] in policies]
     t0 = time.perf_counter()
     tr = Trainer(load_config(base), show_progress=False)
@@ -67,7 +73,9 @@ def one_run(policies: list[str], steps: int, prompt_batch: int, method: str) -> 
     wall = time.perf_counter() - t0
     tr.close()
     grafted = sum(ln.get("exchanged_in", 0) or 0 for ln in lines)
-    phases = {k: sum(ln.get(f"time_{k}", 0.0) or 0.0 for ln in lines) for k in ("generate", "reward", "score", "update")}
+    phases = {
+        k: sum(ln.get(f"time_{k}", 0.0) or 0.0 for ln in lines) for k in ("generate", "reward", "score", "update")
+    }
     return {"devices": len(policies), "wall": wall, "start": start, "grafted": grafted, **phases}
 
 
@@ -108,11 +116,15 @@ def main() -> None:
     graft = {"before": med("before"), "after": med("after")}
     pair = sum(r["devices"] * r["wall"] for r in grpo.values())
     pair_at_once = sum(r["wall"] for r in at_once.values())
-    print(f"CPU: {cpu_model()}; shipped natural testbed pair, {args.steps} steps of {args.prompt_batch} prompts x n = 8, "
-          f"one actor of 1 CPU (1 torch thread) per policy")
+    print(
+        f"CPU: {cpu_model()}; shipped natural testbed pair, {args.steps} steps of {args.prompt_batch} prompts x n = 8, "
+        f"one actor of 1 CPU (1 torch thread) per policy"
+    )
     print()
-    print("| run | devices | step-loop wall s | device-s | generate / reward / score / update s (summed over policies) "
-          "| start-up s | grafted groups | ratio to the two GRPO runs |")
+    print(
+        "| run | devices | step-loop wall s | device-s | generate / reward / score / update s (summed over policies) "
+        "| start-up s | grafted groups | ratio to the two GRPO runs |"
+    )
     print("|---|---:|---:|---:|---|---:|---:|---:|")
 
     def phases(r):
@@ -123,20 +135,26 @@ def main() -> None:
     print(f"| GRPO A + GRPO B, each alone on the machine | | | {pair:.1f} | | | | 1.00 |")
     for name, r in (("GRPO A, beside GRPO B", at_once["A"]), ("GRPO B, beside GRPO A", at_once["B"])):
         print(f"| {name} | 1 | {r['wall']:.1f} | {r['wall']:.1f} | {phases(r)} | {r['start']:.1f} | - | |")
-    print(f"| GRPO A + GRPO B, at once (both cores busy, as in GRAFT) | | | {pair_at_once:.1f} | | | | "
-          f"{pair_at_once / pair:.2f} |")
+    print(
+        f"| GRPO A + GRPO B, at once (both cores busy, as in GRAFT) | | | {pair_at_once:.1f} | | | | "
+        f"{pair_at_once / pair:.2f} |"
+    )
     for label in ("before", "after"):
         r = graft[label]
         ds = r["devices"] * r["wall"]
-        print(f"| GRAFT, {label} (updates {'one after the other' if label == 'before' else 'at once'}) | 2 | {r['wall']:.1f} | "
-              f"{ds:.1f} | {phases(r)} | {r['start']:.1f} | {r['grafted']:.0f} | {ds / pair:.2f} |")
+        print(
+            f"| GRAFT, {label} (updates {'one after the other' if label == 'before' else 'at once'}) | 2 | {r['wall']:.1f} | "
+            f"{ds:.1f} | {phases(r)} | {r['start']:.1f} | {r['grafted']:.0f} | {ds / pair:.2f} |"
+        )
     print()
     print(f"median of {args.repeats} interleaved trials (the trial with the median wall time per row)")
     print()
     after, before = 2 * graft["after"]["wall"], 2 * graft["before"]["wall"]
-    print(f"headline: GRAFT / two GRPO runs device-time = {after / pair_at_once:.2f} against the GRPO runs at once "
-          f"({after / pair:.2f} against each run alone on the machine; before the change {before / pair_at_once:.2f} / "
-          f"{before / pair:.2f}; the paper's Table 5: {PAPER_RATIO:.2f})")
+    print(
+        f"headline: GRAFT / two GRPO runs device-time = {after / pair_at_once:.2f} against the GRPO runs at once "
+        f"({after / pair:.2f} against each run alone on the machine; before the change {before / pair_at_once:.2f} / "
+        f"{before / pair:.2f}; the paper's Table 5: {PAPER_RATIO:.2f})"
+    )
 
 
 if __name__ == "__main__":

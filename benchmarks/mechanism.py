@@ -62,11 +62,15 @@ def main() -> int:
     held = [p for p in load_jsonl(root / "heldout.jsonl") if p.subject == "shift3"]
     for which in ("a", "b"):
         ps = lookup_right_digit_probability(root / f"model_{which}", held)
-        print(f"model {which.upper()}: p(right digit) on {len(ps)} held-out shift3 prompts: mean {sum(ps) / len(ps):.2g}, "
-              f"min {min(ps):.2g}, max {max(ps):.2g}")
-    print("\ncolumns: held-out pass@1 % before -> after (64 prompts x 8 samples per family); all-fail: A's own groups "
-          "with no right response; grafted: B's groups that replaced them; adm.: their responses the gate admitted; "
-          "s: wall seconds of the run\n")
+        print(
+            f"model {which.upper()}: p(right digit) on {len(ps)} held-out shift3 prompts: mean {sum(ps) / len(ps):.2g}, "
+            f"min {min(ps):.2g}, max {max(ps):.2g}"
+        )
+    print(
+        "\ncolumns: held-out pass@1 % before -> after (64 prompts x 8 samples per family); all-fail: A's own groups "
+        "with no right response; grafted: B's groups that replaced them; adm.: their responses the gate admitted; "
+        "s: wall seconds of the run\n"
+    )
     print("| seed | method | A shift3 (missing) | A shift6 | A all-fail | grafted | adm. | s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for seed in args.seeds:
@@ -74,9 +78,12 @@ def main() -> int:
             r = run(method, seed, Path(args.out))
             a3, a6 = r["rows"][("A", "shift3")], r["rows"][("A", "shift6")]
             fail = a3["all_fail"] / a3["groups"] if a3["groups"] else None
-            print(f"| {seed} | {method} | {pct(a3['val_before'])} → {pct(a3['val_after'])} | {pct(a6['val_before'])} → "
-                  f"{pct(a6['val_after'])} | {pct(fail)} | {a3['grafted']:.0f} | {pct(a3['admitted_frac'])} | "
-                  f"{r['seconds']:.0f} |", flush=True)
+            print(
+                f"| {seed} | {method} | {pct(a3['val_before'])} → {pct(a3['val_after'])} | {pct(a6['val_before'])} → "
+                f"{pct(a6['val_after'])} | {pct(fail)} | {a3['grafted']:.0f} | {pct(a3['admitted_frac'])} | "
+                f"{r['seconds']:.0f} |",
+                flush=True,
+            )
     return 0
 
 

@@ -59,8 +59,10 @@ def rank_passes(lengths, budget, world, rule):
     """Each rank's passes (lists of row indices) under the old or the new rule."""
     if rule == "before":
         shares = [list(range(r, len(lengths), world)) for r in range(world)]
-        return [[[share[i] for i in p] for p in arrival_order_micro_batches([lengths[i] for i in share], budget)]
-                for share in shares]
+        return [
+            [[share[i] for i in p] for p in arrival_order_micro_batches([lengths[i] for i in share], budget)]
+            for share in shares
+        ]
     passes = length_micro_batches(lengths, budget, world)  # what ShardedPolicy._passes deals to its ranks
     return [[p[r::world] for p in passes] for r in range(world)]
 
@@ -78,7 +80,10 @@ def count(lengths, budget, world, rule) -> tuple[int, int, int]:
 
 def paper_mix(rows: int, seed: int = 0, scale: float = 1.0, cap: int = 4096) -> list[int]:
     rng = random.Random(seed)
-    return [int(rng.randint(80, 300) * scale) + min(cap, max(1, int(rng.lognormvariate(6.4, 0.9) * scale))) for _ in range(rows)]
+    return [
+        int(rng.randint(80, 300) * scale) + min(cap, max(1, int(rng.lognormvariate(6.4, 0.9) * scale)))
+        for _ in range(rows)
+    ]
 
 
 def testbed_lengths() -> tuple[list[int], int]:
@@ -135,8 +140,10 @@ def main() -> None:
         a, b, passes = count(tb, budget, 1, rule)
         rows.append((f"testbed natural pair, one step ({len(tb)} rows, budget {budget})", rule, a / b, passes))
     trunc = sum(1 for n in paper if n >= 4096 + 80) / len(paper)
-    print(f"CPU: {cpu_model()}, torch {torch.__version__}; paper mix: median response "
-          f"{statistics.median(paper):.0f} tokens (with prompt), {trunc:.1%} at the 4,096 cap")
+    print(
+        f"CPU: {cpu_model()}, torch {torch.__version__}; paper mix: median response "
+        f"{statistics.median(paper):.0f} tokens (with prompt), {trunc:.1%} at the 4,096 cap"
+    )
     print()
     print("| length mix | micro-batches | useful / computed tokens | passes per rank (last minibatch) |")
     print("|---|---|---:|---:|")
@@ -151,8 +158,10 @@ def main() -> None:
         print(f"| {rule} | {speed[rule]:,.0f} | {passes} |")
     print()
     after = rows[1][2]
-    print(f"headline: useful / computed tokens after the change {after:.2f} (before {rows[0][2]:.2f}) on the paper mix; "
-          f"update throughput x{speed['after'] / speed['before']:.2f} on this CPU")
+    print(
+        f"headline: useful / computed tokens after the change {after:.2f} (before {rows[0][2]:.2f}) on the paper mix; "
+        f"update throughput x{speed['after'] / speed['before']:.2f} on this CPU"
+    )
 
 
 if __name__ == "__main__":

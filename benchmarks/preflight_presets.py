@@ -44,15 +44,21 @@ def main() -> int:
         backend_here = "vllm"
     except ImportError:
         backend_here = "hf (vLLM not installed)"
-    print(f"graft preflight over {len(presets)} presets on {cpu_model()}, {os.cpu_count()} cores; python {sys.executable}; "
-          f"vLLM presets run with: {backend_here}", flush=True)
+    print(
+        f"graft preflight over {len(presets)} presets on {cpu_model()}, {os.cpu_count()} cores; python {sys.executable}; "
+        f"vLLM presets run with: {backend_here}",
+        flush=True,
+    )
     rows, results = [], {}
     for preset in presets:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "preflight.json"
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "graft_rl.cli", "preflight", str(PAPER / preset), "--json", str(out)],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "graft_rl.cli", "preflight", str(PAPER / preset), "--json", str(out)],
+                capture_output=True,
+                text=True,
+            )
             seconds = time.perf_counter() - t0
             res = json.loads(out.read_text()) if out.is_file() else None
         if res is None:
@@ -62,8 +68,15 @@ def main() -> int:
             failed = next((s for s in res["stages"] if s["status"] == "FAIL"), None)
             build = next(s for s in res["stages"] if s["name"] == "model build")["detail"]
             backend = "vllm" if "vllm" in build else "hf"
-            rows.append((preset, "passed" if res["ok"] else "FAIL", seconds, backend,
-                         f"{failed['name']}: {failed['detail']}" if failed else ""))
+            rows.append(
+                (
+                    preset,
+                    "passed" if res["ok"] else "FAIL",
+                    seconds,
+                    backend,
+                    f"{failed['name']}: {failed['detail']}" if failed else "",
+                )
+            )
             results[preset] = res
         print(f"  {rows[-1][1]:>6}  {preset:<45} {seconds:6.0f} s  {rows[-1][4]}", flush=True)
     print()

@@ -23,8 +23,14 @@ def run(execution: str, steps: int, prompt_batch: int, threads: int) -> dict:
 
     tb = shipped_testbed()  # the pair every machine shares
     base = tb.train_config(run_dir=tempfile.mkdtemp())
-    base.update(steps=steps, prompt_batch=prompt_batch, checkpoint_every=10_000, validation={"data": []}, execution=execution,
-                ray={"num_cpus": 1, "torch_threads": threads})
+    base.update(
+        steps=steps,
+        prompt_batch=prompt_batch,
+        checkpoint_every=10_000,
+        validation={"data": []},
+        execution=execution,
+        ray={"num_cpus": 1, "torch_threads": threads},
+    )
     tr = Trainer(load_config(base), show_progress=False)
     times = []
     for step in range(1, steps + 1):

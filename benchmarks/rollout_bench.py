@@ -64,7 +64,9 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--model", default=None, help="only this model directory (e.g. one --save-hf wrote)")
     ap.add_argument("--backend", nargs="+", default=["hf"], choices=["hf", "vllm"], help="rollout backends to compare")
-    ap.add_argument("--save-hf", nargs=2, metavar=("MODEL", "DIR"), help="save MODEL (e.g. a zoo GGUF) as an HF directory")
+    ap.add_argument(
+        "--save-hf", nargs=2, metavar=("MODEL", "DIR"), help="save MODEL (e.g. a zoo GGUF) as an HF directory"
+    )
     ap.add_argument("--one", nargs=4, metavar=("MODEL", "DTYPE", "FORMAT", "BACKEND"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -97,11 +99,26 @@ def main() -> None:
     print("| model | backend | dtype | params (M) | generate tok/s | score tok/s | peak RSS (MB) | load s |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for (label, model, dtype, fmt), backend in [(c, b) for c in cases for b in args.backend]:
-        cmd = [sys.executable, __file__, "--one", model, dtype, fmt, backend, "--prompts", str(args.prompts), "--n", str(args.n),
-               "--max-new", str(args.max_new)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            model,
+            dtype,
+            fmt,
+            backend,
+            "--prompts",
+            str(args.prompts),
+            "--n",
+            str(args.n),
+            "--max-new",
+            str(args.max_new),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            print(f"| {label} | {backend} | {dtype} | failed: {res.stderr.strip().splitlines()[-1] if res.stderr else '?'} |||||")
+            print(
+                f"| {label} | {backend} | {dtype} | failed: {res.stderr.strip().splitlines()[-1] if res.stderr else '?'} |||||"
+            )
             continue
         r = json.loads(res.stdout.strip().splitlines()[-1])
         print(

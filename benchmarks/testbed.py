@@ -45,8 +45,18 @@ METHODS: dict[str, dict] = {
 }
 
 
-def run_one(tb, out: Path, method: str, seed: int, steps: int, eval_prompts: int, eval_samples: int, every: int,
-            pool: int | None = None, threads: int | None = None) -> Path:
+def run_one(
+    tb,
+    out: Path,
+    method: str,
+    seed: int,
+    steps: int,
+    eval_prompts: int,
+    eval_samples: int,
+    every: int,
+    pool: int | None = None,
+    threads: int | None = None,
+) -> Path:
     if threads:
         import torch
 
@@ -75,8 +85,13 @@ def run_one(tb, out: Path, method: str, seed: int, steps: int, eval_prompts: int
         policies = base["policies"]
         run_dir.mkdir(parents=True, exist_ok=True)
         for recv, peer in (("A", "B"), ("B", "A")):
-            cfg = dict(base, run_dir=str(run_dir / recv), method={"name": "graft"},
-                       policies=[p for p in policies if p["name"] == recv], peers=[{"records": str(peer_run), "policy": peer}])
+            cfg = dict(
+                base,
+                run_dir=str(run_dir / recv),
+                method={"name": "graft"},
+                policies=[p for p in policies if p["name"] == recv],
+                peers=[{"records": str(peer_run), "policy": peer}],
+            )
             Trainer(load_config(cfg), show_progress=False).run()
     else:
         Trainer(load_config(base), show_progress=False).run()
@@ -130,13 +145,16 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
             rows.append((method, name, finals, covs, walls, rolls, pool_r))
     base = {name: statistics.fmean(f) for meth, name, f, *_ in rows if meth == "grpo_n8"}
     # before training, every method of a seed validates the same weights with the same sampling seed
-    start = {name: statistics.fmean(curves[(methods[0], name)][i][0][1] for i in range(len(done_seeds[methods[0]])))
-             for name in ("A", "B")}
+    start = {
+        name: statistics.fmean(curves[(methods[0], name)][i][0][1] for i in range(len(done_seeds[methods[0]])))
+        for name in ("A", "B")
+    }
     lines = [
         settings,
         "",
         f"Held-out pass@1 (T=1; seeds per method: {', '.join(f'{m} {done_seeds[m]}' for m in methods)}); start: "
-        + ", ".join(f"{n} {100 * s:.1f}%" for n, s in start.items()) + " (mean over seeds)",
+        + ", ".join(f"{n} {100 * s:.1f}%" for n, s in start.items())
+        + " (mean over seeds)",
         "",
         "| method | model | held-out pass@1 (mean ± std) | Δ vs GRPO n=8 | pool pass@1, last epoch | pool coverage | "
         "rollouts | train s |",
@@ -177,6 +195,7 @@ def compatibility_summary(out: Path, methods: list[str], done_seeds: dict) -> No
                 if st["n"]:
                     per_dir.setdefault(d, []).append(st)
         for (src, recv), sts in per_dir.items():
+
             def m(k, sts=sts):
                 vals = [x[k] for x in sts if x[k] is not None]
                 return statistics.fmean(vals) if vals else float("nan")
@@ -241,7 +260,10 @@ def complementarity(tb, out: Path, eval_prompts: int, eval_samples: int) -> None
         fails = [i for i, c in enumerate(correct[r]) if c == 0]
         solved = sum(1 for i in fails if correct[p][i] > 0)
         lines.append(f"| {r} (peer {p}) | {len(fails)} | {solved} | {solved / max(len(fails), 1):.2f} |")
-    text = f"Complementarity at the start (Fig. 1), {len(held)} held-out prompts × {eval_samples} samples, T=1:\n\n" + "\n".join(lines)
+    text = (
+        f"Complementarity at the start (Fig. 1), {len(held)} held-out prompts × {eval_samples} samples, T=1:\n\n"
+        + "\n".join(lines)
+    )
     (out / "complementarity.md").write_text(text + "\n")
     print(text)
 
@@ -268,9 +290,11 @@ def main() -> None:
         if not (out / "complementarity.md").is_file():
             complementarity(tb, out, args.eval_prompts, args.eval_samples)
         run_all(tb, out, args)
-    settings = (f"{args.steps} steps of 32 prompts x n (8 unless named) on a pool of {args.pool or 'all'} training prompts "
-                f"({args.steps * 32 / (args.pool or 1000):.1f} epochs); held-out: {args.eval_prompts} prompts x "
-                f"{args.eval_samples} samples every {args.every} steps.")
+    settings = (
+        f"{args.steps} steps of 32 prompts x n (8 unless named) on a pool of {args.pool or 'all'} training prompts "
+        f"({args.steps * 32 / (args.pool or 1000):.1f} epochs); held-out: {args.eval_prompts} prompts x "
+        f"{args.eval_samples} samples every {args.every} steps."
+    )
     summarize(out, args.methods, args.seeds, settings, epoch_steps=-(-(args.pool or 1000) // 32))
 
 
@@ -289,8 +313,10 @@ def run_all(tb, out: Path, args) -> None:
     order = sorted(args.methods, key=lambda m: (m != "grpo_n8", -METHODS[m].get("n", 8)))
     waiting = [(m, s) for s in args.seeds for m in order if METHODS[m].get("stored")]
     ready = [(m, s) for m in order for s in args.seeds if not METHODS[m].get("stored")]
-    with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex, \
-            tqdm(total=len(waiting) + len(ready), desc="testbed runs", unit="run") as bar:
+    with (
+        cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex,
+        tqdm(total=len(waiting) + len(ready), desc="testbed runs", unit="run") as bar,
+    ):
         running = {ex.submit(run_one, tb, out, m, s, *common): (m, s, time.perf_counter()) for m, s in ready}
         while running:
             done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)

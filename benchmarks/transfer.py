@@ -50,8 +50,9 @@ def eval_by_family(tb, out: Path, samples: int, checkpoint: Path | None = None, 
     res: dict = {}
     for d in tb.policy_dicts():
         model = str(checkpoint / d["name"]) if checkpoint else d["model"]
-        correct = evaluate_policy(Policy(PolicyConfig(**{**d, "model": model})), held, "gsm8k", samples, 1.0, 1.0, 40,
-                                  seed=12345)["correct"]
+        correct = evaluate_policy(
+            Policy(PolicyConfig(**{**d, "model": model})), held, "gsm8k", samples, 1.0, 1.0, 40, seed=12345
+        )["correct"]
         res[d["name"]] = pass1_by_family(held, correct, samples)
     out.write_text(json.dumps(res, indent=1))
     return res
@@ -59,7 +60,9 @@ def eval_by_family(tb, out: Path, samples: int, checkpoint: Path | None = None, 
 
 def one(tb, out: Path, method: str, seed: int, args, threads: int | None) -> Path:
     run_dir = run_one(tb, out, method, seed, args.steps, args.val_prompts, args.val_samples, args.every, None, threads)
-    eval_by_family(tb, run_dir / "final.json", args.eval_samples, run_dir / "checkpoints" / f"step_{args.steps:06d}", threads)
+    eval_by_family(
+        tb, run_dir / "final.json", args.eval_samples, run_dir / "checkpoints" / f"step_{args.steps:06d}", threads
+    )
     return run_dir
 
 
@@ -81,31 +84,46 @@ def summarize(tb, out: Path, methods: list[str], seeds: list[int], settings: str
             for name in ("A", "B"):
                 for f in fams:
                     final.setdefault((m, name, f), []).append((fe[name][f], counts.get((name, f), {})))
-                    pts = [(v["step"], v[k]) for v in val if v["policy"] == name
-                           for k in v if k.startswith("val/") and k.endswith(f"/{f}")]
+                    pts = [
+                        (v["step"], v[k])
+                        for v in val
+                        if v["policy"] == name
+                        for k in v
+                        if k.startswith("val/") and k.endswith(f"/{f}")
+                    ]
                     curves.setdefault((m, name, f), []).append(pts)
-    lines = [settings, "",
-             f"Seeds per method: {', '.join(f'{m} {done[m]}' for m in methods)}. Final held-out pass@1: the last "
-             f"checkpoint, {tb.heldout_per_family} prompts × {eval_samples} samples per family, T=1; mean ± std over seeds. all-fail: the model's own "
-             "groups on that family with no correct response (GRPO's zero-gradient groups); grafted / adm.: peer groups "
-             "that replaced them per seed (SGT: prompts given one correct peer response as its NLL target), and the "
-             "share of the grafted responses the gate admitted.", "",
-             "| model | family | method | start | final (mean ± std) | Δ vs GRPO n=8 | all-fail | grafted | adm. |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        settings,
+        "",
+        f"Seeds per method: {', '.join(f'{m} {done[m]}' for m in methods)}. Final held-out pass@1: the last "
+        f"checkpoint, {tb.heldout_per_family} prompts × {eval_samples} samples per family, T=1; mean ± std over seeds. all-fail: the model's own "
+        "groups on that family with no correct response (GRPO's zero-gradient groups); grafted / adm.: peer groups "
+        "that replaced them per seed (SGT: prompts given one correct peer response as its NLL target), and the "
+        "share of the grafted responses the gate admitted.",
+        "",
+        "| model | family | method | start | final (mean ± std) | Δ vs GRPO n=8 | all-fail | grafted | adm. |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in ("A", "B"):
         for f in fams:
-            base = statistics.fmean(x for x, _ in final[("grpo_n8", name, f)]) if ("grpo_n8", name, f) in final else None
+            base = (
+                statistics.fmean(x for x, _ in final[("grpo_n8", name, f)]) if ("grpo_n8", name, f) in final else None
+            )
             for m in methods:
                 vals = final[(m, name, f)]
                 xs = [x for x, _ in vals]
                 mean, std = statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-                agg = {k: sum(st.get(k, 0) for _, st in vals) / len(vals) for k in
-                       ("groups", "all_fail", "grafted", "grafted_rows", "admitted_rows")}
+                agg = {
+                    k: sum(st.get(k, 0) for _, st in vals) / len(vals)
+                    for k in ("groups", "all_fail", "grafted", "grafted_rows", "admitted_rows")
+                }
                 fail = f"{100 * agg['all_fail'] / agg['groups']:.0f}%" if agg["groups"] else "-"
                 adm = f"{100 * agg['admitted_rows'] / agg['grafted_rows']:.1f}%" if agg["grafted_rows"] else "-"
                 delta = f"{100 * (mean - base):+.1f}" if base is not None else "-"
-                lines.append(f"| {name} | {f} | {m} | {100 * start[name][f]:.1f} | {100 * mean:.1f} ± {100 * std:.1f} | "
-                             f"{delta} | {fail} | {agg['grafted']:.0f} | {adm} |")
+                lines.append(
+                    f"| {name} | {f} | {m} | {100 * start[name][f]:.1f} | {100 * mean:.1f} ± {100 * std:.1f} | "
+                    f"{delta} | {fail} | {agg['grafted']:.0f} | {adm} |"
+                )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _plot(out, curves, methods, fams)
@@ -128,7 +146,9 @@ def _plot(out: Path, curves: dict, methods: list[str], fams: list[str]) -> None:
                     continue
                 steps = [s for s, _ in runs[0]]
                 means = [100 * statistics.fmean(run[j][1] for run in runs) for j in range(len(steps))]
-                ax.plot(steps, means, marker="o", color=cmap(i), linestyle="--" if m.startswith("grpo") else "-", label=m)
+                ax.plot(
+                    steps, means, marker="o", color=cmap(i), linestyle="--" if m.startswith("grpo") else "-", label=m
+                )
             ax.set_title(f"model {name} on {f}")
             ax.set_xlabel("training step")
             ax.set_ylabel("held-out pass@1 (%), mean over seeds")
@@ -161,15 +181,19 @@ def main() -> None:
     eval_by_family(tb, out / "start.json", args.eval_samples)  # every method's starting point
     if not args.summarize_only:
         # the costly n=32 runs last: a partial benchmark still covers every cheap method and seed
-        todo = sorted(((m, s) for s in args.seeds for m in args.methods), key=lambda t: (METHODS[t[0]].get("n", 8) > 8, t[1]))
+        todo = sorted(
+            ((m, s) for s in args.seeds for m in args.methods), key=lambda t: (METHODS[t[0]].get("n", 8) > 8, t[1])
+        )
         with tqdm(total=len(todo), desc="transfer runs", unit="run") as bar:
             for m, s in todo:
                 t0 = time.perf_counter()
                 one(tb, out, m, s, args, None)
                 bar.update()
                 tqdm.write(f"{m} seed {s}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
-    settings = (f"Transfer pair, {args.steps} steps of 32 prompts × n (8 unless named) on its 600-prompt pool "
-                f"({args.steps * 32 / 600:.1f} epochs), lr 1e-4, paper defaults otherwise (δ 0.8, balanced exchange).")
+    settings = (
+        f"Transfer pair, {args.steps} steps of 32 prompts × n (8 unless named) on its 600-prompt pool "
+        f"({args.steps * 32 / 600:.1f} epochs), lr 1e-4, paper defaults otherwise (δ 0.8, balanced exchange)."
+    )
     summarize(tb, out, args.methods, args.seeds, settings, args.eval_samples)
 
 

@@ -22,8 +22,17 @@ STEPS = 6
 
 
 def launch(run_dir: Path, env: dict) -> subprocess.Popen:
-    args = [sys.executable, "-m", "graft_rl.cli", "train", f"run_dir={run_dir}", f"steps={STEPS}", "validation.data=[]",
-            "checkpoint_every=100", "--no-progress"]
+    args = [
+        sys.executable,
+        "-m",
+        "graft_rl.cli",
+        "train",
+        f"run_dir={run_dir}",
+        f"steps={STEPS}",
+        "validation.data=[]",
+        "checkpoint_every=100",
+        "--no-progress",
+    ]
     return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -31,7 +40,9 @@ def seconds_per_step(run_dir: Path) -> float:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     per_step: dict[int, float] = {}
     for ln in lines:
-        per_step[ln["step"]] = per_step.get(ln["step"], 0.0) + ln["time_generate"] + ln["time_score"] + ln["time_update"]
+        per_step[ln["step"]] = (
+            per_step.get(ln["step"], 0.0) + ln["time_generate"] + ln["time_score"] + ln["time_update"]
+        )
     return statistics.median(per_step.values())
 
 
@@ -48,8 +59,10 @@ def main() -> int:
             p.wait()
         t_solo = seconds_per_step(solo)
         t_pair = [seconds_per_step(d) for d in pair]
-        print(f"| {spin} | {t_solo:.2f} | {t_pair[0]:.2f} / {t_pair[1]:.2f} | {statistics.fmean(t_pair) / t_solo:.1f}x |",
-              flush=True)
+        print(
+            f"| {spin} | {t_solo:.2f} | {t_pair[0]:.2f} / {t_pair[1]:.2f} | {statistics.fmean(t_pair) / t_solo:.1f}x |",
+            flush=True,
+        )
     return 0
 
 

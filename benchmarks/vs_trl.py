@@ -41,13 +41,30 @@ def graft_steps(model: str, problems, args, seed: int, gen_batch: int | None = N
 
     run_dir = Path(tempfile.mkdtemp(prefix="vs_trl_graft_"))
     cfg = {
-        "run_dir": str(run_dir / "run"), "seed": seed, "steps": args.steps, "prompt_batch": args.prompts,
-        "minibatch": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": 1.0, "top_p": 1.0,
-        "checkpoint_every": 10**6, "torch_threads": args.threads,
+        "run_dir": str(run_dir / "run"),
+        "seed": seed,
+        "steps": args.steps,
+        "prompt_batch": args.prompts,
+        "minibatch": args.prompts,
+        "n": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "checkpoint_every": 10**6,
+        "torch_threads": args.threads,
         "data": {"train": args.data, "verifier": "gsm8k", "limit": None},
         "method": {"name": "grpo"},
-        "policies": [{"name": "A", "model": model, "lr": 1e-6, "prompt_format": "plain", "plain_template": PLAIN_TEMPLATE,
-                      "prompt_suffix": None, **({"gen_batch_size": gen_batch} if gen_batch else {})}],
+        "policies": [
+            {
+                "name": "A",
+                "model": model,
+                "lr": 1e-6,
+                "prompt_format": "plain",
+                "plain_template": PLAIN_TEMPLATE,
+                "prompt_suffix": None,
+                **({"gen_batch_size": gen_batch} if gen_batch else {}),
+            }
+        ],
     }
     tr = Trainer(load_config(cfg), show_progress=False)
     out = []
@@ -58,7 +75,8 @@ def graft_steps(model: str, problems, args, seed: int, gen_batch: int | None = N
             out.append((time.perf_counter() - t0, lines[0]["response_len_mean"]))
             if step > args.warmup:
                 PHASE_TIMES.setdefault(f"graft-rl{f', gen_batch_size={gen_batch}' if gen_batch else ''}", []).append(
-                    {k: lines[0][k] for k in PHASES})
+                    {k: lines[0][k] for k in PHASES}
+                )
     finally:
         tr.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -76,7 +94,9 @@ def trl_steps(model_dir: str, problems, args, seed: int) -> list[tuple[float, fl
     from graft_rl.rewards import verify_gsm8k
     from graft_rl.testbed import PLAIN_TEMPLATE
 
-    ds = Dataset.from_list([{"prompt": PLAIN_TEMPLATE.replace("{prompt}", p.problem), "answer": p.answer} for p in problems])
+    ds = Dataset.from_list(
+        [{"prompt": PLAIN_TEMPLATE.replace("{prompt}", p.problem), "answer": p.answer} for p in problems]
+    )
 
     def reward(completions, answer, **kw):
         return verify_gsm8k(list(completions), list(answer))
@@ -97,17 +117,38 @@ def trl_steps(model_dir: str, problems, args, seed: int) -> list[tuple[float, fl
 
     out_dir = tempfile.mkdtemp(prefix="vs_trl_trl_")
     conf = GRPOConfig(
-        output_dir=out_dir, report_to="none", use_cpu=True, seed=seed, learning_rate=1e-6, max_steps=args.steps,
-        per_device_train_batch_size=args.prompts * args.n, num_generations=args.n, gradient_accumulation_steps=1,
-        steps_per_generation=1, num_iterations=1, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0,
-        loss_type="dapo", beta=0.0, logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        output_dir=out_dir,
+        report_to="none",
+        use_cpu=True,
+        seed=seed,
+        learning_rate=1e-6,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.prompts * args.n,
+        num_generations=args.n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        loss_type="dapo",
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
     )
     tok = AutoTokenizer.from_pretrained(model_dir)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = GRPOTrainer(model=m, reward_funcs=reward, args=conf, train_dataset=ds, processing_class=tok, callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=m, reward_funcs=reward, args=conf, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
+    )
     trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
     trainer.train()
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -125,8 +166,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every block")
     ap.add_argument("--repeats", type=int, default=3, help="blocks per framework, alternating")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--gen-batch", type=int, default=None,
-                    help="also time graft-rl with this policy gen_batch_size (default: automatic, every row of a step at once here)")
+    ap.add_argument(
+        "--gen-batch",
+        type=int,
+        default=None,
+        help="also time graft-rl with this policy gen_batch_size (default: automatic, every row of a step at once here)",
+    )
     args = ap.parse_args()
     import torch
     import transformers
@@ -154,8 +199,9 @@ def main() -> int:
     problems = load_dataset(args.data)
     runners = {"graft-rl": lambda seed: graft_steps(model_dir, problems, args, seed)}
     if args.gen_batch:
-        runners[f"graft-rl, gen_batch_size={args.gen_batch}"] = lambda seed: graft_steps(model_dir, problems, args, seed,
-                                                                                         args.gen_batch)
+        runners[f"graft-rl, gen_batch_size={args.gen_batch}"] = lambda seed: graft_steps(
+            model_dir, problems, args, seed, args.gen_batch
+        )
     runners["TRL"] = lambda seed: trl_steps(model_dir, problems, args, seed)
     res: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
     try:
@@ -163,16 +209,22 @@ def main() -> int:
             order = list(runners) if r % 2 == 0 else list(reversed(runners))  # alternate who goes first
             for name in order:
                 steps = runners[name](r)
-                res[name] += steps[args.warmup:]
-                print(f"block {r + 1}/{args.repeats} {name}: median "
-                      f"{statistics.median(s for s, _ in steps[args.warmup:]):.3f} s/step", file=sys.stderr, flush=True)
+                res[name] += steps[args.warmup :]
+                print(
+                    f"block {r + 1}/{args.repeats} {name}: median "
+                    f"{statistics.median(s for s, _ in steps[args.warmup :]):.3f} s/step",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         if converted:
             shutil.rmtree(converted, ignore_errors=True)
     rows = args.prompts * args.n
-    print(f"{args.model}, {args.prompts} prompts x {args.n}, max {args.max_new_tokens} new tokens, one optimiser step per "
-          f"RL step; torch {torch.__version__}, transformers {transformers.__version__}, TRL {trl.__version__}, "
-          f"{args.threads} threads; {args.repeats} alternating blocks x {args.steps - args.warmup} timed steps\n")
+    print(
+        f"{args.model}, {args.prompts} prompts x {args.n}, max {args.max_new_tokens} new tokens, one optimiser step per "
+        f"RL step; torch {torch.__version__}, transformers {transformers.__version__}, TRL {trl.__version__}, "
+        f"{args.threads} threads; {args.repeats} alternating blocks x {args.steps - args.warmup} timed steps\n"
+    )
     print("| framework | median s/step | completions/s | mean completion tokens | completion tokens/s |")
     print("|---|---:|---:|---:|---:|")
     med = {}
@@ -182,12 +234,16 @@ def main() -> int:
         med[name] = (s, rows * length / s)
         print(f"| {name} | {s:.3f} | {rows / s:.0f} | {length:.1f} | {rows * length / s:.0f} |")
     for name, phases in PHASE_TIMES.items():
-        print(f"\n{name}, median seconds per phase: " + ", ".join(
-            f"{k.removeprefix('time_')} {statistics.median(p[k] for p in phases):.3f}" for k in PHASES))
+        print(
+            f"\n{name}, median seconds per phase: "
+            + ", ".join(f"{k.removeprefix('time_')} {statistics.median(p[k] for p in phases):.3f}" for k in PHASES)
+        )
     for name in med:
         if name != "TRL":
-            print(f"\nthroughput ratio {name} / TRL: {med['TRL'][0] / med[name][0]:.2f}x (s/step), "
-                  f"{med[name][1] / med['TRL'][1]:.2f}x (completion tokens/s)")
+            print(
+                f"\nthroughput ratio {name} / TRL: {med['TRL'][0] / med[name][0]:.2f}x (s/step), "
+                f"{med[name][1] / med['TRL'][1]:.2f}x (completion tokens/s)"
+            )
     return 0
 
 

@@ -39,7 +39,9 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def greedy_heldout_accuracy(tb: Testbed, which: str, n: int = SAMPLE, by_family: bool = False) -> float | dict[str, float]:
+def greedy_heldout_accuracy(
+    tb: Testbed, which: str, n: int = SAMPLE, by_family: bool = False
+) -> float | dict[str, float]:
     """Greedy (top-k 1) pass@1 of one shipped model on the first ``n`` held-out problems (per family: a dict)."""
     from graft_rl.data import load_jsonl
     from graft_rl.evaluation import evaluate_policy, pass1_by_family
@@ -48,7 +50,9 @@ def greedy_heldout_accuracy(tb: Testbed, which: str, n: int = SAMPLE, by_family:
     pd = {p["name"]: p for p in tb.policy_dicts()}[which]
     pol = Policy(PolicyConfig(**pd))
     problems = load_jsonl(tb.eval_file, n)
-    res = evaluate_policy(pol, problems, "gsm8k", samples=1, temperature=1.0, top_p=1.0, max_new_tokens=40, seed=0, top_k=1)
+    res = evaluate_policy(
+        pol, problems, "gsm8k", samples=1, temperature=1.0, top_p=1.0, max_new_tokens=40, seed=0, top_k=1
+    )
     return pass1_by_family(problems, res["correct"], 1) if by_family else res["pass@1"]
 
 
@@ -90,17 +94,27 @@ def main() -> int:
     greedy = {"problems": SAMPLE, "accuracy": acc}
     if shipped.families:
         greedy["by_family"] = {w: greedy_heldout_accuracy(shipped, w, by_family=True) for w in ("A", "B")}
-    meta.update({
-        "pair": args.pair,
-        "files": files,
-        "heldout_greedy": greedy,
-        "built_on": {"cpu": cpu_model(), "torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version(), "date": datetime.date.today().isoformat()},
-    })
+    meta.update(
+        {
+            "pair": args.pair,
+            "files": files,
+            "heldout_greedy": greedy,
+            "built_on": {
+                "cpu": cpu_model(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+                "date": datetime.date.today().isoformat(),
+            },
+        }
+    )
     (root / "testbed.json").write_text(json.dumps(meta, indent=1) + "\n")
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-    print(f"shipped testbed in {root}: {len(files)} files, {size / 1e6:.1f} MB; greedy held-out accuracy "
-          f"on {SAMPLE}: A {acc['A']:.3f}, B {acc['B']:.3f}" + (f"; by family {greedy['by_family']}" if shipped.families else ""))
+    print(
+        f"shipped testbed in {root}: {len(files)} files, {size / 1e6:.1f} MB; greedy held-out accuracy "
+        f"on {SAMPLE}: A {acc['A']:.3f}, B {acc['B']:.3f}"
+        + (f"; by family {greedy['by_family']}" if shipped.families else "")
+    )
     return 0
 
 

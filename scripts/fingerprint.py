@@ -66,8 +66,13 @@ def fingerprint(config: Path, steps: int, work: Path) -> dict:
         weights[pol.name] = h.hexdigest()[:12]
     b_last = next(ln for ln in reversed(lines) if ln["policy"] == "B")
     grafted = sum(ln.get("exchanged_in", 0) or 0 for ln in lines if ln["policy"] == "A")
-    return {"metrics": _digest(metrics), "exchange": _digest(exchange), "weights": _digest(weights),
-            "loss_B": b_last.get("loss"), "grafted_A": grafted}
+    return {
+        "metrics": _digest(metrics),
+        "exchange": _digest(exchange),
+        "weights": _digest(weights),
+        "loss_B": b_last.get("loss"),
+        "grafted_A": grafted,
+    }
 
 
 def main() -> int:

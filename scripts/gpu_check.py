@@ -85,8 +85,14 @@ def build_model(out: Path, smoke: bool) -> Path:
     from graft_rl.policy.tiny import char_tokenizer
 
     tok = char_tokenizer()
-    cfg = Qwen3Config(**model_shape(smoke), tie_word_embeddings=True, max_position_embeddings=8192,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    cfg = Qwen3Config(
+        **model_shape(smoke),
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(out)
@@ -96,11 +102,25 @@ def build_model(out: Path, smoke: bool) -> Path:
 
 def model_shape(smoke: bool) -> dict:
     if smoke:  # head_dim 32: the smallest vLLM's CPU attention supports
-        return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=32, vocab_size=4096)
+        return dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            vocab_size=4096,
+        )
     # Qwen3-0.6B's shape: 0.6 B parameters, 151,936-token vocabulary
-    return dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    return dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    )
 
 
 def sync(device: str) -> None:
@@ -138,12 +158,16 @@ def changed_fraction(pol: Policy, batch: TokenBatch, steps: int = 3) -> float:
     adv = torch.linspace(-1, 1, len(batch))
     pol.optimizer.zero_grad(set_to_none=True)
     pol._accumulate(batch, loss_fn(old, adv, float(mask.sum())))
-    touched = [(p.grad != 0) if p.grad is not None else torch.zeros_like(p, dtype=torch.bool) for p in pol.model.parameters()]
+    touched = [
+        (p.grad != 0) if p.grad is not None else torch.zeros_like(p, dtype=torch.bool) for p in pol.model.parameters()
+    ]
     pol.optimizer.zero_grad(set_to_none=True)
     before = [p.detach().clone() for p in pol.model.parameters()]
     for _ in range(steps):
         pol.update(batch, loss_fn(old, adv, float(mask.sum())))
-    changed = sum(int(((p.detach() != b) & t).sum()) for p, b, t in zip(pol.model.parameters(), before, touched, strict=True))
+    changed = sum(
+        int(((p.detach() != b) & t).sum()) for p, b, t in zip(pol.model.parameters(), before, touched, strict=True)
+    )
     return changed / max(1, sum(int(t.sum()) for t in touched))
 
 
@@ -211,9 +235,18 @@ class Check:
         return self._mdir
 
     def base(self, **over) -> dict:
-        cfg = dict(name="P", model=str(self.mdir()), device=self.device, dtype="bfloat16", lr=1e-6,
-                   micro_batch_tokens=self.mbt, gradient_checkpointing=True, max_prompt_tokens=8192,
-                   gen_batch_size=self.gen_prompts, fused_logprobs=True)
+        cfg = dict(
+            name="P",
+            model=str(self.mdir()),
+            device=self.device,
+            dtype="bfloat16",
+            lr=1e-6,
+            micro_batch_tokens=self.mbt,
+            gradient_checkpointing=True,
+            max_prompt_tokens=8192,
+            gen_batch_size=self.gen_prompts,
+            fused_logprobs=True,
+        )
         cfg.update(over)
         return cfg
 
@@ -221,8 +254,10 @@ class Check:
         if self.pol is None:
             self.pol = Policy(PolicyConfig(**self.base()))
             n_params = sum(p.numel() for p in self.pol.model.parameters())
-            self.env["model"] = (f"Qwen3-shaped, {n_params / 1e9:.3f} B parameters, vocabulary "
-                                 f"{self.pol.model.config.vocab_size}, random init")
+            self.env["model"] = (
+                f"Qwen3-shaped, {n_params / 1e9:.3f} B parameters, vocabulary "
+                f"{self.pol.model.config.vocab_size}, random init"
+            )
             print(f"model: {self.env['model']}", flush=True)
         return self.pol
 
@@ -238,7 +273,9 @@ def row_generate(c: Check) -> dict:
     pol = c.policy()
     prompts = [list(range(5, 5 + c.prompt // 4))] * c.gen_prompts
     peak_reset(c.device)
-    samples, dt = timed(lambda: pol.backend.generate(prompts, SamplingParams(n=1, max_new_tokens=c.gen_tokens), 0), c.device)
+    samples, dt = timed(
+        lambda: pol.backend.generate(prompts, SamplingParams(n=1, max_new_tokens=c.gen_tokens), 0), c.device
+    )
     made = sum(len(s.token_ids) for g in samples for s in g)
     return {"tokens": made, "seconds": dt, "tok/s": made / dt, "peak GiB": peak_gib(c.device)}
 
@@ -247,8 +284,13 @@ def row_score(c: Check) -> dict:
     pol = c.policy()
     peak_reset(c.device)
     c.old, dt = timed(lambda: pol.token_logprobs(c.batch), c.device)
-    return {"tokens": c.tokens, "seconds": dt, "tok/s": c.tokens / dt, "peak GiB": peak_gib(c.device),
-            "fused head": pol.fused_head}
+    return {
+        "tokens": c.tokens,
+        "seconds": dt,
+        "tok/s": c.tokens / dt,
+        "peak GiB": peak_gib(c.device),
+        "fused head": pol.fused_head,
+    }
 
 
 def row_naive(c: Check) -> dict:
@@ -256,8 +298,14 @@ def row_naive(c: Check) -> dict:
     naive = Policy(PolicyConfig(**c.base(name="N", fused_logprobs=False)))
     peak_reset(c.device)
     (old_n, _), dt = timed(lambda: naive.token_logprobs(c.batch), c.device)
-    return {"tokens": c.tokens, "seconds": dt, "tok/s": c.tokens / dt, "peak GiB": peak_gib(c.device),
-            "fused head": naive.fused_head, "max |Δ logp| vs chunked": float((old_n - old).abs().max())}
+    return {
+        "tokens": c.tokens,
+        "seconds": dt,
+        "tok/s": c.tokens / dt,
+        "peak GiB": peak_gib(c.device),
+        "fused head": naive.fused_head,
+        "max |Δ logp| vs chunked": float((old_n - old).abs().max()),
+    }
 
 
 def row_update(c: Check) -> dict:
@@ -269,8 +317,14 @@ def row_update(c: Check) -> dict:
     _, dt = timed(lambda: pol.update(c.batch, loss_fn(old, adv, float(mask.sum()))), c.device)
     peak = peak_gib(c.device)
     frac = changed_fraction(pol, c.batch)
-    return {"tokens": c.tokens, "seconds": dt, "tok/s": c.tokens / dt, "peak GiB": peak, "fused head": pol.fused_head,
-            "changed after 3 steps @ lr 1e-6": frac}
+    return {
+        "tokens": c.tokens,
+        "seconds": dt,
+        "tok/s": c.tokens / dt,
+        "peak GiB": peak,
+        "fused head": pol.fused_head,
+        "changed after 3 steps @ lr 1e-6": frac,
+    }
 
 
 def row_pure(c: Check) -> dict:
@@ -296,8 +350,14 @@ def row_fsdp(c: Check) -> dict:
         (old, mask), _ = timed(lambda: pol.token_logprobs(c.batch), c.device)
         adv = torch.linspace(-1, 1, len(c.batch))
         _, dt = timed(lambda: pol.update(c.batch, loss_fn(old, adv, float(mask.sum()))), c.device)
-        return {"tokens": c.tokens, "seconds": dt, "tok/s": c.tokens / dt, "peak GiB": peak_gib(c.device),
-                "fused head": pol.fused_head, "max |Δ logp| vs single process": float((old - old_single).abs().max())}
+        return {
+            "tokens": c.tokens,
+            "seconds": dt,
+            "tok/s": c.tokens / dt,
+            "peak GiB": peak_gib(c.device),
+            "fused head": pol.fused_head,
+            "max |Δ logp| vs single process": float((old - old_single).abs().max()),
+        }
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -312,15 +372,31 @@ def row_trainer(c: Check) -> dict:
     tmp = c.tmp / "trainer"
     a, b = build_tiny_pair(tmp / "pair")
     data = tmp / "arith.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    data.write_text(
+        "".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(8))
+    )
     pol = {"device": c.device, "dtype": "bfloat16", "lr": 1e-3, "gradient_checkpointing": True}
-    cfg = load_config({"run_dir": str(tmp / "run"), "steps": 3, "prompt_batch": 8, "minibatch": 2, "n": 4, "max_new_tokens": 8,
-                       "checkpoint_every": 3, "data": {"train": str(data), "verifier": "gsm8k"}, "method": {"name": "graft"},
-                       "policies": [{"name": "A", "model": str(a), **pol}, {"name": "B", "model": str(b), **pol}]})
+    cfg = load_config(
+        {
+            "run_dir": str(tmp / "run"),
+            "steps": 3,
+            "prompt_batch": 8,
+            "minibatch": 2,
+            "n": 4,
+            "max_new_tokens": 8,
+            "checkpoint_every": 3,
+            "data": {"train": str(data), "verifier": "gsm8k"},
+            "method": {"name": "graft"},
+            "policies": [{"name": "A", "model": str(a), **pol}, {"name": "B", "model": str(b), **pol}],
+        }
+    )
     t0 = time.perf_counter()
     lines = Trainer(cfg, show_progress=False).run()
-    return {"seconds": time.perf_counter() - t0, "metric lines": len(lines),
-            "finite losses": all(ln.get("loss") is None or ln["loss"] == ln["loss"] for ln in lines)}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "metric lines": len(lines),
+        "finite losses": all(ln.get("loss") is None or ln["loss"] == ln["loss"] for ln in lines),
+    }
 
 
 def row_vllm(c: Check) -> dict:
@@ -355,8 +431,10 @@ def row_vllm(c: Check) -> dict:
         raise RuntimeError(f"the update was skipped (non-finite loss or gradient): {stats}")
 
     prompts = [("p1", "What is 2+3?"), ("p2", "6*7?")]
-    groups, gen_s = timed(lambda: pol.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, top_p=1.0),
-                                               seed=0), c.device)
+    groups, gen_s = timed(
+        lambda: pol.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, top_p=1.0), seed=0),
+        c.device,
+    )
     asleep = pol.backend.sleeping == {"weights", "kv_cache"} if pol.backend.sleep else "n/a (sleep off)"
 
     own = pol.encode_own(groups)
@@ -367,17 +445,33 @@ def row_vllm(c: Check) -> dict:
         gen[i, : len(row)] = torch.tensor(row)
     m = mask.bool()
     d_new, d_init, d_train = (lp - gen).abs()[m], (lp0 - gen).abs()[m], (lp - lp0).abs()[m]
-    return {"tokens": int(m.sum()), "seconds": gen_s, "fused head": pol.fused_head, "vLLM dtype": dtype,
-            "engine start s": start, "update lr": lr, "weight pushes": len(pushes),
-            "max |Δ logp| vLLM vs trainer": float(d_new.max()), "mean |Δ logp| vLLM vs trainer": float(d_new.mean()),
-            "max |Δ logp| vLLM vs initial weights": float(d_init.max()),
-            "mean |Δ logp| vLLM vs initial weights": float(d_init.mean()),
-            "max |Δ logp| trainer updated vs initial": float(d_train.max()),
-            "engine asleep after generate": asleep}
+    return {
+        "tokens": int(m.sum()),
+        "seconds": gen_s,
+        "fused head": pol.fused_head,
+        "vLLM dtype": dtype,
+        "engine start s": start,
+        "update lr": lr,
+        "weight pushes": len(pushes),
+        "max |Δ logp| vLLM vs trainer": float(d_new.max()),
+        "mean |Δ logp| vLLM vs trainer": float(d_new.mean()),
+        "max |Δ logp| vLLM vs initial weights": float(d_init.max()),
+        "mean |Δ logp| vLLM vs initial weights": float(d_init.mean()),
+        "max |Δ logp| trainer updated vs initial": float(d_train.max()),
+        "engine asleep after generate": asleep,
+    }
 
 
-ROW_FNS = {"generate": row_generate, "score": row_score, "naive": row_naive, "update": row_update, "pure": row_pure,
-           "fsdp": row_fsdp, "trainer": row_trainer, "vllm": row_vllm}
+ROW_FNS = {
+    "generate": row_generate,
+    "score": row_score,
+    "naive": row_naive,
+    "update": row_update,
+    "pure": row_pure,
+    "fsdp": row_fsdp,
+    "trainer": row_trainer,
+    "vllm": row_vllm,
+}
 
 
 # ---------------------------------------------------------------------------------------- output
@@ -408,8 +502,12 @@ def to_markdown(results: list[dict], env: dict) -> str:
     head = f"gpu_check: {env['device']}, torch {env['torch']}, transformers {env['transformers']}"
     if env.get("vllm"):
         head += f", vllm {env['vllm']}"
-    lines = [head + (f"; model: {env['model']}" if env.get("model") else ""), "",
-             "| " + " | ".join(cell(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines = [
+        head + (f"; model: {env['model']}" if env.get("model") else ""),
+        "",
+        "| " + " | ".join(cell(c) for c in cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     lines += ["| " + " | ".join(cell(status(r) if c == "status" else r.get(c)) for c in cols) + " |" for r in results]
     return "\n".join(lines)
 
@@ -427,15 +525,19 @@ class Report:
     def add(self, row: dict) -> None:
         self.rows.append(row)
         details = ", ".join(f"{k}={fmt(v)}" for k, v in row.items() if k not in ("row", "error", "skipped"))
-        print(f"[{len(self.rows)}/{self.total}] {row['row']}: {status(row)}" + (f" ({details})" if details else ""),
-              flush=True)
+        print(
+            f"[{len(self.rows)}/{self.total}] {row['row']}: {status(row)}" + (f" ({details})" if details else ""),
+            flush=True,
+        )
         self.write()
 
     def write(self) -> None:
         if not self.out:
             return
-        for name, text in (("gpu_check.md", to_markdown(self.rows, self.env) + "\n"),
-                           ("gpu_check.json", json.dumps({"env": self.env, "rows": self.rows}, indent=1))):
+        for name, text in (
+            ("gpu_check.md", to_markdown(self.rows, self.env) + "\n"),
+            ("gpu_check.json", json.dumps({"env": self.env, "rows": self.rows}, indent=1)),
+        ):
             tmp = self.out / f".{name}.tmp"
             tmp.write_text(text, encoding="utf-8")
             os.replace(tmp, self.out / name)
@@ -477,8 +579,11 @@ def main() -> int:
     if skip - set(ROWS):
         ap.error(f"--skip: unknown row(s) {', '.join(sorted(skip - set(ROWS)))}; rows: {', '.join(ROWS)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    env = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
-           "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    env = {
+        "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
     try:
         from importlib.metadata import version
 

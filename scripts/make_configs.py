@@ -70,9 +70,17 @@ PAPER_BASE_HEADER = """\
 
 
 def paper_base(a: str, b: str) -> dict:
-    pol = {"dtype": "bfloat16", "device": "cuda", "backend": "vllm", "world_size": 2, "gradient_checkpointing": True,
-           "lr": 1e-6, "max_prompt_tokens": 2048, "micro_batch_tokens": 32768,
-           "vllm_kwargs": {"gpu_memory_utilization": 0.5, "max_model_len": 6144, "sleep": True}}
+    pol = {
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "backend": "vllm",
+        "world_size": 2,
+        "gradient_checkpointing": True,
+        "lr": 1e-6,
+        "max_prompt_tokens": 2048,
+        "micro_batch_tokens": 32768,
+        "vllm_kwargs": {"gpu_memory_utilization": 0.5, "max_model_len": 6144, "sleep": True},
+    }
     return {
         "run_dir": "runs/paper",
         "execution": "ray",
@@ -86,8 +94,14 @@ def paper_base(a: str, b: str) -> dict:
         "max_new_tokens": 4096,
         "checkpoint_every": 5,
         "data": {"train": "math_train", "verifier": "math"},
-        "validation": {"data": ["math500", "aime24", "aime25", "amc23", "minerva"], "every": 5, "samples": 8,
-                       "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096},
+        "validation": {
+            "data": ["math500", "aime24", "aime25", "amc23", "minerva"],
+            "every": 5,
+            "samples": 8,
+            "temperature": 0.6,
+            "top_p": 0.95,
+            "max_new_tokens": 4096,
+        },
         "method": {"name": "graft"},
         "policies": [{"name": a.split("/")[-1], "model": a, **pol}, {"name": b.split("/")[-1], "model": b, **pol}],
     }
@@ -100,14 +114,20 @@ def main() -> None:
         (d / "base.yaml").write_text(PAPER_BASE_HEADER + yaml.safe_dump(paper_base(a, b), sort_keys=False))
         for row, over in ROWS.items():
             body = {"base": "base.yaml", "run_dir": f"runs/paper/{pair}/{row}", **over}
-            (d / f"{row}.yaml").write_text(f"# {pair}: {a} <-> {b}; row: {row}\n" + yaml.safe_dump(body, sort_keys=False))
+            (d / f"{row}.yaml").write_text(
+                f"# {pair}: {a} <-> {b}; row: {row}\n" + yaml.safe_dump(body, sort_keys=False)
+            )
         (d / "graft_stored.yaml").unlink(missing_ok=True)  # replaced by one preset per direction
         pols = paper_base(a, b)["policies"]
         for recv, src in ((0, 1), (1, 0)):  # Table 6: both receivers of every pair
             rname, sname = pols[recv]["name"], pols[src]["name"]
-            stored = {"base": "base.yaml", "run_dir": f"runs/paper/{pair}/graft_stored_{rname}",
-                      "method": {"name": "graft"}, "policies": [pols[recv]],
-                      "peers": [{"records": f"runs/paper/{pair}/grpo_n8", "policy": sname}]}
+            stored = {
+                "base": "base.yaml",
+                "run_dir": f"runs/paper/{pair}/graft_stored_{rname}",
+                "method": {"name": "graft"},
+                "policies": [pols[recv]],
+                "peers": [{"records": f"runs/paper/{pair}/grpo_n8", "policy": sname}],
+            }
             (d / f"graft_stored_{rname}.yaml").write_text(
                 f"# {pair}: GRAFT w/ stored trajectories (Section 6.2): {rname} learns from {sname}'s grpo_n8 records\n"
                 + yaml.safe_dump(stored, sort_keys=False)

@@ -26,8 +26,11 @@ ROWS: list[tuple[str, bool, str]] = []
 
 
 def graft(run_dir: Path, *extra: str, resume: bool = False) -> subprocess.Popen:
-    args = [*GRAFT, "--no-progress", "--resume", str(run_dir), *extra] if resume else \
-        [*GRAFT, "--no-progress", f"run_dir={run_dir}", *SETTINGS, *extra]
+    args = (
+        [*GRAFT, "--no-progress", "--resume", str(run_dir), *extra]
+        if resume
+        else [*GRAFT, "--no-progress", f"run_dir={run_dir}", *SETTINGS, *extra]
+    )
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -79,8 +82,11 @@ def main() -> int:
     rc2, _, _ = finish(graft(d, resume=True))
     same = strip(lines(d / "metrics.jsonl")) == ref_metrics and strip(lines(d / "validation.jsonl")) == ref_val
     best_ok = (d / "best" / "B" / "config.json").stat().st_size > 0
-    row("SIGTERM during validation, --resume", rc1 == 143 and rc2 == 0 and same and best_ok,
-        f"exit {rc1} then {rc2}; {len(lines(d / 'validation.jsonl'))} validation lines; identical to uninterrupted: {same}")
+    row(
+        "SIGTERM during validation, --resume",
+        rc1 == 143 and rc2 == 0 and same and best_ok,
+        f"exit {rc1} then {rc2}; {len(lines(d / 'validation.jsonl'))} validation lines; identical to uninterrupted: {same}",
+    )
 
     # 2. SIGINT (Ctrl-C) mid-step, then --resume
     d = root / "int_midstep"
@@ -99,8 +105,11 @@ def main() -> int:
     rc2, _, err2 = finish(graft(d, resume=True))
     rc1, _, _ = finish(p1)
     dup = len(lines(d / "metrics.jsonl")) != len(ref_metrics)
-    row("second graft train on the same run_dir", rc2 == 2 and "in use by another graft train (pid" in err2 and rc1 == 0 and not dup,
-        err2.strip().splitlines()[-1] if err2.strip() else "(no message)")
+    row(
+        "second graft train on the same run_dir",
+        rc2 == 2 and "in use by another graft train (pid" in err2 and rc1 == 0 and not dup,
+        err2.strip().splitlines()[-1] if err2.strip() else "(no message)",
+    )
 
     # 4. fresh run into a partial directory; resume of a run killed before its first checkpoint
     d = root / "partial"
@@ -111,8 +120,11 @@ def main() -> int:
     rc, _, err = finish(graft(d))
     rc_r, out_r, _ = finish(graft(d, resume=True))
     steps0 = len([r for r in lines(d / "validation.jsonl") if r["step"] == 0])
-    row("fresh run into a partial run_dir / its --resume", rc == 2 and "already holds a run" in err and rc_r == 0 and steps0 == 2,
-        f"fresh: exit {rc}; resume: exit {rc_r}, step-0 validation lines {steps0}")
+    row(
+        "fresh run into a partial run_dir / its --resume",
+        rc == 2 and "already holds a run" in err and rc_r == 0 and steps0 == 2,
+        f"fresh: exit {rc}; resume: exit {rc_r}, step-0 validation lines {steps0}",
+    )
 
     # 5. resume after an edit that changes results
     d = root / "edited"
@@ -137,8 +149,11 @@ def main() -> int:
     newest = sorted((d / "checkpoints").glob("step_*"))[-1]
     (newest / "A" / "policy_state.pt").write_bytes(b"")
     rc, out, _ = finish(graft(d, "steps=9", resume=True))
-    row("0-byte policy_state.pt in the newest checkpoint", rc == 0 and "is damaged" in out,
-        next((ln for ln in out.splitlines() if "damaged" in ln), "(no message)"))
+    row(
+        "0-byte policy_state.pt in the newest checkpoint",
+        rc == 0 and "is damaged" in out,
+        next((ln for ln in out.splitlines() if "damaged" in ln), "(no message)"),
+    )
 
     # 7b. (issue 24) damage a loadable file cannot show: zeroed bytes inside, checked by sha256
     d = root / "zeroed"
@@ -150,8 +165,11 @@ def main() -> int:
     state.write_bytes(bytes(data))
     rc, out, _ = finish(graft(d, "steps=9", resume=True))
     same = strip(lines(d / "metrics.jsonl"))[: len(ref_metrics)] == ref_metrics
-    row("1,000 zeroed bytes inside the newest policy_state.pt", rc == 0 and "sha256" in out and same,
-        f"{next((ln for ln in out.splitlines() if 'damaged' in ln), '(no message)')}; steps 1-8 identical: {same}")
+    row(
+        "1,000 zeroed bytes inside the newest policy_state.pt",
+        rc == 0 and "sha256" in out and same,
+        f"{next((ln for ln in out.splitlines() if 'damaged' in ln), '(no message)')}; steps 1-8 identical: {same}",
+    )
 
     # 7c. (issue 24) every checkpoint damaged: refused, nothing deleted
     d = root / "all_damaged"
@@ -162,8 +180,11 @@ def main() -> int:
     before = sorted(str(p) for p in d.rglob("*"))
     rc, _, err = finish(graft(d, "steps=9", resume=True))
     kept = sorted(str(p) for p in d.rglob("*") if p.name != ".lock") == [x for x in before if not x.endswith(".lock")]
-    row("every checkpoint damaged", rc == 2 and "every checkpoint is damaged" in err and kept,
-        f"exit {rc}; nothing deleted: {kept}")
+    row(
+        "every checkpoint damaged",
+        rc == 2 and "every checkpoint is damaged" in err and kept,
+        f"exit {rc}; nothing deleted: {kept}",
+    )
 
     # 7d. (issue 24) best/ vs the logs: kill -9 after step 5's validation, resume with validation.every changed
     d = root / "best_logs"
@@ -176,39 +197,80 @@ def main() -> int:
 
     logged = best_steps(lines(d / "validation.jsonl"))
     recorded = json.loads((d / "best" / "best.json").read_text())
-    row("kill -9 after a validation, resume with validation.every changed", rc == 0 and logged == recorded,
-        f"exit {rc}; best.json {({k: v['step'] for k, v in recorded.items()})} = the log's best: {logged == recorded}")
+    row(
+        "kill -9 after a validation, resume with validation.every changed",
+        rc == 0 and logged == recorded,
+        f"exit {rc}; best.json { ({k: v['step'] for k, v in recorded.items()}) } = the log's best: {logged == recorded}",
+    )
 
     # 7e. (issue 24) graft eval: counts of 0, Ctrl-C keeps what finished
     ev = [sys.executable, "-m", "graft_rl.cli", "eval", str(ref)]
     res = subprocess.run([*ev, "--limit", "0"], capture_output=True, text=True)
-    row("graft eval --limit 0", res.returncode == 2 and "--limit must be >= 1" in res.stderr, res.stderr.strip().splitlines()[-1])
+    row(
+        "graft eval --limit 0",
+        res.returncode == 2 and "--limit must be >= 1" in res.stderr,
+        res.stderr.strip().splitlines()[-1],
+    )
     out_dir = root / "eval_ctrlc"
-    p = subprocess.Popen([*ev, "--samples", "1", "--runs", "1", "--limit", "256", "--out", str(out_dir)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [*ev, "--samples", "1", "--runs", "1", "--limit", "256", "--out", str(out_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: (out_dir / "eval.json").exists() or p.poll() is not None)
     p.send_signal(signal.SIGINT)
     rc, _, err = finish(p)
     saved = json.loads((out_dir / "eval.json").read_text()) if (out_dir / "eval.json").exists() else {"policies": {}}
-    row("Ctrl-C in graft eval after the first policy", rc == 130 and list(saved["policies"]) == ["A"] and "Traceback" not in err,
-        f"exit {rc}; eval.json holds {list(saved['policies'])}")
+    row(
+        "Ctrl-C in graft eval after the first policy",
+        rc == 130 and list(saved["policies"]) == ["A"] and "Traceback" not in err,
+        f"exit {rc}; eval.json holds {list(saved['policies'])}",
+    )
 
     # 8. bad input: one line, exit != 0, nothing written
     bad_data = root / "binary.jsonl"
     bad_data.write_bytes(bytes(range(256)))
     answers = root / "gsm8k_answers.jsonl"  # a reference no response could match (issue 24)
-    answers.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": "abc" if i == 7 else str(2 * i)}) + "\n"
-                               for i in range(64)))
+    answers.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": "abc" if i == 7 else str(2 * i)}) + "\n"
+            for i in range(64)
+        )
+    )
     long = root / "gsm8k_long.jsonl"  # a prompt over the testbed models' context, under max_prompt_tokens
-    long.write_text("".join(json.dumps({"id": f"q{i}", "problem": ("x" * 1500 if i == 3 else "") + f"{i}+{i}=?",
-                                        "answer": str(2 * i)}) + "\n" for i in range(64)))
-    for over in ["policies.5.lr=1", "policies.x.lr=1", "steps.x=1", "temperature=-1", "validation.every=0", "steps=0", "n=1",
-                 f"data.train={bad_data}", f"data.train={answers}", f"data.train={long}", "data.limit=0", "validation.limit=0",
-                 "method.eps_low=-1", "method.luffy_gamma=0.3", "policies.0.lr=nan"]:
+    long.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "problem": ("x" * 1500 if i == 3 else "") + f"{i}+{i}=?", "answer": str(2 * i)})
+            + "\n"
+            for i in range(64)
+        )
+    )
+    for over in [
+        "policies.5.lr=1",
+        "policies.x.lr=1",
+        "steps.x=1",
+        "temperature=-1",
+        "validation.every=0",
+        "steps=0",
+        "n=1",
+        f"data.train={bad_data}",
+        f"data.train={answers}",
+        f"data.train={long}",
+        "data.limit=0",
+        "validation.limit=0",
+        "method.eps_low=-1",
+        "method.luffy_gamma=0.3",
+        "policies.0.lr=nan",
+    ]:
         d = root / f"bad_{abs(hash(over))}"
         rc, _, err = finish(graft(d, over))
         msg = err.strip().splitlines()
-        row(f"bad input `{over.replace(str(root), '...')}`", rc == 2 and len(msg) == 1 and not d.exists(), msg[-1] if msg else "")
+        row(
+            f"bad input `{over.replace(str(root), '...')}`",
+            rc == 2 and len(msg) == 1 and not d.exists(),
+            msg[-1] if msg else "",
+        )
 
     # 9. rewards
     from graft_rl.rewards import verify_gsm8k
@@ -236,9 +298,13 @@ def main() -> int:
     while left and time.time() - t0 < 20:
         time.sleep(0.5)
         left = [c for c in ours if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    row("kill -9 of the Ray driver", not left and len(ours) >= 3,
-        f"{len(ours)} Ray processes, none left after {time.time() - t0:.1f} s" if not left
-        else f"left: {[' '.join(c.cmdline())[:40] for c in left]}")
+    row(
+        "kill -9 of the Ray driver",
+        not left and len(ours) >= 3,
+        f"{len(ours)} Ray processes, none left after {time.time() - t0:.1f} s"
+        if not left
+        else f"left: {[' '.join(c.cmdline())[:40] for c in left]}",
+    )
     shutil.rmtree(root, ignore_errors=True)
     return 0 if all(ok for _, ok, _ in ROWS) else 1
 

@@ -117,22 +117,44 @@ def test_no_class_or_function_is_too_long():
     for path in sorted(SRC.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and _code_lines(node) > MAX_CLASS_LINES:
-                long.append(f"{path.relative_to(ROOT)}: class {node.name} has {_code_lines(node)} lines (> {MAX_CLASS_LINES})")
+                long.append(
+                    f"{path.relative_to(ROOT)}: class {node.name} has {_code_lines(node)} lines (> {MAX_CLASS_LINES})"
+                )
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _code_lines(node) > MAX_FUNCTION_LINES:
-                long.append(f"{path.relative_to(ROOT)}: {node.name}() has {_code_lines(node)} lines (> {MAX_FUNCTION_LINES})")
+                long.append(
+                    f"{path.relative_to(ROOT)}: {node.name}() has {_code_lines(node)} lines (> {MAX_FUNCTION_LINES})"
+                )
     assert not long, "\n".join(long)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff not installed")
 def test_formatted():
-    res = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", "src", "tests", "benchmarks", "scripts"],
-                         cwd=ROOT, capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "src", "tests", "benchmarks", "scripts"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy not installed")
 def test_algo_and_methods_type_check():
-    res = subprocess.run([sys.executable, "-m", "mypy", "--ignore-missing-imports", "--follow-imports=silent",
-                          "--no-error-summary", "src/graft_rl/algo", "src/graft_rl/methods"],
-                         cwd=ROOT, capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--ignore-missing-imports",
+            "--follow-imports=silent",
+            "--no-error-summary",
+            "src/graft_rl/algo",
+            "src/graft_rl/methods",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout + res.stderr

@@ -63,8 +63,13 @@ def _table_has_every_row(out: Path) -> None:
 
 
 def test_gpu_check_smoke_runs_every_row(tmp_path):
-    res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--out", str(tmp_path)],
-                         capture_output=True, text=True, encoding="utf-8", timeout=600)
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = _rows(tmp_path)
     for name, row in rows.items():
@@ -92,8 +97,9 @@ def test_gpu_check_smoke_runs_every_row(tmp_path):
 
 def test_gpu_check_on_a_bare_image_runs_what_it_can(tmp_path):
     code = BARE.format(blocked=OPTIONAL, script=str(SCRIPT), out=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8",
-                         timeout=300, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8", timeout=300, cwd=ROOT
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert (tmp_path / "gpu_check.json").exists()
     rows = _rows(tmp_path)

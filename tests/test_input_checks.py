@@ -13,8 +13,10 @@ from graft_rl.data import DatasetError, check_answers, load_dataset
 from graft_rl.rewards import verify_gsm8k
 
 
-@pytest.mark.parametrize("reference, first_number", [("1/2", "1"), (r"\frac{1}{2}", "1"), ("1e+20", "1"),
-                                                     ("12-5", "12"), ("3 or 4", "3"), ("2^{10}", "2")])
+@pytest.mark.parametrize(
+    "reference, first_number",
+    [("1/2", "1"), (r"\frac{1}{2}", "1"), ("1e+20", "1"), ("12-5", "12"), ("3 or 4", "3"), ("2^{10}", "2")],
+)
 def test_gsm8k_reference_is_not_read_by_its_first_number(reference, first_number):
     assert verify_gsm8k([rf"\boxed{{{first_number}}}"], [reference]) == [0.0]
 
@@ -43,10 +45,20 @@ def test_the_training_data_is_checked_before_anything_loads(tmp_path):
     from graft_rl.trainer import Trainer
 
     data = tmp_path / "gsm8k_bad.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "problem": "p", "answer": "abc" if i == 3 else "4"}) + "\n"
-                            for i in range(8)))
-    cfg = load_config({"run_dir": str(tmp_path / "run"), "data": {"train": str(data)}, "prompt_batch": 4,
-                       "method": {"name": "grpo"}, "policies": [{"name": "A", "model": str(tmp_path / "none")}]})
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "problem": "p", "answer": "abc" if i == 3 else "4"}) + "\n" for i in range(8)
+        )
+    )
+    cfg = load_config(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "data": {"train": str(data)},
+            "prompt_batch": 4,
+            "method": {"name": "grpo"},
+            "policies": [{"name": "A", "model": str(tmp_path / "none")}],
+        }
+    )
     with pytest.raises(DatasetError, match="problem 'q3' has answer 'abc'"):
         Trainer(cfg, show_progress=False)
     assert not (tmp_path / "run").exists()  # nothing left behind
@@ -76,27 +88,38 @@ def test_graft_eval_refuses_zero_counts(flag, capsys):
     assert len(err.splitlines()) == 1 and f"--{flag.replace('_', '-')} must be >= 1, got 0" in err
 
 
-@pytest.mark.parametrize("override, match", [
-    ("method.eps_low=-1", r"method.eps_low must be in \[0, 1\), got -1"),
-    ("method.eps_high=nan", r"method.eps_high must be in"),
-    ("method.adv_eps=0", r"method.adv_eps must be in \(0"),
-    ("method.delta=-0.1", r"method.delta must be in"),
-    ("method.hacpo_capability_window=0", r"hacpo_capability_window must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("method.eps_low=-1", r"method.eps_low must be in \[0, 1\), got -1"),
+        ("method.eps_high=nan", r"method.eps_high must be in"),
+        ("method.adv_eps=0", r"method.adv_eps must be in \(0"),
+        ("method.delta=-0.1", r"method.delta must be in"),
+        ("method.hacpo_capability_window=0", r"hacpo_capability_window must be >= 1"),
+    ],
+)
 def test_method_values_out_of_range_are_refused(override, match):
     with pytest.raises(ConfigError, match=match):
-        load_config({"policies": [{"name": "A", "model": "x"}, {"name": "B", "model": "y"}],
-                     "method": {"name": "hacpo"}}, [override])
+        load_config(
+            {"policies": [{"name": "A", "model": "x"}, {"name": "B", "model": "y"}], "method": {"name": "hacpo"}},
+            [override],
+        )
 
 
-@pytest.mark.parametrize("method, key, value, users", [
-    ("grpo", "delta", 0.5, "graft, sgt, luffy, hacpo"),
-    ("sgt", "luffy_gamma", 0.3, "luffy"),
-    ("graft", "sgt_coef", 0.5, "sgt"),
-    ("graft", "dynamic_sampling", True, "grpo, dr_grpo"),
-])
+@pytest.mark.parametrize(
+    "method, key, value, users",
+    [
+        ("grpo", "delta", 0.5, "graft, sgt, luffy, hacpo"),
+        ("sgt", "luffy_gamma", 0.3, "luffy"),
+        ("graft", "sgt_coef", 0.5, "sgt"),
+        ("graft", "dynamic_sampling", True, "grpo, dr_grpo"),
+    ],
+)
 def test_a_method_key_the_method_does_not_read_is_refused(method, key, value, users, tmp_path):
-    data = {"policies": [{"name": "A", "model": "x"}, {"name": "B", "model": "y"}], "method": {"name": method, key: value}}
+    data = {
+        "policies": [{"name": "A", "model": "x"}, {"name": "B", "model": "y"}],
+        "method": {"name": method, key: value},
+    }
     with pytest.raises(ConfigError, match=rf"method.{key} is not used by method '{method}' \(it is used by: {users}\)"):
         load_config(data)
     # a run directory's own config.yaml (written before the check) still loads for resume / eval; the
@@ -120,10 +143,15 @@ def test_every_shipped_config_passes_the_method_key_check():
         load_config(path)
 
 
-@pytest.mark.parametrize("override, match", [("policies.0.lr=-1e-3", "lr must be a finite number > 0"),
-                                             ("policies.0.lr=nan", "lr must be a finite number > 0"),
-                                             ("policies.0.betas=[0.9, 1.5]", r"betas must be two numbers in \[0, 1\)"),
-                                             ("policies.0.max_grad_norm=0", "max_grad_norm must be > 0")])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("policies.0.lr=-1e-3", "lr must be a finite number > 0"),
+        ("policies.0.lr=nan", "lr must be a finite number > 0"),
+        ("policies.0.betas=[0.9, 1.5]", r"betas must be two numbers in \[0, 1\)"),
+        ("policies.0.max_grad_norm=0", "max_grad_norm must be > 0"),
+    ],
+)
 def test_bad_optimiser_values_are_one_line_config_errors(override, match):
     with pytest.raises(ConfigError, match=rf"policy 'A': {match}"):
         load_config({"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}}, [override])
@@ -140,8 +168,15 @@ def test_a_prompt_longer_than_a_models_context_is_one_line_before_training(tmp_p
     rows = [{"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)} for i in range(8)]
     rows[5]["problem"] = "x" * 1500 + " 1+1=?"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = {"run_dir": str(tmp_path / "run"), "data": {"train": str(data)}, "prompt_batch": 4, "n": 2, "steps": 1,
-           "method": {"name": "graft"}, "policies": [{"name": "A", "model": str(tiny_pair[0])}, {"name": "B", "model": str(tiny_pair[1])}]}
+    cfg = {
+        "run_dir": str(tmp_path / "run"),
+        "data": {"train": str(data)},
+        "prompt_batch": 4,
+        "n": 2,
+        "steps": 1,
+        "method": {"name": "graft"},
+        "policies": [{"name": "A", "model": str(tiny_pair[0])}, {"name": "B", "model": str(tiny_pair[1])}],
+    }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["train", str(path), "--no-progress"]) == 2
@@ -160,9 +195,19 @@ def test_a_response_never_runs_past_a_learned_position_models_context(tmp_path, 
 
     model = build_tiny_model(tmp_path / "gpt2_64", "gpt2", bpe_tokenizer(), max_positions=64)
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(4)))
-    cfg = {"run_dir": str(tmp_path / "run"), "data": {"train": str(data)}, "prompt_batch": 2, "n": 2, "steps": 1,
-           "max_new_tokens": 60, "method": {"name": "grpo"}, "policies": [{"name": "B", "model": str(model)}]}
+    data.write_text(
+        "".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(4))
+    )
+    cfg = {
+        "run_dir": str(tmp_path / "run"),
+        "data": {"train": str(data)},
+        "prompt_batch": 2,
+        "n": 2,
+        "steps": 1,
+        "max_new_tokens": 60,
+        "method": {"name": "grpo"},
+        "policies": [{"name": "B", "model": str(model)}],
+    }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["train", str(path), "--no-progress"]) == 0

@@ -20,9 +20,16 @@ from graft_rl.plan import (
 from graft_rl.policy import PolicyConfig, PolicyError
 
 
-@pytest.mark.parametrize("name, billions", [("HuggingFaceTB/SmolLM3-3B-Base", 3.08), ("Qwen/Qwen3-1.7B-Base", 1.72),
-                                            ("OctoThinker/OctoThinker-3B-Hybrid-Base", 3.21),
-                                            ("zoo:smollm2-135m-instruct", 0.1345), ("zoo:gemma3-270m", 0.268)])
+@pytest.mark.parametrize(
+    "name, billions",
+    [
+        ("HuggingFaceTB/SmolLM3-3B-Base", 3.08),
+        ("Qwen/Qwen3-1.7B-Base", 1.72),
+        ("OctoThinker/OctoThinker-3B-Hybrid-Base", 3.21),
+        ("zoo:smollm2-135m-instruct", 0.1345),
+        ("zoo:gemma3-270m", 0.268),
+    ],
+)
 def test_parameter_counts_of_the_papers_models_match_their_model_cards(name, billions):
     assert KNOWN_SHAPES[name].params / 1e9 == pytest.approx(billions, rel=0.005)
 
@@ -36,12 +43,21 @@ def test_parameter_count_from_a_local_config_equals_the_models(tiny_pair):
 
 
 def _cfg(execution="local", **pol):
-    return load_config({"policies": [{"name": "A", "model": "Qwen/Qwen3-1.7B-Base", "dtype": "bfloat16", **pol}],
-                        "method": {"name": "grpo"}, "max_new_tokens": 4096, "execution": execution})
+    return load_config(
+        {
+            "policies": [{"name": "A", "model": "Qwen/Qwen3-1.7B-Base", "dtype": "bfloat16", **pol}],
+            "method": {"name": "grpo"},
+            "max_new_tokens": 4096,
+            "execution": execution,
+        }
+    )
 
 
 def test_sharded_state_is_16_bytes_per_parameter_over_world_size():
-    one, four = plan_policy(_cfg().policies[0], _cfg()), plan_policy(_cfg(world_size=4, execution="ray").policies[0], _cfg())
+    one, four = (
+        plan_policy(_cfg().policies[0], _cfg()),
+        plan_policy(_cfg(world_size=4, execution="ray").policies[0], _cfg()),
+    )
     assert one.sharded_state == 16 * KNOWN_SHAPES["Qwen/Qwen3-1.7B-Base"].params
     assert four.sharded_state == pytest.approx(one.sharded_state / 4)
 
@@ -67,7 +83,17 @@ def test_paper_pair1_plan_fits_four_h200s(capsys):
 
 
 def test_without_checkpointing_on_one_gpu_the_3b_policy_does_not_fit(capsys):
-    assert main(["plan", "configs/paper/pair1/graft.yaml", "policies.0.world_size=1", "policies.0.gradient_checkpointing=false"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "configs/paper/pair1/graft.yaml",
+                "policies.0.world_size=1",
+                "policies.0.gradient_checkpointing=false",
+            ]
+        )
+        == 0
+    )
     assert "| SmolLM3-3B-Base | 3.08 B | 1 |" in capsys.readouterr().out.split("NO")[0]
 
 
@@ -107,15 +133,23 @@ def test_plan_counts_the_kl_reference_the_hf_rollout_copy_and_the_runtime():
     every rank (4N), the runtime and the allocator margin are in the peak."""
     N = KNOWN_SHAPES["Qwen/Qwen3-1.7B-Base"].params
     base = _cfg(world_size=2, execution="ray")
-    kl = load_config({**{"policies": [{"name": "A", "model": "Qwen/Qwen3-1.7B-Base", "dtype": "bfloat16", "world_size": 2}]},
-                      "method": {"name": "grpo", "kl_coef": 0.01}, "max_new_tokens": 4096, "execution": "ray"})
+    kl = load_config(
+        {
+            **{"policies": [{"name": "A", "model": "Qwen/Qwen3-1.7B-Base", "dtype": "bfloat16", "world_size": 2}]},
+            "method": {"name": "grpo", "kl_coef": 0.01},
+            "max_new_tokens": 4096,
+            "execution": "ray",
+        }
+    )
     p0, pk = plan_policy(base.policies[0], base), plan_policy(kl.policies[0], kl)
     assert pk.reference == pytest.approx(4 * N / 2) and p0.reference == 0
     assert pk.train_peak - p0.train_peak == pytest.approx(4 * N / 2)
     assert p0.hf_copy == 4 * N  # hf backend, 2 ranks: each samples from a float32 copy
     assert plan_policy(_cfg().policies[0], _cfg()).hf_copy == 0  # one process samples from its own model
     G = 141 * GiB
-    assert p0.peak(G) == pytest.approx(max(p0.training_peak(G), p0.generate_peak(G)) * (1 + ALLOCATOR_MARGIN) + RUNTIME_BYTES)
+    assert p0.peak(G) == pytest.approx(
+        max(p0.training_peak(G), p0.generate_peak(G)) * (1 + ALLOCATOR_MARGIN) + RUNTIME_BYTES
+    )
 
 
 def test_plan_compares_the_kv_cache_with_a_steps_rollout_tokens(capsys):
@@ -138,4 +172,6 @@ def test_tensor_parallel_vllm_is_refused_in_one_line():
 def test_collective_timeout_is_a_config_key_with_a_long_default():
     assert _cfg().ray.collective_timeout == 3600.0
     with pytest.raises(ConfigError, match="ray.collective_timeout must be > 0"):
-        load_config({"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}, "ray": {"collective_timeout": 0}})
+        load_config(
+            {"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}, "ray": {"collective_timeout": 0}}
+        )

@@ -24,8 +24,17 @@ from graft_rl.report import read_metrics, read_validation
 from graft_rl.rundir import best_steps
 from graft_rl.store import RecordStore
 
-__all__ = ["Analysis", "AnalysisError", "analyze", "compatibility_stats", "complementarity", "compute", "plot",
-           "plot_compatibility", "report"]
+__all__ = [
+    "Analysis",
+    "AnalysisError",
+    "analyze",
+    "compatibility_stats",
+    "complementarity",
+    "compute",
+    "plot",
+    "plot_compatibility",
+    "report",
+]
 
 PHASES = ("time_generate", "time_reward", "time_score", "time_update")
 
@@ -93,8 +102,10 @@ def compatibility_stats(rows: list[dict], delta: float = 0.8) -> dict:
         "pass_char": sum(x > delta for x in chr_) / len(rows),
         "median_token": statistics.median(tok),
         "median_char": statistics.median(chr_),
-        "p10_token": q(tok, 0.1), "p90_token": q(tok, 0.9),
-        "p10_char": q(chr_, 0.1), "p90_char": q(chr_, 0.9),
+        "p10_token": q(tok, 0.1),
+        "p90_token": q(tok, 0.9),
+        "p10_char": q(chr_, 0.1),
+        "p90_char": q(chr_, 0.9),
         "admitted_correct": sum(r["weight"] > 0 for r in good) / len(good) if good else None,
         "admitted_wrong": sum(r["weight"] > 0 for r in bad) / len(bad) if bad else None,
     }
@@ -176,7 +187,9 @@ class Analysis:
     summary: dict = field(default_factory=dict)
 
 
-def analyze(run_dir: str | Path, compare: list[str] | None = None, out_dir: str | Path | None = None, cases: int = 3) -> dict:
+def analyze(
+    run_dir: str | Path, compare: list[str] | None = None, out_dir: str | Path | None = None, cases: int = 3
+) -> dict:
     """Compute the diagnostics of a run (:func:`compute`), draw them (:func:`plot`) and write
     ``report.md`` (:func:`report`) and ``summary.json`` to ``out_dir`` (default ``RUN_DIR/analysis``)."""
     a = compute(run_dir, compare, cases)
@@ -195,7 +208,9 @@ def compute(run_dir: str | Path, compare: list[str] | None = None, cases: int = 
         raise AnalysisError(f"{run}: not a directory")
     store = RecordStore(run)
     if not store.policies():
-        raise AnalysisError(f"{run}: no trajectory records (records/<policy>/step_*.parquet); is this a graft run directory?")
+        raise AnalysisError(
+            f"{run}: no trajectory records (records/<policy>/step_*.parquet); is this a graft run directory?"
+        )
     curves = []
     for rdir in [run] + [Path(c) for c in (compare or [])]:
         try:
@@ -210,8 +225,18 @@ def compute(run_dir: str | Path, compare: list[str] | None = None, cases: int = 
         if not r["auxiliary"]:
             dirs[(r["source"], r["receiver"])].append(r)
     best = {p: b.get("step") for p, b in best_steps(val, _select_initial(run)).items()}
-    a = Analysis(run, policies, {p: [m for m in metrics if m["policy"] == p] for p in policies}, complementarity(store),
-                 ex, dict(dirs), _run_delta(run), curves, _cases(store, ex, cases), best)
+    a = Analysis(
+        run,
+        policies,
+        {p: [m for m in metrics if m["policy"] == p] for p in policies},
+        complementarity(store),
+        ex,
+        dict(dirs),
+        _run_delta(run),
+        curves,
+        _cases(store, ex, cases),
+        best,
+    )
     a.summary = _summary(a, metrics)
     return a
 
@@ -248,15 +273,18 @@ def _summary(a: Analysis, metrics: list[dict]) -> dict:
         pols.setdefault(r, {})["complementarity_mean"] = _mean(v for _, v in series)
     for p in a.policies:
         mine = a.by_pol[p]
-        pols.setdefault(p, {}).update(candidates=sum(m.get("candidates_in") or 0 for m in mine),
-                                      grafted=sum(m.get("exchanged_in") or 0 for m in mine))
+        pols.setdefault(p, {}).update(
+            candidates=sum(m.get("candidates_in") or 0 for m in mine),
+            grafted=sum(m.get("exchanged_in") or 0 for m in mine),
+        )
     for (_, recv), rows in a.dirs.items():
         pols.setdefault(recv, {})["admitted_frac"] = sum(1 for r in rows if r["weight"] > 0) / len(rows)
     for p in a.policies:
         cs = [m.get("clip_frac_self") for m in a.by_pol[p]]
         with_peer = [c for c in (m.get("clip_frac_peer") for m in a.by_pol[p]) if c is not None]
-        pols.setdefault(p, {}).update(clip_self=_mean(cs), clip_peer=_mean(with_peer),
-                                      zero_peer_clip_steps=sum(1 for c in with_peer if c == 0))
+        pols.setdefault(p, {}).update(
+            clip_self=_mean(cs), clip_peer=_mean(with_peer), zero_peer_clip_steps=sum(1 for c in with_peer if c == 0)
+        )
     for p in a.policies:
         total = sum(sum(m.get(k) or 0 for m in a.by_pol[p]) for k in PHASES)
         pols.setdefault(p, {}).update(seconds=total, best_step=a.best.get(p))
@@ -276,7 +304,9 @@ def plot(a: Analysis, out: Path) -> None:
     for i, (r, series) in enumerate(a.comp.items()):
         pts = [(s, v) for s, v in series if v is not None]
         if pts:
-            _raw_and_smooth(ax, [s for s, _ in pts], [v for _, v in pts], f"C{i}", f"{r}'s all-fail prompts a peer solves")
+            _raw_and_smooth(
+                ax, [s for s, _ in pts], [v for _, v in pts], f"C{i}", f"{r}'s all-fail prompts a peer solves"
+            )
     ax.set_title("complementarity (faint: per step; bold: moving mean)")
     ax.set_xlabel("step")
     ax.set_ylabel("fraction of the receiver's all-fail prompts")
@@ -292,10 +322,22 @@ def plot(a: Analysis, out: Path) -> None:
     for i, p in enumerate(a.policies):
         steps = [m["step"] for m in a.by_pol[p]]
         # one colour per receiver; candidates dashed and drawn on top, so equal counts stay visible
-        ax.plot(steps, _moving_mean([m.get("exchanged_in") or 0 for m in a.by_pol[p]]), color=f"C{i}", linewidth=3,
-                alpha=0.6, label=f"into {p}: grafted (after balancing)")
-        ax.plot(steps, _moving_mean([m.get("candidates_in") or 0 for m in a.by_pol[p]]), color=f"C{i}", linewidth=1.5,
-                linestyle="--", label=f"into {p}: candidates (before)")
+        ax.plot(
+            steps,
+            _moving_mean([m.get("exchanged_in") or 0 for m in a.by_pol[p]]),
+            color=f"C{i}",
+            linewidth=3,
+            alpha=0.6,
+            label=f"into {p}: grafted (after balancing)",
+        )
+        ax.plot(
+            steps,
+            _moving_mean([m.get("candidates_in") or 0 for m in a.by_pol[p]]),
+            color=f"C{i}",
+            linewidth=1.5,
+            linestyle="--",
+            label=f"into {p}: candidates (before)",
+        )
     ax.set_title("exchange volume per step (moving mean)")
     ax.set_xlabel("step")
     ax.set_ylabel("peer prompt groups per step")
@@ -313,8 +355,9 @@ def plot(a: Analysis, out: Path) -> None:
         steps = [m["step"] for m in a.by_pol[p]]
         cp = [m.get("clip_frac_peer") for m in a.by_pol[p]]
         _raw_and_smooth(ax, steps, [m.get("clip_frac_self") or 0 for m in a.by_pol[p]], f"C{i}", f"{p}: own tokens")
-        _raw_and_smooth(ax, steps, [c if c is not None else float("nan") for c in cp], f"C{i}", f"{p}: peer tokens",
-                        linestyle="--")
+        _raw_and_smooth(
+            ax, steps, [c if c is not None else float("nan") for c in cp], f"C{i}", f"{p}: peer tokens", linestyle="--"
+        )
     ax.set_title("clipped-token fraction (faint: per step; bold: moving mean)")
     ax.set_xlabel("step")
     ax.set_ylabel("fraction of tokens clipped")
@@ -332,17 +375,27 @@ def _plot_curves(curves: list[tuple[Path, list[dict], list[dict]]], path: Path) 
     for rdir, ms, vs in curves:
         for p in dict.fromkeys(m["policy"] for m in ms):
             mine = [m for m in ms if m["policy"] == p]
-            axes[0].plot([m["step"] for m in mine], _moving_mean([m["reward_mean"] for m in mine]), label=f"{rdir.name}:{p}")
+            axes[0].plot(
+                [m["step"] for m in mine], _moving_mean([m["reward_mean"] for m in mine]), label=f"{rdir.name}:{p}"
+            )
             vv = [v for v in vs if v["policy"] == p]
             if vv:
-                (line,) = axes[1].plot([v["step"] for v in vv], [v["val/score"] for v in vv], marker="o",
-                                       label=f"{rdir.name}:{p}")
+                (line,) = axes[1].plot(
+                    [v["step"] for v in vv], [v["val/score"] for v in vv], marker="o", label=f"{rdir.name}:{p}"
+                )
                 # per prompt family (validation data naming a few, e.g. the transfer testbed): thinner, same colour
                 fam_keys = sorted({k for v in vv for k in v if k.startswith("val/") and k.count("/") == 2})
                 for k, style in zip(fam_keys, ("--", ":", "-.") * 3, strict=False):
                     pts = [(v["step"], v[k]) for v in vv if k in v]
-                    axes[1].plot([x for x, _ in pts], [y for _, y in pts], linestyle=style, marker=".", linewidth=1,
-                                 color=line.get_color(), label=f"{rdir.name}:{p} {k.rsplit('/', 1)[1]}")
+                    axes[1].plot(
+                        [x for x, _ in pts],
+                        [y for _, y in pts],
+                        linestyle=style,
+                        marker=".",
+                        linewidth=1,
+                        color=line.get_color(),
+                        label=f"{rdir.name}:{p} {k.rsplit('/', 1)[1]}",
+                    )
     axes[0].set_title("training reward (moving mean)")
     axes[0].set_ylabel("pass rate of the step's rollouts")
     axes[1].set_title("validation score (thin: per prompt family)")
@@ -361,25 +414,42 @@ def _plot_curves(curves: list[tuple[Path, list[dict], list[dict]]], path: Path) 
 def report(a: Analysis) -> str:
     """The Markdown report: one section per diagnostic, in the paper's terms."""
     lines = [f"# GRAFT analysis of `{a.run}`", ""]
-    lines += ["## Complementarity (Fig. 1)", "", "Fraction of a model's all-fail prompts on which a peer succeeds at least once.", ""]
+    lines += [
+        "## Complementarity (Fig. 1)",
+        "",
+        "Fraction of a model's all-fail prompts on which a peer succeeds at least once.",
+        "",
+    ]
     for r, series in a.comp.items():
         mean = a.summary["policies"][r]["complementarity_mean"]
         n = sum(1 for _, v in series if v is not None)
         lines.append(f"- {r}: mean {mean:.3f} over {n} steps" if mean is not None else f"- {r}: no all-fail prompts")
-    lines += ["", "## Exchange volume per direction", "", "| receiver | candidates (before balancing) | grafted (after) | steps with exchange |",
-              "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Exchange volume per direction",
+        "",
+        "| receiver | candidates (before balancing) | grafted (after) | steps with exchange |",
+        "|---|---:|---:|---:|",
+    ]
     for p in a.policies:
         got = [m.get("exchanged_in") or 0 for m in a.by_pol[p]]
         s = a.summary["policies"][p]
         lines.append(f"| {p} | {s['candidates']:.0f} | {s['grafted']:.0f} | {sum(1 for g in got if g)} / {len(got)} |")
     lines += ["", "## Compatibility and admission", ""] + _report_compatibility(a)
-    lines += ["", "## Clipped-token fraction (Table 9)", "", "| policy | self tokens | peer tokens | steps with peer tokens | of which zero peer clipping |",
-              "|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Clipped-token fraction (Table 9)",
+        "",
+        "| policy | self tokens | peer tokens | steps with peer tokens | of which zero peer clipping |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for p in a.policies:
         s = a.summary["policies"][p]
         n_peer = sum(1 for m in a.by_pol[p] if m.get("clip_frac_peer") is not None)
-        lines.append(f"| {p} | {100 * (s['clip_self'] or 0):.2f}% | {100 * (s['clip_peer'] or 0):.2f}% | {n_peer} | "
-                     f"{s['zero_peer_clip_steps']} |")
+        lines.append(
+            f"| {p} | {100 * (s['clip_self'] or 0):.2f}% | {100 * (s['clip_peer'] or 0):.2f}% | {n_peer} | "
+            f"{s['zero_peer_clip_steps']} |"
+        )
     lines += ["", "## Case studies (Appendix I)", ""] + _report_cases(a.cases)
     return "\n".join(lines + ["", "## Compute (Table 5)", ""] + _report_compute(a)) + "\n"
 
@@ -388,17 +458,26 @@ def _report_compatibility(a: Analysis) -> list[str]:
     if not a.exchange:
         return ["No peer responses were grafted in this run (zero exchanges): nothing to score."]
     d = a.delta
-    lines = [f"| direction | peer responses | admitted (w>0) | mean weight | s (token) median [p10, p90] | "
-             f"s (char) median [p10, p90] | s_token > {d} | s_char > {d} | admitted: correct / wrong |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| direction | peer responses | admitted (w>0) | mean weight | s (token) median [p10, p90] | "
+        f"s (char) median [p10, p90] | s_token > {d} | s_char > {d} | admitted: correct / wrong |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for (src, recv), rows in a.dirs.items():
         st = compatibility_stats(rows, d)
         adm = sum(1 for r in rows if r["weight"] > 0) / len(rows)
-        cells = "- | - | - | - | -" if not st["n"] else (
-            f"{st['median_token']:.3f} [{st['p10_token']:.2f}, {st['p90_token']:.2f}] | "
-            f"{st['median_char']:.3f} [{st['p10_char']:.2f}, {st['p90_char']:.2f}] | {_pct(st['pass_token'])} | "
-            f"{_pct(st['pass_char'])} | {_pct(st['admitted_correct'])} / {_pct(st['admitted_wrong'])}")
-        lines.append(f"| {src}→{recv} | {len(rows)} | {100 * adm:.1f}% | {_mean(r['weight'] for r in rows):.3f} | {cells} |")
+        cells = (
+            "- | - | - | - | -"
+            if not st["n"]
+            else (
+                f"{st['median_token']:.3f} [{st['p10_token']:.2f}, {st['p90_token']:.2f}] | "
+                f"{st['median_char']:.3f} [{st['p10_char']:.2f}, {st['p90_char']:.2f}] | {_pct(st['pass_token'])} | "
+                f"{_pct(st['pass_char'])} | {_pct(st['admitted_correct'])} / {_pct(st['admitted_wrong'])}"
+            )
+        )
+        lines.append(
+            f"| {src}→{recv} | {len(rows)} | {100 * adm:.1f}% | {_mean(r['weight'] for r in rows):.3f} | {cells} |"
+        )
     return lines
 
 
@@ -428,8 +507,10 @@ def _report_cases(cases: list[dict]) -> list[str]:
 
 def _report_compute(a: Analysis) -> list[str]:
     """Compute accounting (Table 5); the best step by the trainer's own rule (rundir.best_steps)."""
-    lines = ["| policy | generate s | reward s | score s | update s | total s | best step | s to best |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| policy | generate s | reward s | score s | update s | total s | best step | s to best |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     step_time: dict[int, float] = defaultdict(float)
     for p in a.policies:
         for m in a.by_pol[p]:
@@ -445,8 +526,11 @@ def _report_compute(a: Analysis) -> list[str]:
         )
     bests = [b for p in a.policies if (b := a.best.get(p)) is not None]
     joint_best = sum(t for s, t in step_time.items() if bests and s <= max(bests))
-    return lines + ["", f"Joint: {a.summary['joint_seconds']:.1f} s for the whole run; {joint_best:.1f} s to the later "
-                    "of the best checkpoints (the joint run must reach both)."]
+    return lines + [
+        "",
+        f"Joint: {a.summary['joint_seconds']:.1f} s for the whole run; {joint_best:.1f} s to the later "
+        "of the best checkpoints (the joint run must reach both).",
+    ]
 
 
 def print_summary(summary: dict) -> None:
@@ -455,8 +539,13 @@ def print_summary(summary: dict) -> None:
     from rich.table import Table
 
     # fits an 80-column terminal (SIMPLE_HEAD, one space between columns); report.md has the full tables
-    t = Table(title=f"graft analyze {summary['run']}", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
-              title_justify="left")
+    t = Table(
+        title=f"graft analyze {summary['run']}",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        padding=(0, 1, 0, 0),
+        title_justify="left",
+    )
     for c in ("policy", "compl.", "candidates", "grafted", "admitted", "clip own", "clip peer", "best@", "s"):
         t.add_column(c, justify="left" if c == "policy" else "right", no_wrap=True)
 
@@ -466,12 +555,22 @@ def print_summary(summary: dict) -> None:
         return f"{100 * v:.1f}%" if pct else (f"{v:.0f}" if isinstance(v, float) else str(v))
 
     for p, s in summary["policies"].items():
-        t.add_row(p, f(s.get("complementarity_mean"), True), f(s.get("candidates")), f(s.get("grafted")),
-                  f(s.get("admitted_frac"), True), f(s.get("clip_self"), True), f(s.get("clip_peer"), True),
-                  f(s.get("best_step")), f(s.get("seconds")))
+        t.add_row(
+            p,
+            f(s.get("complementarity_mean"), True),
+            f(s.get("candidates")),
+            f(s.get("grafted")),
+            f(s.get("admitted_frac"), True),
+            f(s.get("clip_self"), True),
+            f(s.get("clip_peer"), True),
+            f(s.get("best_step")),
+            f(s.get("seconds")),
+        )
     console = Console()
     console.print(t)
-    console.print("compl.: fraction of the policy's all-fail prompts a peer solves; candidates / grafted: peer groups before / "
-          "after balancing; admitted: grafted peer responses with weight > 0 (pooled); clip: clipped token fractions; "
-          "best@: best validation step; s: training seconds.")
+    console.print(
+        "compl.: fraction of the policy's all-fail prompts a peer solves; candidates / grafted: peer groups before / "
+        "after balancing; admitted: grafted peer responses with weight > 0 (pooled); clip: clipped token fractions; "
+        "best@: best validation step; s: training seconds."
+    )
     console.print(f"report and plots: {summary['out']}", soft_wrap=True)

@@ -102,13 +102,17 @@ class Checkpointing:
                 tmp = best_dir / f".{name}.tmp"
                 _link_tree(best_dir / COMMITTED / name, tmp)
                 replace_dir(tmp, best_dir / name)
-                print(f"graft train: best/{name} restored to step {want['step']}'s weights (it held step "
-                      f"{on_disk.get(name, {}).get('step')}'s, from after the checkpoint)")
+                print(
+                    f"graft train: best/{name} restored to step {want['step']}'s weights (it held step "
+                    f"{on_disk.get(name, {}).get('step')}'s, from after the checkpoint)"
+                )
                 continue
             remove_dir(best_dir / name)
             self.best.pop(name, None)
-            print(f"graft train: best/{name} removed: it held step {on_disk.get(name, {}).get('step')}'s weights, from after "
-                  f"the checkpoint; the next validation writes it again")
+            print(
+                f"graft train: best/{name} removed: it held step {on_disk.get(name, {}).get('step')}'s weights, from after "
+                f"the checkpoint; the next validation writes it again"
+            )
         write_text_atomic(best_dir / "best.json", json.dumps(self.best, indent=1))
 
     def _latest_checkpoint(self, announce: bool = False) -> Path | None:
@@ -127,8 +131,10 @@ class Checkpointing:
             if announce:
                 print(f"graft train: checkpoint {ckpt.name} is damaged ({problem}); trying the one before it")
         if steps and announce:
-            raise CheckpointError(f"{root}: every checkpoint is damaged ({'; '.join(problems)}); nothing was deleted. "
-                                  f"Restore a copy of one, or start a new run in another run_dir")
+            raise CheckpointError(
+                f"{root}: every checkpoint is damaged ({'; '.join(problems)}); nothing was deleted. "
+                f"Restore a copy of one, or start a new run in another run_dir"
+            )
         return None
 
     def _check_config(self, ckpt: Path) -> None:
@@ -170,7 +176,6 @@ class Checkpointing:
         self.store.truncate_after(step)
 
 
-
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text())
@@ -183,19 +188,31 @@ def _link_tree(src: Path, dst: Path) -> None:
     Safe because every file in best/ and checkpoints is replaced by a new file, never written in place."""
     if dst.exists():
         shutil.rmtree(dst)
+
     def link(s, d):
         try:
             os.link(s, d)
         except OSError:
             shutil.copy2(s, d)
+
     shutil.copytree(src, dst, copy_function=link)
 
 
 def is_write_error(exc: BaseException) -> bool:
     """torch.save and safetensors report a full disk as a RuntimeError (zip writer, serialisation)."""
     text = str(exc)
-    return any(k in text for k in ("PytorchStreamWriter", "enforce fail", "No space left", "file write failed",
-                                   "unexpected pos", "Error while serializing", "SafetensorError"))
+    return any(
+        k in text
+        for k in (
+            "PytorchStreamWriter",
+            "enforce fail",
+            "No space left",
+            "file write failed",
+            "unexpected pos",
+            "Error while serializing",
+            "SafetensorError",
+        )
+    )
 
 
 def write_error_text(exc: BaseException, where: Path) -> str:

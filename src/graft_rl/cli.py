@@ -19,8 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="co-train policies with GRAFT, a baseline or an ablation")
     t.add_argument("config", nargs="?", help="YAML config (default: the built-in CPU demo)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. method.delta=0.9 policies.0.lr=1e-5")
-    t.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue a run from its last complete checkpoint (overrides may raise steps/epochs)")
+    t.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its last complete checkpoint (overrides may raise steps/epochs)",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_eval(sub)
     _add_probe_seeds_plan(sub)
@@ -30,39 +33,56 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_eval(sub) -> None:
     e = sub.add_parser(
-        "eval", help="pass@1 / pass@k on the paper's benchmarks or a run's own task (mean ± std over runs)",
+        "eval",
+        help="pass@1 / pass@k on the paper's benchmarks or a run's own task (mean ± std over runs)",
         description="Settings not given come from a run directory's validation settings (its held-out task, sampling and "
-                    "lengths; the five benchmarks for math runs), else the paper's protocol: math500, aime24, aime25, "
-                    "amc23, minerva; 8 samples x 5 runs; T 0.6, top-p 0.95; 4096 new tokens.",
+        "lengths; the five benchmarks for math runs), else the paper's protocol: math500, aime24, aime25, "
+        "amc23, minerva; 8 samples x 5 runs; T 0.6, top-p 0.95; 4096 new tokens.",
     )
-    e.add_argument("target", help="a run directory (its best checkpoints) or a model (directory, GGUF, zoo:NAME, hub id)")
-    e.add_argument("--benchmarks", default=None, help="comma-separated built-in names or .jsonl paths (default: see above)")
+    e.add_argument(
+        "target", help="a run directory (its best checkpoints) or a model (directory, GGUF, zoo:NAME, hub id)"
+    )
+    e.add_argument(
+        "--benchmarks", default=None, help="comma-separated built-in names or .jsonl paths (default: see above)"
+    )
     e.add_argument("--samples", type=int, default=None, help="responses per problem (default: 8)")
     e.add_argument("--runs", type=int, default=None, help="independent runs with different seeds (default: 5)")
     e.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark (default: all)")
     e.add_argument("--temperature", type=float, default=None, help="default: the run's, else 0.6")
     e.add_argument("--top-p", type=float, default=None, help="default: the run's, else 0.95")
-    e.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default: the run's, else 4096; clamped to each model's context")
+    e.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="default: the run's, else 4096; clamped to each model's context",
+    )
     e.add_argument("--policy", default=None, help="only this policy of a run directory")
     e.add_argument("--out", default=None, help="output directory (default RUN_DIR/eval or ./eval_results)")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     e.add_argument("--device", default=None)
-    e.add_argument("--backend", default=None, choices=["hf", "vllm"], help="rollout backend (default: the run's, else hf)")
-    e.add_argument("--world-size", type=int, default=None, metavar="W",
-                   help="Ray actors to spread the work over, one model and rollout engine each (one GPU each on a GPU "
-                        "machine; default: the devices the run trained on, all its policies' world_size, else 1)")
+    e.add_argument(
+        "--backend", default=None, choices=["hf", "vllm"], help="rollout backend (default: the run's, else hf)"
+    )
+    e.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="W",
+        help="Ray actors to spread the work over, one model and rollout engine each (one GPU each on a GPU "
+        "machine; default: the devices the run trained on, all its policies' world_size, else 1)",
+    )
     e.add_argument("--prompt-format", default=None, choices=["auto", "chat", "plain"])
 
 
 def _add_probe_seeds_plan(sub) -> None:
     pr = sub.add_parser(
-        "probe", help="will GRAFT help this pair? complementarity and compatibility before any training",
+        "probe",
+        help="will GRAFT help this pair? complementarity and compatibility before any training",
         description="Each policy samples the config's n responses for --limit training prompts (default: one "
-                    "prompt_batch); rewards are verified and a training step's selection, balanced exchange and "
-                    "compatibility gate run on them, without any update. Prints per policy and direction the all-fail "
-                    "rate, complementary candidates, groups grafted per step, compatibility and the share the gate "
-                    "admits (per prompt family where the data has them), and a verdict; writes probe.json and probe.png.",
+        "prompt_batch); rewards are verified and a training step's selection, balanced exchange and "
+        "compatibility gate run on them, without any update. Prints per policy and direction the all-fail "
+        "rate, complementary candidates, groups grafted per step, compatibility and the share the gate "
+        "admits (per prompt family where the data has them), and a verdict; writes probe.json and probe.png.",
     )
     pr.add_argument("config", nargs="?", help="YAML config (the one you would train; default: graft train's built-in)")
     pr.add_argument("overrides", nargs="*", help="key=value overrides, as for graft train")
@@ -70,13 +90,16 @@ def _add_probe_seeds_plan(sub) -> None:
     pr.add_argument("--out", default=None, help="output directory (default probe/<run_dir name>)")
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     sd = sub.add_parser(
-        "seeds", help="mean ± std of graft eval results over independent training runs (Table 4)",
+        "seeds",
+        help="mean ± std of graft eval results over independent training runs (Table 4)",
         description="Each RUN_DIR must have been evaluated (graft eval RUN_DIR writes RUN_DIR/eval/eval.json). Prints "
-                    "each policy's pass@1 per benchmark and average as mean ± sample std over the runs; with --baseline, "
-                    "the baseline runs' too and Δ, the difference of the mean averages (Table 4: GRAFT vs GRPO n=8).",
+        "each policy's pass@1 per benchmark and average as mean ± sample std over the runs; with --baseline, "
+        "the baseline runs' too and Δ, the difference of the mean averages (Table 4: GRAFT vs GRPO n=8).",
     )
     sd.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    sd.add_argument("--baseline", nargs="*", default=[], metavar="RUN_DIR", help="e.g. the GRPO n=8 runs of the same seeds")
+    sd.add_argument(
+        "--baseline", nargs="*", default=[], metavar="RUN_DIR", help="e.g. the GRPO n=8 runs of the same seeds"
+    )
     sd.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
     pl = sub.add_parser("plan", help="memory per GPU and GPUs per policy for a config (nothing is loaded)")
     pl.add_argument("config", help="YAML config")
@@ -86,12 +109,14 @@ def _add_probe_seeds_plan(sub) -> None:
 
 def _add_preflight_analyze(sub) -> None:
     pf = sub.add_parser(
-        "preflight", help="rehearse a config's own code path at toy size on this machine, stage by stage",
+        "preflight",
+        help="rehearse a config's own code path at toy size on this machine, stage by stage",
         description="Runs CONFIG's code path (placement, model build, generate, verify, exchange, update, weight push, "
-                    "validation, checkpoint, resume, graft eval, graft analyze) with tiny models of the same architecture "
-                    "families and toy sizes, keeping what the config decides (method, execution, world sizes, backend, "
-                    "precision); on a machine without the GPUs it needs, ranks become CPU processes. Prints a checklist "
-                    "and graft plan's verdict for the real config. Exit 0 when every stage passed.")
+        "validation, checkpoint, resume, graft eval, graft analyze) with tiny models of the same architecture "
+        "families and toy sizes, keeping what the config decides (method, execution, world sizes, backend, "
+        "precision); on a machine without the GPUs it needs, ranks become CPU processes. Prints a checklist "
+        "and graft plan's verdict for the real config. Exit 0 when every stage passed.",
+    )
     pf.add_argument("config", help="YAML config")
     pf.add_argument("overrides", nargs="*", help="key=value overrides of the real config")
     pf.add_argument("--run-dir", default=None, help="keep the toy run here (default: a temporary directory, removed)")
@@ -132,12 +157,23 @@ def _train(ns) -> int:
                 cfg = load_config(config, overrides)
             trainer = Trainer(cfg, show_progress=not ns.no_progress)
         trainer.run()
-    except (ConfigError, DatasetError, PolicyError, RecordError, RunDirError, FloatingPointError, DynamicSamplingError) as exc:
+    except (
+        ConfigError,
+        DatasetError,
+        PolicyError,
+        RecordError,
+        RunDirError,
+        FloatingPointError,
+        DynamicSamplingError,
+    ) as exc:
         print(f"graft train: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # read-only run directory, disk full, ...
         where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
-        print(f"graft train: cannot write{where}: {exc.strerror}" if exc.strerror else f"graft train: {exc}", file=sys.stderr)
+        print(
+            f"graft train: cannot write{where}: {exc.strerror}" if exc.strerror else f"graft train: {exc}",
+            file=sys.stderr,
+        )
         return 2
     except RuntimeError as exc:
         from graft_rl.distributed import ActorError, ResourceError
@@ -162,12 +198,32 @@ def _eval(ns) -> int:
     from graft_rl.evaluate_cli import run_eval
     from graft_rl.policy import PolicyError
 
-    overrides = {k: v for k, v in (("dtype", ns.dtype), ("device", ns.device), ("backend", ns.backend),
-                                   ("prompt_format", ns.prompt_format)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("dtype", ns.dtype),
+            ("device", ns.device),
+            ("backend", ns.backend),
+            ("prompt_format", ns.prompt_format),
+        )
+        if v is not None
+    }
     try:
         benchmarks = [b.strip() for b in ns.benchmarks.split(",") if b.strip()] if ns.benchmarks else None
-        run_eval(ns.target, benchmarks, ns.samples, ns.runs, ns.limit,
-                 ns.temperature, ns.top_p, ns.max_new_tokens, ns.policy, ns.out, overrides, replicas=ns.world_size)
+        run_eval(
+            ns.target,
+            benchmarks,
+            ns.samples,
+            ns.runs,
+            ns.limit,
+            ns.temperature,
+            ns.top_p,
+            ns.max_new_tokens,
+            ns.policy,
+            ns.out,
+            overrides,
+            replicas=ns.world_size,
+        )
     except (DatasetError, PolicyError, ValueError) as exc:
         print(f"graft eval: {exc}", file=sys.stderr)
         return 2
@@ -247,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides after an option (`graft train cfg.yaml --no-progress n=16`)
-        if ns.command in ("train", "plan", "preflight", "probe") and all("=" in e and not e.startswith("-") for e in extra):
+        if ns.command in ("train", "plan", "preflight", "probe") and all(
+            "=" in e and not e.startswith("-") for e in extra
+        ):
             ns.overrides = [*ns.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -20,7 +20,17 @@ from graft_rl.errors import ConfigError
 from graft_rl.methods import MethodConfig, method_class
 from graft_rl.policy import PolicyConfig
 
-__all__ = ["ConfigError", "DataConfig", "MethodConfig", "PeerRecords", "TrainConfig", "ValidationConfig", "load_config", "apply_overrides", "to_dict"]
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "MethodConfig",
+    "PeerRecords",
+    "TrainConfig",
+    "ValidationConfig",
+    "load_config",
+    "apply_overrides",
+    "to_dict",
+]
 
 
 @dataclass
@@ -138,13 +148,23 @@ class TrainConfig:
         self._validate_execution()
 
     def _validate_sizes(self) -> None:
-        for key in ("prompt_batch", "minibatch", "n", "max_new_tokens", "epochs", "checkpoint_every", "keep_checkpoints"):
+        for key in (
+            "prompt_batch",
+            "minibatch",
+            "n",
+            "max_new_tokens",
+            "epochs",
+            "checkpoint_every",
+            "keep_checkpoints",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"steps must be >= 1 (or null for `epochs` passes over the data), got {self.steps}")
         if self.n < 2:
-            raise ConfigError(f"n must be >= 2: GRPO's group-relative advantage of a single response is 0, so n={self.n} trains nothing")
+            raise ConfigError(
+                f"n must be >= 2: GRPO's group-relative advantage of a single response is 0, so n={self.n} trains nothing"
+            )
         if not self.temperature > 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -164,21 +184,29 @@ class TrainConfig:
             if getattr(v, key) < 1:
                 raise ConfigError(f"validation.{key} must be >= 1, got {getattr(v, key)}")
         if not v.temperature > 0 or not 0 < v.top_p <= 1:
-            raise ConfigError(f"validation.temperature must be > 0 and validation.top_p in (0, 1], got {v.temperature}, {v.top_p}")
+            raise ConfigError(
+                f"validation.temperature must be > 0 and validation.top_p in (0, 1], got {v.temperature}, {v.top_p}"
+            )
         if not self.data.verify_timeout > 0 or not self.data.verify_budget > 0:
-            raise ConfigError(f"data.verify_timeout and data.verify_budget must be > 0, got {self.data.verify_timeout}, {self.data.verify_budget}")
+            raise ConfigError(
+                f"data.verify_timeout and data.verify_budget must be > 0, got {self.data.verify_timeout}, {self.data.verify_budget}"
+            )
 
     def _validate_execution(self) -> None:
         if not self.ray.collective_timeout > 0:
             raise ConfigError(f"ray.collective_timeout must be > 0 seconds, got {self.ray.collective_timeout}")
         if not self.ray.placement_timeout > 0 or self.ray.num_cpus < 0 or self.ray.num_gpus < 0:
-            raise ConfigError(f"ray.placement_timeout must be > 0 and ray.num_cpus, ray.num_gpus >= 0, got "
-                              f"{self.ray.placement_timeout}, {self.ray.num_cpus}, {self.ray.num_gpus}")
+            raise ConfigError(
+                f"ray.placement_timeout must be > 0 and ray.num_cpus, ray.num_gpus >= 0, got "
+                f"{self.ray.placement_timeout}, {self.ray.num_cpus}, {self.ray.num_gpus}"
+            )
         if self.execution not in ("local", "ray"):
             raise ConfigError(f"execution: must be local or ray, got {self.execution!r}")
         for i, pc in enumerate(self.policies):
             if pc.world_size > 1 and self.execution != "ray":
-                raise ConfigError(f"policies.{i}.world_size={pc.world_size} (FSDP2 over {pc.world_size} ranks) needs execution: ray")
+                raise ConfigError(
+                    f"policies.{i}.world_size={pc.world_size} (FSDP2 over {pc.world_size} ranks) needs execution: ray"
+                )
 
 
 # ---------------------------------------------------------------------------------- building
@@ -344,8 +372,10 @@ def load_config(path: str | Path | dict | None, overrides: list[str] | None = No
     method = data.get("method")
     if isinstance(method, dict) and "dynamic_max_rounds" in method:  # the key before issue 23
         if not saved:
-            raise ConfigError("method.dynamic_max_rounds is now method.max_num_gen_batches (DAPO's: generation batches "
-                              "per step, the first included; <= 0 for no limit)")
+            raise ConfigError(
+                "method.dynamic_max_rounds is now method.max_num_gen_batches (DAPO's: generation batches "
+                "per step, the first included; <= 0 for no limit)"
+            )
         data["method"] = {**method, "max_num_gen_batches": int(method["dynamic_max_rounds"]) + 1}
         del data["method"]["dynamic_max_rounds"]
     cfg = _build(TrainConfig, data, "")

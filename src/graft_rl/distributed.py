@@ -31,8 +31,19 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["start_actors", "start_replicas", "get", "completion_order", "check_cluster", "policy_bundles", "ActorError", "ActorDied",
-           "ActorGroup", "RankWorker", "ResourceError"]
+__all__ = [
+    "start_actors",
+    "start_replicas",
+    "get",
+    "completion_order",
+    "check_cluster",
+    "policy_bundles",
+    "ActorError",
+    "ActorDied",
+    "ActorGroup",
+    "RankWorker",
+    "ResourceError",
+]
 
 #: Ray resources are counted to 1e-4; fractions are rounded down to this grid.
 _GRID = 1e-4
@@ -99,7 +110,9 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
                 need[k] = need.get(k, 0.0) + v
         for key in bundles[0]:
             if key not in ("CPU", "GPU") and bundles[0][key] > 0 and key not in total:
-                have = ", ".join(sorted(k for k in total if not k.startswith(("node:", "accelerator_type", "object_store"))))
+                have = ", ".join(
+                    sorted(k for k in total if not k.startswith(("node:", "accelerator_type", "object_store")))
+                )
                 raise ResourceError(
                     f"policy {pc.name!r} asks for custom resource {key!r} (ray.resources.{pc.name}), which no node of the Ray "
                     f"cluster has (it has: {have}); start that node with ray start --resources='{{\"{key}\": 1}}'"
@@ -127,10 +140,14 @@ def _fit_hint(cfg, bundle: dict, have: dict, ranks: int) -> str:
     for key, what in (("GPU", "ray.num_gpus"), ("CPU", "ray.num_cpus")):
         if bundle.get(key, 0) > have.get(key, 0) / ranks + 1e-9:
             if key == "GPU":
-                return (f"lower policies.N.world_size (each rank takes {bundle[key]:g} GPU) or add GPUs "
-                        f"({what}={math.floor(have.get(key, 0) / ranks / _GRID) * _GRID:g} would share them)")
+                return (
+                    f"lower policies.N.world_size (each rank takes {bundle[key]:g} GPU) or add GPUs "
+                    f"({what}={math.floor(have.get(key, 0) / ranks / _GRID) * _GRID:g} would share them)"
+                )
             fit = math.floor(have.get(key, 0) / ranks / _GRID) * _GRID
-            return f"set {what}={fit:g} (fits {ranks} rank actors on {have.get(key, 0):g} CPUs)" if fit > 0 else "add CPUs"
+            return (
+                f"set {what}={fit:g} (fits {ranks} rank actors on {have.get(key, 0):g} CPUs)" if fit > 0 else "add CPUs"
+            )
     return "lower the custom resource or add a node that has it"
 
 
@@ -167,8 +184,14 @@ def start_actors(cfg, policy_configs) -> dict:
         threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
         worker_args = (pc, cfg.method, cfg.minibatch, cfg.nonfinite_loss, threads)
         if pc.world_size > 1:
-            actors[pc.name] = ActorGroup.start(pc.name, policy_bundles(cfg, pc), opts, worker_args, cfg.ray.placement_timeout,
-                                               cfg.ray.collective_timeout)
+            actors[pc.name] = ActorGroup.start(
+                pc.name,
+                policy_bundles(cfg, pc),
+                opts,
+                worker_args,
+                cfg.ray.placement_timeout,
+                cfg.ray.collective_timeout,
+            )
             for r, a in enumerate(actors[pc.name].actors):
                 _NAMES[a._actor_id.hex()] = (pc.name, r)
             continue
@@ -203,9 +226,18 @@ def start_replicas(cfg, pc, replicas: int) -> list:
     actors = []
     for b in policy_bundles(cfg, spread):
         custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
-        opts = {"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0), "resources": custom or None, "max_restarts": 0, **extra}
-        actors.append(remote_cls.options(**{k: v for k, v in opts.items() if v is not None}).remote(
-            replace(pc, world_size=1), method, 1, "skip", threads))
+        opts = {
+            "num_cpus": b["CPU"],
+            "num_gpus": b.get("GPU", 0),
+            "resources": custom or None,
+            "max_restarts": 0,
+            **extra,
+        }
+        actors.append(
+            remote_cls.options(**{k: v for k, v in opts.items() if v is not None}).remote(
+                replace(pc, world_size=1), method, 1, "skip", threads
+            )
+        )
     for r, a in enumerate(actors):
         _NAMES[a._actor_id.hex()] = (pc.name, r)
     get(GroupRef([a.name.remote() for a in actors], pc.name))
@@ -243,8 +275,13 @@ class RankWorker:
         if pc.device.startswith("cuda"):
             torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
         backend = "nccl" if pc.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=timeout),
+        )
         self.worker = PolicyWorker(*worker_args)
 
     def call(self, method: str, *args):
@@ -274,8 +311,15 @@ class ActorGroup:
         self.policy, self.actors, self.placement_group = policy, actors, placement_group
 
     @classmethod
-    def start(cls, name: str, bundles: list[dict], opts: dict, worker_args: tuple, timeout: float = 120.0,
-              collective_timeout: float = 3600.0) -> ActorGroup:
+    def start(
+        cls,
+        name: str,
+        bundles: list[dict],
+        opts: dict,
+        worker_args: tuple,
+        timeout: float = 120.0,
+        collective_timeout: float = 3600.0,
+    ) -> ActorGroup:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -290,13 +334,17 @@ class ActorGroup:
                 f"policy {name!r}: the Ray cluster did not place {world} x {_fmt(bundles[0])} within {timeout:g} s "
                 f"(ray.placement_timeout): its resources are held by other work (ray status shows what is free)"
             ) from None
-        extra = {k: v for k, v in opts.items() if k not in ("num_cpus", "num_gpus", "resources", "name") and v is not None}
+        extra = {
+            k: v for k, v in opts.items() if k not in ("num_cpus", "num_gpus", "resources", "name") and v is not None
+        }
         remote_cls = ray.remote(RankWorker)
         actors = [
             remote_cls.options(
-                num_cpus=bundles[r]["CPU"], num_gpus=bundles[r].get("GPU", 0),
+                num_cpus=bundles[r]["CPU"],
+                num_gpus=bundles[r].get("GPU", 0),
                 resources={k: v for k, v in bundles[r].items() if k not in ("CPU", "GPU")} or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r), **extra,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+                **extra,
             ).remote(r, world)
             for r in range(world)
         ]
@@ -408,7 +456,7 @@ def _one_line(who: str, rank, cause: BaseException) -> BaseException:
     first = text[0] if text else ""
     own = f"policy {who!r}: "
     if first.startswith(own):  # graft-rl's errors name the policy already: add the rank
-        first = first[len(own):]
+        first = first[len(own) :]
     if isinstance(cause, (PolicyError, ConfigError, FloatingPointError, OSError)):
         try:
             return type(cause)(f"policy {who!r}{_rank(rank)}: {first}")

@@ -55,7 +55,9 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
                 raise DatasetError(f"{path}: run has no checkpoint of policy {pc.name!r} to evaluate")
             problem = manifest_problem(model) if model == best else manifest_problem(model.parent, only=pc.name)
             if problem is not None:  # weights that are not what the run wrote are never evaluated
-                raise DatasetError(f"{model}: {problem}; not evaluated (evaluate an intact checkpoint directory instead)")
+                raise DatasetError(
+                    f"{model}: {problem}; not evaluated (evaluate an intact checkpoint directory instead)"
+                )
             out.append(replace(pc, **{**one, "model": str(model), **overrides}))
         if not out:
             raise DatasetError(f"{path}: no policy named {policy!r} (have: {', '.join(p.name for p in cfg.policies)})")
@@ -72,7 +74,9 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
         run, name = owner
         from graft_rl.config import load_config
 
-        pcs = [pc for pc in load_config(run / "config.yaml", [f"run_dir={run}"], saved=True).policies if pc.name == name]
+        pcs = [
+            pc for pc in load_config(run / "config.yaml", [f"run_dir={run}"], saved=True).policies if pc.name == name
+        ]
         if pcs:
             return [replace(pcs[0], **{**one, "model": str(path), **overrides})]
     return [PolicyConfig(name=policy or Path(target).name or target, model=target, **overrides)]
@@ -102,7 +106,14 @@ def _benchmarks(names: list[str]) -> dict[str, str]:
 
 
 #: The paper's evaluation protocol (Section 5.1 / Appendix B): what `graft eval MODEL` uses.
-PAPER = {"benchmarks": list(BENCHMARKS), "samples": 8, "runs": 5, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096}
+PAPER = {
+    "benchmarks": list(BENCHMARKS),
+    "samples": 8,
+    "runs": 5,
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "max_new_tokens": 4096,
+}
 
 
 def eval_defaults(target: str) -> tuple[dict, str]:
@@ -187,7 +198,12 @@ def run_eval(
     """
     from tqdm.auto import tqdm
 
-    for flag, value in (("--samples", samples), ("--runs", runs), ("--limit", limit), ("--max-new-tokens", max_new_tokens)):
+    for flag, value in (
+        ("--samples", samples),
+        ("--runs", runs),
+        ("--limit", limit),
+        ("--max-new-tokens", max_new_tokens),
+    ):
         if value is not None and value < 1:  # 0 would silently mean "the default" (or one problem)
             raise ValueError(f"{flag} must be >= 1, got {value}")
     defaults, source = eval_defaults(target)
@@ -200,20 +216,51 @@ def run_eval(
     if replicas is not None and replicas < 1:
         raise ValueError(f"--world-size must be >= 1, got {replicas}")
     if show:
-        print(f"graft eval: {', '.join(benchmarks)}; {samples} samples x {runs} runs, T={temperature}, top-p={top_p}, "
-              f"max_new_tokens={max_new_tokens}" + (f", first {limit} problems" if limit else "") + f" (defaults: {source})")
+        print(
+            f"graft eval: {', '.join(benchmarks)}; {samples} samples x {runs} runs, T={temperature}, top-p={top_p}, "
+            f"max_new_tokens={max_new_tokens}"
+            + (f", first {limit} problems" if limit else "")
+            + f" (defaults: {source})"
+        )
     bench = _benchmarks(benchmarks)
     data = {label: load_dataset(name, limit) for label, name in bench.items()}
     for label, name in bench.items():
         check_answers(data[label], verifier_for(name, data[label][0]), name)
     targets = resolve_targets(target, policy, **(policy_overrides or {}))
-    out = Path(out_dir) if out_dir else (Path(target) / "eval" if (Path(target) / "config.yaml").is_file() else Path("eval_results"))
+    out = (
+        Path(out_dir)
+        if out_dir
+        else (Path(target) / "eval" if (Path(target) / "config.yaml").is_file() else Path("eval_results"))
+    )
     _check_writable(out)  # before any evaluation: results are never computed only to be lost
-    results: dict = {"target": target, "samples": samples, "runs": runs, "temperature": temperature, "top_p": top_p,
-                     "limit": limit, "max_new_tokens": max_new_tokens, "complete": False, "policies": {}}
+    results: dict = {
+        "target": target,
+        "samples": samples,
+        "runs": runs,
+        "temperature": temperature,
+        "top_p": top_p,
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+        "complete": False,
+        "policies": {},
+    }
     try:
-        _evaluate_targets(targets, target, replicas, data, bench, samples, runs, temperature, top_p, max_new_tokens, show,
-                          tqdm, results, out)
+        _evaluate_targets(
+            targets,
+            target,
+            replicas,
+            data,
+            bench,
+            samples,
+            runs,
+            temperature,
+            top_p,
+            max_new_tokens,
+            show,
+            tqdm,
+            results,
+            out,
+        )
     except KeyboardInterrupt:
         done = ", ".join(results["policies"]) or "none"
         raise EvalInterrupted(f"interrupted; finished policies ({done}) written to {out / 'eval.json'}") from None
@@ -238,7 +285,9 @@ def _check_writable(out: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise ValueError(f"cannot write results to {out} ({exc.strerror or exc}); give another directory with --out") from None
+        raise ValueError(
+            f"cannot write results to {out} ({exc.strerror or exc}); give another directory with --out"
+        ) from None
 
 
 def _write_results(out: Path, results: dict, labels: list[str]) -> None:
@@ -249,15 +298,18 @@ def _write_results(out: Path, results: dict, labels: list[str]) -> None:
     write_text_atomic(out / "eval.md", _markdown(results, labels))
 
 
-def _evaluate_targets(targets, target, replicas, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm,
-                      results, out) -> None:
+def _evaluate_targets(
+    targets, target, replicas, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm, results, out
+) -> None:
     for pc in targets:
         W = replicas or default_replicas(target, pc)
         workers, actors = _start(target, pc, W)
         if show and actors:
             print(f"graft eval: {pc.name} on {W} Ray actors ({pc.backend} backend, device {pc.device})")
         try:
-            per = _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm)
+            per = _evaluate(
+                pc, workers, actors, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm
+            )
         finally:
             if actors:
                 import ray
@@ -284,8 +336,10 @@ def _start(target: str, pc: PolicyConfig, replicas: int) -> tuple[list, bool]:
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
-        raise ValueError(f"spreading {pc.name} over {replicas} devices needs Ray (pip install 'graft-rl[ray]'); "
-                         f"--world-size 1 evaluates in this process")
+        raise ValueError(
+            f"spreading {pc.name} over {replicas} devices needs Ray (pip install 'graft-rl[ray]'); "
+            f"--world-size 1 evaluates in this process"
+        )
     from graft_rl.distributed import start_replicas
 
     return start_replicas(_ray_config(target, pc, replicas), pc, replicas), True
@@ -310,8 +364,24 @@ def _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_
         for r in range(runs):
             for s in range(0, len(problems), EVAL_CHUNK):
                 w = workers[len(jobs) % len(workers)]
-                jobs.append((label, r, s, call(w, "evaluate", problems[s : s + EVAL_CHUNK], verifier, samples, temperature,
-                                                 top_p, budget, 1000 * r + s)))
+                jobs.append(
+                    (
+                        label,
+                        r,
+                        s,
+                        call(
+                            w,
+                            "evaluate",
+                            problems[s : s + EVAL_CHUNK],
+                            verifier,
+                            samples,
+                            temperature,
+                            top_p,
+                            budget,
+                            1000 * r + s,
+                        ),
+                    )
+                )
     bar = tqdm(total=len(jobs), desc=f"graft eval {pc.name}", unit="chunk", disable=not show)
     correct: dict = {}
     for label, r, s, handle in jobs:
@@ -346,8 +416,13 @@ def _markdown(res: dict, labels: list[str]) -> str:
         "|---|" + "---:|" * (len(labels) + 1),
     ]
     for name, p in res["policies"].items():
-        cells = [f"{100 * p['benchmarks'][b]['pass@1_mean']:.2f} ± {100 * p['benchmarks'][b]['pass@1_std']:.2f}" for b in labels]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {100 * p['average']:.2f} ± {100 * p['average_std']:.2f} |")
+        cells = [
+            f"{100 * p['benchmarks'][b]['pass@1_mean']:.2f} ± {100 * p['benchmarks'][b]['pass@1_std']:.2f}"
+            for b in labels
+        ]
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {100 * p['average']:.2f} ± {100 * p['average_std']:.2f} |"
+        )
     lines += ["", "pass@k (%) pooled over all samples of all runs:", ""]
     for name, p in res["policies"].items():
         for b in labels:
@@ -368,7 +443,10 @@ def _print(res: dict, labels: list[str]) -> None:
     for name, p in res["policies"].items():
         t.add_row(
             name,
-            *[f"{100 * p['benchmarks'][b]['pass@1_mean']:.2f} ± {100 * p['benchmarks'][b]['pass@1_std']:.2f}" for b in labels],
+            *[
+                f"{100 * p['benchmarks'][b]['pass@1_mean']:.2f} ± {100 * p['benchmarks'][b]['pass@1_std']:.2f}"
+                for b in labels
+            ],
             f"{100 * p['average']:.2f} ± {100 * p['average_std']:.2f}",
         )
     Console().print(t)
@@ -395,6 +473,7 @@ def across_runs(runs: Sequence[str | Path], baseline: Sequence[str | Path] = ())
     training runs (one ``graft eval`` per run: its best checkpoints), per benchmark and for the
     five-benchmark average; with ``baseline`` runs (GRPO n=8 in the paper), the same for them and Δ,
     the difference of the mean averages. Runs must have been evaluated on the same benchmarks."""
+
     def block(dirs):
         results = [_eval_json(d) for d in dirs]
         labels = None
@@ -405,8 +484,9 @@ def across_runs(runs: Sequence[str | Path], baseline: Sequence[str | Path] = ())
                 if labels is None:
                     labels = bench
                 elif bench != labels:
-                    raise ValueError(f"{d}: policy {name} was evaluated on {', '.join(bench)}, the first run on "
-                                     f"{', '.join(labels)}")
+                    raise ValueError(
+                        f"{d}: policy {name} was evaluated on {', '.join(bench)}, the first run on {', '.join(labels)}"
+                    )
                 row = per.setdefault(name, {})
                 for b in bench:
                     row.setdefault(b, []).append(p["benchmarks"][b]["pass@1_mean"])
@@ -414,8 +494,10 @@ def across_runs(runs: Sequence[str | Path], baseline: Sequence[str | Path] = ())
         out = {}
         for name, row in per.items():
             n = len(row["average"])
-            out[name] = {k: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if n > 1 else 0.0, "runs": n}
-                         for k, v in row.items()}
+            out[name] = {
+                k: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if n > 1 else 0.0, "runs": n}
+                for k, v in row.items()
+            }
         return out, labels or []
 
     if len(runs) < 1:
@@ -425,10 +507,14 @@ def across_runs(runs: Sequence[str | Path], baseline: Sequence[str | Path] = ())
     if baseline:
         base, base_labels = block(list(baseline))
         if base_labels != labels:
-            raise ValueError(f"the baseline runs were evaluated on {', '.join(base_labels)}, the runs on {', '.join(labels)}")
+            raise ValueError(
+                f"the baseline runs were evaluated on {', '.join(base_labels)}, the runs on {', '.join(labels)}"
+            )
         res["baseline_runs"] = [str(r) for r in baseline]
         res["baseline"] = base
-        res["delta"] = {name: method[name]["average"]["mean"] - base[name]["average"]["mean"] for name in method if name in base}
+        res["delta"] = {
+            name: method[name]["average"]["mean"] - base[name]["average"]["mean"] for name in method if name in base
+        }
     return res
 
 
@@ -448,7 +534,10 @@ def print_across_runs(res: dict) -> None:
     for suffix, block in blocks:
         for name, row in block.items():
             cells = [f"{100 * row[b]['mean']:.2f} ± {100 * row[b]['std']:.2f}" for b in labels]
-            delta = ([f"{100 * res['delta'][name]:+.2f}" if not suffix and name in res["delta"] else ""]
-                     if "delta" in res else [])
+            delta = (
+                [f"{100 * res['delta'][name]:+.2f}" if not suffix and name in res["delta"] else ""]
+                if "delta" in res
+                else []
+            )
             t.add_row(name + suffix, str(row["average"]["runs"]), *cells, *delta)
     Console().print(t)

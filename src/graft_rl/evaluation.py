@@ -70,7 +70,12 @@ def evaluate_policy(
         groups = policy.generate([(p.id, p.problem) for p in chunk], sp, seed=seed + s)
         flat = [(p, t) for p, g in zip(chunk, groups, strict=True) for t in g.texts]
         scores, st = score_responses(
-            [t for _, t in flat], [p.answer for p, _ in flat], verifier, [p.source for p, _ in flat], [p.id for p, _ in flat], timeout,
+            [t for _, t in flat],
+            [p.answer for p, _ in flat],
+            verifier,
+            [p.source for p, _ in flat],
+            [p.id for p, _ in flat],
+            timeout,
             budget,
         )
         over_budget += st.budget

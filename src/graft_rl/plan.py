@@ -49,8 +49,20 @@ from graft_rl.config import ConfigError, TrainConfig
 from graft_rl.policy import PolicyConfig
 from graft_rl.policy.policy import auto_micro_batch_tokens, uses_fused_head
 
-__all__ = ["ModelShape", "PolicyPlan", "plan", "format_plan", "check_resources", "KNOWN_SHAPES", "eval_estimate",
-           "EVAL_TOKENS_PER_GPU_S", "RUNTIME_BYTES", "ALLOCATOR_MARGIN", "PROMPT_TOKENS", "ENGINE_WORKSPACE_BYTES"]
+__all__ = [
+    "ModelShape",
+    "PolicyPlan",
+    "plan",
+    "format_plan",
+    "check_resources",
+    "KNOWN_SHAPES",
+    "eval_estimate",
+    "EVAL_TOKENS_PER_GPU_S",
+    "RUNTIME_BYTES",
+    "ALLOCATOR_MARGIN",
+    "PROMPT_TOKENS",
+    "ENGINE_WORKSPACE_BYTES",
+]
 
 #: Planning figure for ``graft eval``'s throughput: generated tokens per second per GPU for a 1.7-3B
 #: model in bf16 under vLLM on an H100/H200 class GPU with hundreds of sequences in flight. An
@@ -180,7 +192,9 @@ class PolicyPlan:
 
     def peak(self, gpu_bytes: float) -> float:
         """The planned per-GPU peak: the larger phase's tensors, plus the allocator margin and the runtime."""
-        return max(self.training_peak(gpu_bytes), self.generate_peak(gpu_bytes)) * (1 + ALLOCATOR_MARGIN) + RUNTIME_BYTES
+        return (
+            max(self.training_peak(gpu_bytes), self.generate_peak(gpu_bytes)) * (1 + ALLOCATOR_MARGIN) + RUNTIME_BYTES
+        )
 
     def kv_tokens(self, gpu_bytes: float) -> float | None:
         """Tokens an awake engine's KV cache holds on one GPU (None: hf backend)."""
@@ -218,9 +232,26 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
     hf_copy = 4 * N if pc.backend == "hf" and W > 1 else 0.0  # one process samples from its own model
     kv = 2 * s.layers * s.kv_heads * s.head_dim * c
     rollout = cfg.prompt_batch / W * (min(PROMPT_TOKENS, pc.max_prompt_tokens) + cfg.n * cfg.max_new_tokens)
-    return PolicyPlan(pc.name, N, W, sharded, compute, act_ckpt, act_full, chunk, naive,
-                      sharded + compute + act + logits + reference + hf_copy, vllm, pc.gradient_checkpointing, share,
-                      sleep, reference, hf_copy, kv, rollout)
+    return PolicyPlan(
+        pc.name,
+        N,
+        W,
+        sharded,
+        compute,
+        act_ckpt,
+        act_full,
+        chunk,
+        naive,
+        sharded + compute + act + logits + reference + hf_copy,
+        vllm,
+        pc.gradient_checkpointing,
+        share,
+        sleep,
+        reference,
+        hf_copy,
+        kv,
+        rollout,
+    )
 
 
 def plan(cfg: TrainConfig) -> list[PolicyPlan]:
@@ -232,8 +263,10 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = 
     needs; ``shared``: the policies run in one process on one device (``execution: local``), so
     their memory adds up on it."""
     G = gpu_gib * GiB
-    head = ("| policy | params | GPUs | master+grad+Adam | compute copy | activations (ckpt / none) | logits chunk "
-            "(naive) | KL ref + hf copy | train peak | generate peak | + runtime, margin | fits |")
+    head = (
+        "| policy | params | GPUs | master+grad+Adam | compute copy | activations (ckpt / none) | logits chunk "
+        "(naive) | KL ref + hf copy | train peak | generate peak | + runtime, margin | fits |"
+    )
     lines = [head, "|" + "---|" * 12]
     for p in plans:
         act = f"{p.activations / GiB:.1f} / {p.activations_no_ckpt / GiB:.1f}"
@@ -244,32 +277,49 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = 
             f"{p.training_peak(G) / GiB:.1f} | {p.generate_peak(G) / GiB:.1f} | {p.peak(G) / GiB:.1f} | {fits} |"
         )
     lines.append("")
-    lines.append(f"+ runtime, margin: the larger peak + {ALLOCATOR_MARGIN:.0%} (caching allocator) + "
-                 f"{RUNTIME_BYTES / GiB:g} GiB (CUDA context, NCCL, workspaces): stated margins, not measured.")
+    lines.append(
+        f"+ runtime, margin: the larger peak + {ALLOCATOR_MARGIN:.0%} (caching allocator) + "
+        f"{RUNTIME_BYTES / GiB:g} GiB (CUDA context, NCCL, workspaces): stated margins, not measured."
+    )
     for p in plans:
         kv = p.kv_tokens(G)
         if kv is None:
             continue
         waves = -(-p.rollout_tokens // kv) if kv > 0 else float("inf")
-        verdict = ("fits in one wave" if waves <= 1 else f"up to {waves:.0f} waves of generation (vLLM queues the rest; "
-                   f"raise gpu_memory_utilization or world_size to cut them)")
-        lines.append(f"{p.name}: KV cache ~{kv / 1e6:.2f} M tokens per rank (gpu_memory_utilization {p.vllm_share:g}) vs "
-                     f"up to {p.rollout_tokens / 1e6:.2f} M per rank per step (every response at max_new_tokens): {verdict}.")
+        verdict = (
+            "fits in one wave"
+            if waves <= 1
+            else f"up to {waves:.0f} waves of generation (vLLM queues the rest; "
+            f"raise gpu_memory_utilization or world_size to cut them)"
+        )
+        lines.append(
+            f"{p.name}: KV cache ~{kv / 1e6:.2f} M tokens per rank (gpu_memory_utilization {p.vllm_share:g}) vs "
+            f"up to {p.rollout_tokens / 1e6:.2f} M per rank per step (every response at max_new_tokens): {verdict}."
+        )
     if shared:
         peak = sum(p.peak(G) for p in plans)
-        lines.append(f"execution local: the policies share one device, about {peak / GiB:.1f} GiB at peak in all "
-                     f"({'fits' if peak <= G else 'does NOT fit'} a GPU of {gpu_gib:g} GiB).")
+        lines.append(
+            f"execution local: the policies share one device, about {peak / GiB:.1f} GiB at peak in all "
+            f"({'fits' if peak <= G else 'does NOT fit'} a GPU of {gpu_gib:g} GiB)."
+        )
         return "\n".join(lines)
     total = sum(p.gpus for p in plans)
-    lines.append(f"GPUs: {total} in all ({', '.join(f'{p.name}: {p.gpus}' for p in plans)}); "
-                 f"a GPU of {gpu_gib:g} GiB; train peak = master+grad+Adam + compute copy + activations "
-                 f"({'with' if all(p.gradient_checkpointing for p in plans) else 'as configured:'} checkpointing) + logits chunk "
-                 f"+ KL reference + hf rollout copy.")
+    lines.append(
+        f"GPUs: {total} in all ({', '.join(f'{p.name}: {p.gpus}' for p in plans)}); "
+        f"a GPU of {gpu_gib:g} GiB; train peak = master+grad+Adam + compute copy + activations "
+        f"({'with' if all(p.gradient_checkpointing for p in plans) else 'as configured:'} checkpointing) + logits chunk "
+        f"+ KL reference + hf rollout copy."
+    )
     return "\n".join(lines)
 
 
-def eval_estimate(cfg: TrainConfig, samples: int = 8, runs: int = 5, typical_tokens: int = 1000,
-                  tokens_per_gpu_s: float = EVAL_TOKENS_PER_GPU_S) -> str | None:
+def eval_estimate(
+    cfg: TrainConfig,
+    samples: int = 8,
+    runs: int = 5,
+    typical_tokens: int = 1000,
+    tokens_per_gpu_s: float = EVAL_TOKENS_PER_GPU_S,
+) -> str | None:
     """One line: the time ``graft eval RUN_DIR`` needs with the paper's protocol (``samples`` x ``runs``
     on every problem of the run's validation sets) per checkpoint, on the run's GPUs, from
     :data:`EVAL_TOKENS_PER_GPU_S`; None when the run validates on nothing or runs on no GPU."""
@@ -288,10 +338,12 @@ def eval_estimate(cfg: TrainConfig, samples: int = 8, runs: int = 5, typical_tok
     def minutes(tokens: int) -> float:
         return responses * tokens / (tokens_per_gpu_s * gpus) / 60
 
-    return (f"graft eval, paper protocol ({problems} problems x {samples} samples x {runs} runs = {responses:,} responses "
-            f"per checkpoint, spread over the run's {gpus} GPU(s)): ~{minutes(typical_tokens):.0f} min at {typical_tokens:,} "
-            f"tokens per response, ~{minutes(cap):.0f} min if every response runs to {cap:,}; per policy, assuming "
-            f"{tokens_per_gpu_s:,.0f} generated tokens/s per GPU (vLLM, bf16; a planning figure, not measured here).")
+    return (
+        f"graft eval, paper protocol ({problems} problems x {samples} samples x {runs} runs = {responses:,} responses "
+        f"per checkpoint, spread over the run's {gpus} GPU(s)): ~{minutes(typical_tokens):.0f} min at {typical_tokens:,} "
+        f"tokens per response, ~{minutes(cap):.0f} min if every response runs to {cap:,}; per policy, assuming "
+        f"{tokens_per_gpu_s:,.0f} generated tokens/s per GPU (vLLM, bf16; a planning figure, not measured here)."
+    )
 
 
 def check_resources(cfg: TrainConfig) -> None:
@@ -308,12 +360,18 @@ def check_resources(cfg: TrainConfig) -> None:
     if not torch.cuda.is_available():
         names = ", ".join(pc.name for pc in gpu_policies)
         cpu = " ".join(f"policies.{i}.device=cpu" for i, pc in enumerate(cfg.policies) if pc.device.startswith("cuda"))
-        raise ConfigError(f"policies {names} need device cuda, but this machine has no CUDA GPU "
-                          f"(`graft plan CONFIG` shows what the config needs, `graft preflight CONFIG` rehearses it here "
-                          f"at toy size; {cpu} runs it on the CPU as it is)")
+        raise ConfigError(
+            f"policies {names} need device cuda, but this machine has no CUDA GPU "
+            f"(`graft plan CONFIG` shows what the config needs, `graft preflight CONFIG` rehearses it here "
+            f"at toy size; {cpu} runs it on the CPU as it is)"
+        )
     need = sum(pc.world_size for pc in gpu_policies) if cfg.execution == "ray" else 1
     if torch.cuda.device_count() < need:
-        raise ConfigError(f"the policies need {need} GPUs (sum of world_size), this machine has {torch.cuda.device_count()}")
+        raise ConfigError(
+            f"the policies need {need} GPUs (sum of world_size), this machine has {torch.cuda.device_count()}"
+        )
     for pc in cfg.policies:
         if pc.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ConfigError(f"policy {pc.name!r}: backend vllm needs vLLM (pip install 'graft-rl[vllm]'), which is not installed")
+            raise ConfigError(
+                f"policy {pc.name!r}: backend vllm needs vLLM (pip install 'graft-rl[vllm]'), which is not installed"
+            )

@@ -45,8 +45,23 @@ from graft_rl.policy.policy import uses_fused_head
 __all__ = ["Stage", "toy_config", "run_preflight", "format_checklist", "STAGES", "ARCHITECTURES"]
 
 #: The rows of the checklist, in the order they run.
-STAGES = ("config", "plan", "peer records", "placement", "model build", "generate", "verify", "exchange", "update",
-          "weight push", "validation", "checkpoint", "resume", "graft eval", "graft analyze")
+STAGES = (
+    "config",
+    "plan",
+    "peer records",
+    "placement",
+    "model build",
+    "generate",
+    "verify",
+    "exchange",
+    "update",
+    "weight push",
+    "validation",
+    "checkpoint",
+    "resume",
+    "graft eval",
+    "graft analyze",
+)
 
 #: Architecture families (transformers ``model_type``) of models a config names by hub id or zoo name.
 ARCHITECTURES = {
@@ -57,8 +72,15 @@ ARCHITECTURES = {
     "zoo:gemma3-270m": "gemma3_text",
 }
 
-TOY = {"prompt_batch": 4, "max_new_tokens": 16, "data_limit": 64, "steps": 3, "val_limit": 2, "lr": 1e-3,
-       "micro_batch_tokens": 1024}
+TOY = {
+    "prompt_batch": 4,
+    "max_new_tokens": 16,
+    "data_limit": 64,
+    "steps": 3,
+    "val_limit": 2,
+    "lr": 1e-3,
+    "micro_batch_tokens": 1024,
+}
 
 
 @dataclass
@@ -103,9 +125,20 @@ def build_toy_model(out: Path, family: str, tokenizer_kind: int, seed: int = 0) 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars in the checklist
 
     tok = char_tokenizer() if tokenizer_kind == 0 else bpe_tokenizer(chat_template=CHATML_TEMPLATE)
-    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                 head_dim=64, max_position_embeddings=4096, vocab_size=len(tok), tie_word_embeddings=True,
-                 bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    shape = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        vocab_size=len(tok),
+        tie_word_embeddings=True,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     try:
         cfg = AutoConfig.for_model(family, **shape)
     except (ValueError, KeyError) as exc:
@@ -162,8 +195,16 @@ def _toy_policy(pc, p: dict, i: int, work: Path, families: dict, on_gpu: bool, v
     real model's choice of LM head, CPU devices where the GPUs are missing, vLLM at toy size."""
     model, what = _toy_model(pc, i, work)
     families[pc.name] = what
-    p.update(model=model, gguf_file=None, tokenizer=None, reference_model=None, reference_gguf_file=None,
-             lr=TOY["lr"], micro_batch_tokens=TOY["micro_batch_tokens"], gen_batch_size=None)
+    p.update(
+        model=model,
+        gguf_file=None,
+        tokenizer=None,
+        reference_model=None,
+        reference_gguf_file=None,
+        lr=TOY["lr"],
+        micro_batch_tokens=TOY["micro_batch_tokens"],
+        gen_batch_size=None,
+    )
     try:  # the chunked LM head as the real model would take it (a toy vocabulary is too small to pick it)
         s = model_shape(pc)
         real_tokens = pc.micro_batch_tokens or 16384
@@ -196,42 +237,64 @@ def toy_config(cfg: TrainConfig, run_dir: Path, work: Path) -> Toy:
     gpus = _gpus_here()
     on_gpu = wants_gpu and gpus >= ranks
     if wants_gpu and not on_gpu:
-        notes.append(f"this machine has {gpus} CUDA GPUs, the config needs {ranks}: every rank is a CPU process "
-                     f"(device cpu{', gloo' if cfg.execution == 'ray' else ''})")
+        notes.append(
+            f"this machine has {gpus} CUDA GPUs, the config needs {ranks}: every rank is a CPU process "
+            f"(device cpu{', gloo' if cfg.execution == 'ray' else ''})"
+        )
     vllm_ok = _vllm_installed()
     B = TOY["prompt_batch"]
     ratio = cfg.minibatch / cfg.prompt_batch
-    d.update(run_dir=str(run_dir), steps=TOY["steps"], epochs=1, prompt_batch=B, minibatch=max(1, round(B * ratio)),
-             max_new_tokens=TOY["max_new_tokens"], checkpoint_every=1, keep_checkpoints=2, tensorboard=False)
+    d.update(
+        run_dir=str(run_dir),
+        steps=TOY["steps"],
+        epochs=1,
+        prompt_batch=B,
+        minibatch=max(1, round(B * ratio)),
+        max_new_tokens=TOY["max_new_tokens"],
+        checkpoint_every=1,
+        keep_checkpoints=2,
+        tensorboard=False,
+    )
     d["data"].update(limit=TOY["data_limit"], verify_budget=60.0)
     v = d["validation"]
     if v["data"]:
         v.update(limit=TOY["val_limit"], every=2, max_new_tokens=TOY["max_new_tokens"])
-    notes.append(f"shrunk: {B} prompts per step (was {cfg.prompt_batch}), minibatch {d['minibatch']} (was {cfg.minibatch}), "
-                 f"{TOY['max_new_tokens']} new tokens (was {cfg.max_new_tokens}), first {TOY['data_limit']} training problems, "
-                 f"{TOY['steps']} steps (2, then a resume to 3), validation on {TOY['val_limit']} problems per set, "
-                 f"lr {TOY['lr']:g}, micro_batch_tokens {TOY['micro_batch_tokens']}; n {cfg.n} as configured")
-    d["policies"] = [_toy_policy(pc, dict(d["policies"][i]), i, work, families, on_gpu, vllm_ok)
-                     for i, pc in enumerate(cfg.policies)]
+    notes.append(
+        f"shrunk: {B} prompts per step (was {cfg.prompt_batch}), minibatch {d['minibatch']} (was {cfg.minibatch}), "
+        f"{TOY['max_new_tokens']} new tokens (was {cfg.max_new_tokens}), first {TOY['data_limit']} training problems, "
+        f"{TOY['steps']} steps (2, then a resume to 3), validation on {TOY['val_limit']} problems per set, "
+        f"lr {TOY['lr']:g}, micro_batch_tokens {TOY['micro_batch_tokens']}; n {cfg.n} as configured"
+    )
+    d["policies"] = [
+        _toy_policy(pc, dict(d["policies"][i]), i, work, families, on_gpu, vllm_ok) for i, pc in enumerate(cfg.policies)
+    ]
     if any(pc.backend == "vllm" for pc in cfg.policies):
         if not vllm_ok:
-            notes.append("vLLM is not installed here: rollouts rehearsed with the hf backend (GPU: pip install "
-                         "'graft-rl[vllm]'; CPU: bash scripts/setup_vllm_cpu.sh, then .venv-vllm/bin/graft preflight)")
+            notes.append(
+                "vLLM is not installed here: rollouts rehearsed with the hf backend (GPU: pip install "
+                "'graft-rl[vllm]'; CPU: bash scripts/setup_vllm_cpu.sh, then .venv-vllm/bin/graft preflight)"
+            )
         elif not on_gpu:
-            notes.append("vLLM on CPU: sleep mode off (CPU engines cannot sleep), no gpu_memory_utilization, "
-                         "max_model_len = max_prompt_tokens + 16")
+            notes.append(
+                "vLLM on CPU: sleep mode off (CPU engines cannot sleep), no gpu_memory_utilization, "
+                "max_model_len = max_prompt_tokens + 16"
+            )
     ray_resources: dict[str, float] = {}
     if cfg.execution == "ray" and not on_gpu and cfg.ray.address is None:
         cpus = os.cpu_count() or 1
         per = math.floor(cpus / max(ranks, 1) * 1e4) / 1e4
         d["ray"].update(num_cpus=per, num_gpus=0.0, torch_threads=1)
-        notes.append(f"Ray: a local cluster, {ranks} rank actors x {per:g} CPUs (was {cfg.ray.num_cpus:g} CPUs + "
-                     f"{cfg.ray.num_gpus:g} GPU each)")
+        notes.append(
+            f"Ray: a local cluster, {ranks} rank actors x {per:g} CPUs (was {cfg.ray.num_cpus:g} CPUs + "
+            f"{cfg.ray.num_gpus:g} GPU each)"
+        )
         for opts in cfg.ray.resources.values():
             for k, val in (opts.get("resources") or {}).items():
                 ray_resources[k] = max(ray_resources.get(k, 0.0), float(val))
         if ray_resources:
-            notes.append(f"the local Ray node gets the config's custom resources {ray_resources} (one node holds them all)")
+            notes.append(
+                f"the local Ray node gets the config's custom resources {ray_resources} (one node holds them all)"
+            )
     if cfg.peers:
         for peer in d["peers"]:
             peer["records"] = str(work / "peer_runs" / peer["policy"])
@@ -330,8 +393,13 @@ class _Run:
     lines: list = field(default_factory=list)
 
 
-def run_preflight(config: str, overrides: list[str] | None = None, run_dir: str | None = None, show: bool = True,
-                  gpu_memory: float = 141.0) -> dict:
+def run_preflight(
+    config: str,
+    overrides: list[str] | None = None,
+    run_dir: str | None = None,
+    show: bool = True,
+    gpu_memory: float = 141.0,
+) -> dict:
     """Run the checklist; returns ``{"stages": [...], "notes": [...], "plan": str, "ok": bool, "seconds": s}``."""
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="graft-preflight-"))
@@ -340,8 +408,14 @@ def run_preflight(config: str, overrides: list[str] | None = None, run_dir: str 
     if keep and run.exists() and any(run.iterdir()):
         raise ConfigError(f"--run-dir {run} is not empty")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (vLLM's default is 4)
-    r = _Run(Checklist(show), {"config": config, "overrides": list(overrides or []), "notes": [], "plan": ""}, run, work,
-             show, gpu_memory)
+    r = _Run(
+        Checklist(show),
+        {"config": config, "overrides": list(overrides or []), "notes": [], "plan": ""},
+        run,
+        work,
+        show,
+        gpu_memory,
+    )
     try:
         _stage_config(r, config, overrides)
         _stages_before_training(r)
@@ -363,10 +437,12 @@ def _stage_config(r: _Run, config: str, overrides: list[str] | None) -> None:
     with r.cl.stage("config") as st:
         cfg = r.cfg = load_config(config, overrides)
         ws = "+".join(str(pc.world_size) for pc in cfg.policies)
-        st.detail = (f"method {cfg.method.name}; {len(cfg.policies)} policies ({', '.join(pc.name for pc in cfg.policies)})"
-                     f"{' + ' + str(len(cfg.peers)) + ' stored' if cfg.peers else ''}; execution {cfg.execution}, "
-                     f"world sizes {ws}; backend {'/'.join(sorted({pc.backend for pc in cfg.policies}))}; "
-                     f"dtype {'/'.join(sorted({pc.dtype for pc in cfg.policies}))}")
+        st.detail = (
+            f"method {cfg.method.name}; {len(cfg.policies)} policies ({', '.join(pc.name for pc in cfg.policies)})"
+            f"{' + ' + str(len(cfg.peers)) + ' stored' if cfg.peers else ''}; execution {cfg.execution}, "
+            f"world sizes {ws}; backend {'/'.join(sorted({pc.backend for pc in cfg.policies}))}; "
+            f"dtype {'/'.join(sorted({pc.dtype for pc in cfg.policies}))}"
+        )
         r.toy = toy_config(cfg, r.run, r.work)
         r.out["notes"] = r.toy.notes
         if r.show:
@@ -410,10 +486,13 @@ def _stages_before_training(r: _Run) -> None:
         if st is not None:
             trainer = r.trainer = r.trainer_cls(toy.cfg, show_progress=False)
             prompts = trainer.prompts_for_step(1)[:2]  # the engine before any update (weight push row)
-            r.checks_before = {name: trainer._call(name, "rollout_check", prompts, TOY["max_new_tokens"], 1)
-                               for name in trainer.policies}
-            st.detail = "; ".join(f"{pc.name}: {pc.backend}, {pc.device}, {pc.dtype}, world {pc.world_size}"
-                                  for pc in toy.cfg.policies)
+            r.checks_before = {
+                name: trainer._call(name, "rollout_check", prompts, TOY["max_new_tokens"], 1)
+                for name in trainer.policies
+            }
+            st.detail = "; ".join(
+                f"{pc.name}: {pc.backend}, {pc.device}, {pc.dtype}, world {pc.world_size}" for pc in toy.cfg.policies
+            )
 
 
 def _stages_training(r: _Run) -> None:
@@ -422,14 +501,19 @@ def _stages_training(r: _Run) -> None:
     with cl.stage("generate") as st:
         if st is not None:
             lines = r.lines = r.trainer.run(max_steps=1)
-            st.detail = "; ".join(f"{ln['policy']}: {ln['rollouts']} responses, {ln['response_len_mean']:.1f} tokens, "
-                                  f"{ln['time_generate']:.1f} s" for ln in lines)
+            st.detail = "; ".join(
+                f"{ln['policy']}: {ln['rollouts']} responses, {ln['response_len_mean']:.1f} tokens, "
+                f"{ln['time_generate']:.1f} s"
+                for ln in lines
+            )
     lines = r.lines
     with cl.stage("verify") as st:
         if st is not None:
-            st.detail = (f"{cfg.data.verifier if cfg.data.verifier != 'auto' else r.trainer.verifier} verifier on "
-                         f"{names_seen.get('responses', 0)} responses ({names_seen.get('correct', 0)} correct, "
-                         f"{names_seen.get('verify_timeouts', 0)} timeouts); training uses the preflight reward pattern")
+            st.detail = (
+                f"{cfg.data.verifier if cfg.data.verifier != 'auto' else r.trainer.verifier} verifier on "
+                f"{names_seen.get('responses', 0)} responses ({names_seen.get('correct', 0)} correct, "
+                f"{names_seen.get('verify_timeouts', 0)} timeouts); training uses the preflight reward pattern"
+            )
             _check(names_seen.get("responses", 0) > 0, "no response was verified")
     with cl.stage("exchange") as st:
         if st is not None:
@@ -438,16 +522,23 @@ def _stages_training(r: _Run) -> None:
             if not method_class(cfg.method.name).uses_peers:
                 st.status, st.detail = "n/a", f"{cfg.method.name} exchanges nothing"
             else:
-                st.detail = (", ".join(f"{k} received {v} groups" for k, v in grafted.items())
-                             + (f"; gate admitted {100 * sum(adm) / len(adm):.0f} %" if adm else ""))
+                st.detail = ", ".join(f"{k} received {v} groups" for k, v in grafted.items()) + (
+                    f"; gate admitted {100 * sum(adm) / len(adm):.0f} %" if adm else ""
+                )
                 _check(sum(grafted.values()) > 0, f"no peer group reached any receiver ({st.detail})")
     with cl.stage("update") as st:
         if st is not None:
-            st.detail = "; ".join(f"{ln['policy']}: {ln['minibatches']} minibatches, loss {ln['loss']:.4g}, "
-                                  f"grad norm {ln['grad_norm']:.3g}" if ln.get("loss") is not None else
-                                  f"{ln['policy']}: every update skipped" for ln in lines)
-            _check(all(ln.get("loss") is not None and not ln.get("skipped_updates") for ln in lines),
-                   "an update was skipped (non-finite loss or gradient)")
+            st.detail = "; ".join(
+                f"{ln['policy']}: {ln['minibatches']} minibatches, loss {ln['loss']:.4g}, "
+                f"grad norm {ln['grad_norm']:.3g}"
+                if ln.get("loss") is not None
+                else f"{ln['policy']}: every update skipped"
+                for ln in lines
+            )
+            _check(
+                all(ln.get("loss") is not None and not ln.get("skipped_updates") for ln in lines),
+                "an update was skipped (non-finite loss or gradient)",
+            )
     with cl.stage("weight push") as st:
         if st is not None:
             st.detail = _weight_push(r.trainer, r.checks_before, toy.cfg)
@@ -458,8 +549,9 @@ def _stages_training(r: _Run) -> None:
                 st.status, st.detail = "n/a", "no validation data in the config"
             else:
                 best = json.loads((r.run / "best" / "best.json").read_text())
-                st.detail = (f"{', '.join(toy.cfg.validation.data)} at steps 0 and 2; best/ holds "
-                             + ", ".join(f"{k}@{v['step']}" for k, v in best.items()))
+                st.detail = f"{', '.join(toy.cfg.validation.data)} at steps 0 and 2; best/ holds " + ", ".join(
+                    f"{k}@{v['step']}" for k, v in best.items()
+                )
                 _check(set(best) == set(r.trainer.policies), "best/ lacks a policy")
 
 
@@ -474,7 +566,8 @@ def _stages_after_training(r: _Run) -> None:
             problem = checkpoint_problem(ckpt, list(r.trainer.policies))
             _check(problem is None, f"checkpoint step 2: {problem}")
             st.detail = f"{ckpt.relative_to(run)}: " + ", ".join(
-                f"{n} ({len(list((ckpt / n).glob('policy_state*.pt')))} optimiser shard(s))" for n in r.trainer.policies)
+                f"{n} ({len(list((ckpt / n).glob('policy_state*.pt')))} optimiser shard(s))" for n in r.trainer.policies
+            )
     with cl.stage("resume") as st:
         if st is not None:
             r.trainer.close()
@@ -489,10 +582,19 @@ def _stages_after_training(r: _Run) -> None:
             from graft_rl.evaluate_cli import run_eval
 
             benches = toy.cfg.validation.data or None
-            res = run_eval(str(run), benches, samples=2, runs=2, limit=TOY["val_limit"],
-                           max_new_tokens=TOY["max_new_tokens"], show=False)
-            st.detail = "; ".join(f"{n}: {p['replicas']} replica(s), {p['backend']}, average {100 * p['average']:.1f} %"
-                                  for n, p in res["policies"].items())
+            res = run_eval(
+                str(run),
+                benches,
+                samples=2,
+                runs=2,
+                limit=TOY["val_limit"],
+                max_new_tokens=TOY["max_new_tokens"],
+                show=False,
+            )
+            st.detail = "; ".join(
+                f"{n}: {p['replicas']} replica(s), {p['backend']}, average {100 * p['average']:.1f} %"
+                for n, p in res["policies"].items()
+            )
     with cl.stage("graft analyze") as st:
         if st is not None:
             from graft_rl.analyze import analyze
@@ -502,8 +604,10 @@ def _stages_after_training(r: _Run) -> None:
             if toy.cfg.validation.data:
                 best = json.loads((run / "best" / "best.json").read_text())
                 for name in (pc.name for pc in toy.cfg.policies):
-                    _check(summary["policies"][name]["best_step"] == best[name]["step"],
-                           f"analyze's best step of {name} differs from the trainer's")
+                    _check(
+                        summary["policies"][name]["best_step"] == best[name]["step"],
+                        f"analyze's best step of {name} differs from the trainer's",
+                    )
             st.detail = f"report.md and {len(pngs)} plots; best steps equal the trainer's"
 
 
@@ -545,15 +649,26 @@ def _weight_push(trainer, before: dict, cfg: TrainConfig) -> str:
         b = before[pc.name]
         after = trainer._call(pc.name, "rollout_check", prompts, TOY["max_new_tokens"], 2, b)
         tol = 2e-3 if pc.dtype == "float32" else 0.05
-        _check(b["now_mean"] <= tol, f"{pc.name}: before any update the engine's log-probs already differ from the "
-                                     f"trainer's by {b['now_mean']:.3g} per token (> {tol:g})")
-        _check(after["now_mean"] <= tol, f"{pc.name}: after the update the engine's log-probs differ from the trainer's by "
-                                         f"{after['now_mean']:.3g} per token (> {tol:g}): the weights did not reach it")
+        _check(
+            b["now_mean"] <= tol,
+            f"{pc.name}: before any update the engine's log-probs already differ from the "
+            f"trainer's by {b['now_mean']:.3g} per token (> {tol:g})",
+        )
+        _check(
+            after["now_mean"] <= tol,
+            f"{pc.name}: after the update the engine's log-probs differ from the trainer's by "
+            f"{after['now_mean']:.3g} per token (> {tol:g}): the weights did not reach it",
+        )
         moved = after["moved_mean"]
-        _check(moved > 3 * after["now_mean"], f"{pc.name}: the update moved the log-probs by only {moved:.3g} per token, "
-                                              f"not enough to tell a pushed engine ({after['now_mean']:.3g}) from a stale one")
-        parts.append(f"{pc.name} ({pc.backend}): engine within {after['now_mean']:.1e} per token of the updated "
-                     f"weights (the update moved them {moved:.1e})")
+        _check(
+            moved > 3 * after["now_mean"],
+            f"{pc.name}: the update moved the log-probs by only {moved:.3g} per token, "
+            f"not enough to tell a pushed engine ({after['now_mean']:.3g}) from a stale one",
+        )
+        parts.append(
+            f"{pc.name} ({pc.backend}): engine within {after['now_mean']:.1e} per token of the updated "
+            f"weights (the update moved them {moved:.1e})"
+        )
     return "; ".join(parts)
 
 
@@ -564,13 +679,28 @@ def _make_peer_records(toy: Toy, cfg: TrainConfig, work: Path, names_seen: dict)
     for i, peer in enumerate(cfg.peers):
         model_id = next((m for m in list(ARCHITECTURES) + list(KNOWN_SHAPES) if m.endswith("/" + peer.policy)), None)
         family = ARCHITECTURES.get(model_id) if model_id else None
-        path = build_toy_model(work / "models" / f"peer_{peer.policy}", family or "llama", (len(cfg.policies) + i) % 2,
-                               seed=100 + i)
+        path = build_toy_model(
+            work / "models" / f"peer_{peer.policy}", family or "llama", (len(cfg.policies) + i) % 2, seed=100 + i
+        )
         pol = dict(d["policies"][0])
-        pol.update(name=peer.policy, model=str(path), backend="hf", world_size=1, device="cpu", fused_logprobs=None,
-                   vllm_kwargs={})
-        pd = dict(d, run_dir=str(work / "peer_runs" / peer.policy), execution="local", policies=[pol], peers=[],
-                  method={"name": "grpo"}, validation={**d["validation"], "data": []})
+        pol.update(
+            name=peer.policy,
+            model=str(path),
+            backend="hf",
+            world_size=1,
+            device="cpu",
+            fused_logprobs=None,
+            vllm_kwargs={},
+        )
+        pd = dict(
+            d,
+            run_dir=str(work / "peer_runs" / peer.policy),
+            execution="local",
+            policies=[pol],
+            peers=[],
+            method={"name": "grpo"},
+            validation={**d["validation"], "data": []},
+        )
         peer_cfg = load_config(pd)
         tr = _pattern_trainer(names_seen)(peer_cfg, show_progress=False)
         try:

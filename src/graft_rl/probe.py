@@ -58,8 +58,15 @@ def _probe_config(cfg: TrainConfig, limit: int) -> tuple[TrainConfig, MethodConf
     pb = min(cfg.prompt_batch, limit)
     steps = math.ceil(limit / pb)
     val = dataclasses.replace(cfg.validation, data=[])
-    pcfg = dataclasses.replace(cfg, prompt_batch=pb, minibatch=min(cfg.minibatch, pb), steps=steps,
-                               validation=val, method=method, tensorboard=False)
+    pcfg = dataclasses.replace(
+        cfg,
+        prompt_batch=pb,
+        minibatch=min(cfg.minibatch, pb),
+        steps=steps,
+        validation=val,
+        method=method,
+        tensorboard=False,
+    )
     pcfg.validate(saved=True)
     return pcfg, method
 
@@ -112,9 +119,16 @@ def probe(cfg: TrainConfig, limit: int | None = None, out_dir: str | Path | None
                 for r in tr._result(pending_c[recv]):
                     cand_rows[(r["source"], recv)].append(r)
                 st = batches[recv].stats
-                per_step.append({"step": step, "receiver": recv, "prompts": len(groups[recv]),
-                                 "candidates": st.get("candidates_in", 0.0), "grafted": st.get("exchanged_in", 0.0),
-                                 **{k: v for k, v in st.items() if k.startswith("exchanged_from/")}})
+                per_step.append(
+                    {
+                        "step": step,
+                        "receiver": recv,
+                        "prompts": len(groups[recv]),
+                        "candidates": st.get("candidates_in", 0.0),
+                        "grafted": st.get("exchanged_in", 0.0),
+                        **{k: v for k, v in st.items() if k.startswith("exchanged_from/")},
+                    }
+                )
         comp = complementarity(tr.store)
     finally:
         tr.close()
@@ -128,11 +142,13 @@ def probe(cfg: TrainConfig, limit: int | None = None, out_dir: str | Path | None
 
 def _group_stats(gs) -> dict:
     n = len(gs)
-    return {"prompts": n,
-            "reward_mean": statistics.fmean(r for g in gs for r in g.rewards) if gs else None,
-            "all_fail": sum(1 for g in gs if g.k == 0) / n if n else None,
-            "mixed": sum(1 for g in gs if 0 < g.k < g.n) / n if n else None,
-            "all_pass": sum(1 for g in gs if g.k == g.n) / n if n else None}
+    return {
+        "prompts": n,
+        "reward_mean": statistics.fmean(r for g in gs for r in g.rewards) if gs else None,
+        "all_fail": sum(1 for g in gs if g.k == 0) / n if n else None,
+        "mixed": sum(1 for g in gs if 0 < g.k < g.n) / n if n else None,
+        "all_pass": sum(1 for g in gs if g.k == g.n) / n if n else None,
+    }
 
 
 def _summarise(cfg, pcfg, method, limit, names, groups_all, scored, cand_rows, per_step, comp, family) -> dict:
@@ -151,7 +167,8 @@ def _summarise(cfg, pcfg, method, limit, names, groups_all, scored, cand_rows, p
             many = len(groups_all) > 2
             grafted = sum(s.get(f"exchanged_from/{src}", s["grafted"] if not many else 0.0) for s in steps)
             d = {
-                "source": src, "receiver": recv,
+                "source": src,
+                "receiver": recv,
                 "receiver_all_fail": len(fails) / max(1, len(groups_all[recv])),
                 "candidates": len(cands),
                 "candidates_per_step": len(cands) / len(steps) * scale if steps else 0.0,
@@ -179,10 +196,23 @@ def _summarise(cfg, pcfg, method, limit, names, groups_all, scored, cand_rows, p
     for name in policies:
         vals = [v for v in series.get(name, []) if v is not None]
         policies[name]["complementarity"] = statistics.fmean(vals) if vals else None
-    res = {"config_run_dir": cfg.run_dir, "method": cfg.method.name, "probed_as": "graft", "delta": delta,
-           "balance": method.balance, "prompts": limit, "batches": pcfg.steps, "batch": pcfg.prompt_batch,
-           "config_prompt_batch": cfg.prompt_batch, "n": cfg.n, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
-           "policies": policies, "directions": directions, "per_step": per_step}
+    res = {
+        "config_run_dir": cfg.run_dir,
+        "method": cfg.method.name,
+        "probed_as": "graft",
+        "delta": delta,
+        "balance": method.balance,
+        "prompts": limit,
+        "batches": pcfg.steps,
+        "batch": pcfg.prompt_batch,
+        "config_prompt_batch": cfg.prompt_batch,
+        "n": cfg.n,
+        "max_new_tokens": cfg.max_new_tokens,
+        "seed": cfg.seed,
+        "policies": policies,
+        "directions": directions,
+        "per_step": per_step,
+    }
     res["verdict"] = verdict(res)
     return res
 
@@ -196,8 +226,12 @@ def verdict(res: dict) -> list[str]:
         lines.append(
             f"GRAFT would graft ~{d['grafted_per_step']:.1f} groups per step (of {res['config_prompt_batch']}) from "
             f"{d['source']} into {d['receiver']}, "
-            + (f"{100 * adm:.0f} % of their responses admitted at δ = {res['delta']:g}" if adm is not None
-               else "nothing to admit (no candidate groups)"))
+            + (
+                f"{100 * adm:.0f} % of their responses admitted at δ = {res['delta']:g}"
+                if adm is not None
+                else "nothing to admit (no candidate groups)"
+            )
+        )
     return lines
 
 
@@ -207,31 +241,50 @@ def _pct(x) -> str:
 
 def format_probe(res: dict) -> str:
     """The terminal report (80 columns)."""
-    out = [f"graft probe: {res['prompts']} prompts x n={res['n']} ({res['batches']} batch(es) of {res['batch']}), "
-           f"max_new_tokens {res['max_new_tokens']}, seed {res['seed']}"]
+    out = [
+        f"graft probe: {res['prompts']} prompts x n={res['n']} ({res['batches']} batch(es) of {res['batch']}), "
+        f"max_new_tokens {res['max_new_tokens']}, seed {res['seed']}"
+    ]
     if res["method"] != "graft":
         out.append(f"(the config's method is {res['method']}; probed with GRAFT's exchange at δ = {res['delta']:g})")
     out += ["", f"{'policy':<22}{'reward':>8}{'all-fail':>10}{'mixed':>8}{'all-pass':>10}{'compl.':>9}"]
     for name, p in res["policies"].items():
-        out.append(f"{name[:21]:<22}{_pct(p['reward_mean']):>8}{_pct(p['all_fail']):>10}{_pct(p['mixed']):>8}"
-                   f"{_pct(p['all_pass']):>10}{_pct(p.get('complementarity')):>9}")
-    out += ["", "compl.: share of the policy's all-fail prompts some peer solves (Fig. 1)", "",
-            f"{'direction':<24}{'cand/step':>10}{'graft/step':>11}{'scored':>7}{'s med':>7}{'admit':>7}{'ok/wrong':>12}"]
+        out.append(
+            f"{name[:21]:<22}{_pct(p['reward_mean']):>8}{_pct(p['all_fail']):>10}{_pct(p['mixed']):>8}"
+            f"{_pct(p['all_pass']):>10}{_pct(p.get('complementarity')):>9}"
+        )
+    out += [
+        "",
+        "compl.: share of the policy's all-fail prompts some peer solves (Fig. 1)",
+        "",
+        f"{'direction':<24}{'cand/step':>10}{'graft/step':>11}{'scored':>7}{'s med':>7}{'admit':>7}{'ok/wrong':>12}",
+    ]
     for key, d in res["directions"].items():
         c = d["candidate_compat"]
         ok_wrong = f"{_pct(c.get('admitted_correct'))}/{_pct(c.get('admitted_wrong'))}" if c.get("n") else "-"
         med = f"{c['median_token']:.2f}" if c.get("n") else "-"
-        out.append(f"{key.replace('->', '→')[:23]:<24}{d['candidates_per_step']:>10.1f}{d['grafted_per_step']:>11.1f}"
-                   f"{c.get('n', 0):>7}{med:>7}{_pct(c.get('admitted')):>7}{ok_wrong:>12}")
-    out += ["", "per step of the config's batch; scored: the candidates' peer responses under the receiver;",
-            "s med: median token-mean compatibility; admit: share the gate admits (w > 0)"]
+        out.append(
+            f"{key.replace('->', '→')[:23]:<24}{d['candidates_per_step']:>10.1f}{d['grafted_per_step']:>11.1f}"
+            f"{c.get('n', 0):>7}{med:>7}{_pct(c.get('admitted')):>7}{ok_wrong:>12}"
+        )
+    out += [
+        "",
+        "per step of the config's batch; scored: the candidates' peer responses under the receiver;",
+        "s med: median token-mean compatibility; admit: share the gate admits (w > 0)",
+    ]
     fam_lines = []
     for key, d in res["directions"].items():
         for fam, f in (d.get("by_family") or {}).items():
-            fam_lines.append(f"{key.replace('->', '→')[:23]:<24}{fam[:14]:<15}{f['prompts']:>8}{f['all_fail']:>10}"
-                             f"{f['candidates']:>8}{_pct(f.get('admitted')):>8}")
+            fam_lines.append(
+                f"{key.replace('->', '→')[:23]:<24}{fam[:14]:<15}{f['prompts']:>8}{f['all_fail']:>10}"
+                f"{f['candidates']:>8}{_pct(f.get('admitted')):>8}"
+            )
     if fam_lines:
-        out += ["", f"{'direction':<24}{'family':<15}{'prompts':>8}{'all-fail':>10}{'cand.':>8}{'admit':>8}", *fam_lines]
+        out += [
+            "",
+            f"{'direction':<24}{'family':<15}{'prompts':>8}{'all-fail':>10}{'cand.':>8}{'admit':>8}",
+            *fam_lines,
+        ]
     out += [""]
     for v in res["verdict"]:
         out += textwrap.wrap(v, 80, subsequent_indent="  ")
@@ -249,8 +302,13 @@ def plot_probe(res: dict, scored: dict, cand_rows: dict, path: Path) -> None:
     names = list(res["policies"])
     xs = range(len(names))
     w = 0.27
-    for j, (key, label) in enumerate((("all_fail", "all-fail groups"), ("mixed", "mixed groups"),
-                                      ("complementarity", "all-fail prompts a peer solves"))):
+    for j, (key, label) in enumerate(
+        (
+            ("all_fail", "all-fail groups"),
+            ("mixed", "mixed groups"),
+            ("complementarity", "all-fail prompts a peer solves"),
+        )
+    ):
         vals = [res["policies"][n].get(key) or 0.0 for n in names]
         bars = axes[0].bar([x + (j - 1) * w for x in xs], vals, w, label=label, color=f"C{j}")
         axes[0].bar_label(bars, labels=[f"{100 * v:.0f}%" for v in vals], fontsize=7)
@@ -266,7 +324,14 @@ def plot_probe(res: dict, scored: dict, cand_rows: dict, path: Path) -> None:
             a.set_title(a.get_title() + ": candidates' peer responses")
     else:
         for a in axes[1:]:
-            a.text(0.5, 0.5, "no complementary candidates:\nnothing to score", ha="center", va="center", transform=a.transAxes)
+            a.text(
+                0.5,
+                0.5,
+                "no complementary candidates:\nnothing to score",
+                ha="center",
+                va="center",
+                transform=a.transAxes,
+            )
             a.set_axis_off()
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")

@@ -37,7 +37,9 @@ def watch() -> subprocess.Popen | None:
         return None
     _WATCHER = subprocess.Popen(
         [sys.executable, "-m", "graft_rl.reaper", str(os.getpid())],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,  # a Ctrl-C to the terminal's process group does not stop it early
         close_fds=True,
     )

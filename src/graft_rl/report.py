@@ -50,8 +50,13 @@ def run_summary(run_dir: str | Path) -> list[dict]:
                 "best_step": (best := next((v.get("best_step") for v in reversed(val) if v["policy"] == name), None)),
                 # the score of the selected checkpoint (step 0 is not a candidate unless validation.select_initial)
                 "val_best": next((v["val/score"] for v in val if v["policy"] == name and v["step"] == best), None),
-                "seconds": sum((ln.get("time_generate") or 0) + (ln.get("time_reward") or 0)
-                               + (ln.get("time_score") or 0) + (ln.get("time_update") or 0) for ln in mine),
+                "seconds": sum(
+                    (ln.get("time_generate") or 0)
+                    + (ln.get("time_reward") or 0)
+                    + (ln.get("time_score") or 0)
+                    + (ln.get("time_update") or 0)
+                    for ln in mine
+                ),
             }
         )
     return out
@@ -67,9 +72,12 @@ def family_summary(run_dir: str | Path) -> list[dict]:
         mine = [ln for ln in lines if ln["policy"] == name]
         vals = [v for v in val if v["policy"] == name]
         best = next((v.get("best_step") for v in reversed(vals)), None)
-        fams = sorted({k.split("/", 1)[1] for ln in mine for k in ln if k.startswith("groups/")}
-                      | {k.rsplit("/", 1)[1] for v in vals for k in v if k.count("/") == 2 and k.startswith("val/")})
+        fams = sorted(
+            {k.split("/", 1)[1] for ln in mine for k in ln if k.startswith("groups/")}
+            | {k.rsplit("/", 1)[1] for v in vals for k in v if k.count("/") == 2 and k.startswith("val/")}
+        )
         for fam in fams:
+
             def total(key: str, fam: str = fam, mine: list = mine) -> float:
                 return sum(ln.get(f"{key}/{fam}") or 0 for ln in mine)
 
@@ -78,14 +86,21 @@ def family_summary(run_dir: str | Path) -> list[dict]:
                 return _mean(v[k] for k in ks) if ks else None
 
             rows = total("grafted_rows")
-            out.append({
-                "policy": name, "family": fam,
-                "val_before": val_at(vals[0] if vals else None), "val_after": val_at(vals[-1] if vals else None),
-                "val_best": val_at(next((v for v in vals if v["step"] == best), None)),
-                "groups": total("groups"), "all_fail": total("all_fail"), "grafted": total("grafted"),
-                "grafted_rows": rows, "admitted_rows": total("admitted_rows"),
-                "admitted_frac": total("admitted_rows") / rows if rows else None,
-            })
+            out.append(
+                {
+                    "policy": name,
+                    "family": fam,
+                    "val_before": val_at(vals[0] if vals else None),
+                    "val_after": val_at(vals[-1] if vals else None),
+                    "val_best": val_at(next((v for v in vals if v["step"] == best), None)),
+                    "groups": total("groups"),
+                    "all_fail": total("all_fail"),
+                    "grafted": total("grafted"),
+                    "grafted_rows": rows,
+                    "admitted_rows": total("admitted_rows"),
+                    "admitted_frac": total("admitted_rows") / rows if rows else None,
+                }
+            )
     return out
 
 
@@ -112,10 +127,19 @@ def print_run_summary(run_dir: str | Path, width: int | None = None) -> None:
     from rich.table import Table
 
     rows = run_summary(run_dir)
-    table = Table(title=f"graft run {run_dir}", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
-                  title_justify="left")
-    for c, just in (("policy", "left"), ("reward %", "right"), ("held-out %", "right"), ("best@step", "right"),
-                    ("grafted", "right"), ("adm. %", "right"), ("clip %", "right"), ("s", "right")):
+    table = Table(
+        title=f"graft run {run_dir}", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left"
+    )
+    for c, just in (
+        ("policy", "left"),
+        ("reward %", "right"),
+        ("held-out %", "right"),
+        ("best@step", "right"),
+        ("grafted", "right"),
+        ("adm. %", "right"),
+        ("clip %", "right"),
+        ("s", "right"),
+    ):
         table.add_column(c, justify=just, no_wrap=True)
     for r in rows:
         table.add_row(
@@ -132,20 +156,42 @@ def print_run_summary(run_dir: str | Path, width: int | None = None) -> None:
     console.print(table)
     fam_rows = family_summary(run_dir)
     if fam_rows:
-        ft = Table(title="per prompt family", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left")
-        for c, just in (("policy", "left"), ("family", "left"), ("held-out %", "right"), ("best", "right"),
-                        ("all-fail %", "right"), ("grafted", "right"), ("adm. %", "right")):
+        ft = Table(
+            title="per prompt family", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left"
+        )
+        for c, just in (
+            ("policy", "left"),
+            ("family", "left"),
+            ("held-out %", "right"),
+            ("best", "right"),
+            ("all-fail %", "right"),
+            ("grafted", "right"),
+            ("adm. %", "right"),
+        ):
             ft.add_column(c, justify=just, no_wrap=True)
         for r in fam_rows:
-            ft.add_row(r["policy"], r["family"], f"{_pct(r['val_before'])}→{_pct(r['val_after'])}", _pct(r["val_best"]),
-                       _pct(r["all_fail"] / r["groups"]) if r["groups"] else "-", str(int(r["grafted"])),
-                       _pct(r["admitted_frac"]))
+            ft.add_row(
+                r["policy"],
+                r["family"],
+                f"{_pct(r['val_before'])}→{_pct(r['val_after'])}",
+                _pct(r["val_best"]),
+                _pct(r["all_fail"] / r["groups"]) if r["groups"] else "-",
+                str(int(r["grafted"])),
+                _pct(r["admitted_frac"]),
+            )
         console.print(ft)
     console.print(
         "reward: training-batch pass rate, first → last quarter of the steps. held-out: validation pass@1 before → "
         "after training (best: the selected checkpoint's validation, at its step). grafted: peer groups that replaced this policy's "
         "failed groups. adm.: grafted peer responses admitted by the compatibility gate (weight > 0), pooled over the "
         "run. clip: clipped token fraction of own/peer tokens. s: training seconds."
-        + (" Per family: held-out pass@1 on that family; all-fail: this policy's own groups with no correct response "
-           "(GRPO gets no gradient from them); grafted/adm.: peer groups that replaced them and the admitted share of "
-           "their responses." if fam_rows else ""), soft_wrap=False, width=min(console.width, 100))
+        + (
+            " Per family: held-out pass@1 on that family; all-fail: this policy's own groups with no correct response "
+            "(GRPO gets no gradient from them); grafted/adm.: peer groups that replaced them and the admitted share of "
+            "their responses."
+            if fam_rows
+            else ""
+        ),
+        soft_wrap=False,
+        width=min(console.width, 100),
+    )

@@ -66,8 +66,9 @@ class Rollouts:
         return derive_seed(self.cfg.seed, 2, step, self.names.index(name))
 
     def _start_generation(self, name: str, step: int):
-        return self._submit(name, "generate_timed", self.prompts_for_step(step), self.samplings[name],
-                            self._generation_seed(name, step))
+        return self._submit(
+            name, "generate_timed", self.prompts_for_step(step), self.samplings[name], self._generation_seed(name, step)
+        )
 
     def _dynamic_sampling(self, name, prompts, groups, step, vstats, times, rfilter) -> tuple[list, list, int, int]:
         """DAPO's dynamic sampling (``recipe/dapo``, ``filter_groups``): keep the groups with mixed
@@ -89,7 +90,8 @@ class Rollouts:
                 raise DynamicSamplingError(
                     f"step {step}: policy {name!r} has {len(keep)} of {self.cfg.prompt_batch} prompts with mixed rewards after "
                     f"{batches} generation batches (method.max_num_gen_batches={cap}); the data may be too hard (or easy) "
-                    f"for it. Set method.max_num_gen_batches=0 for no limit, and resume with --resume")
+                    f"for it. Set method.max_num_gen_batches=0 for no limit, and resume with --resume"
+                )
             if not pool:  # every prompt drawn once in this step: another pass over those not kept (a prompt
                 # is in a step's batch once), as DAPO's next epoch would
                 kept = {gr.prompt_id for gr in keep}
@@ -97,7 +99,8 @@ class Rollouts:
                 if not pool:
                     raise DynamicSamplingError(
                         f"step {step}: policy {name!r} has {len(keep)} of {self.cfg.prompt_batch} prompts with mixed rewards, "
-                        f"and every other prompt of data.train was drawn; prompt_batch is larger than what the data can fill")
+                        f"and every other prompt of data.train was drawn; prompt_batch is larger than what the data can fill"
+                    )
             batches += 1
             take, pool = pool[: self.cfg.prompt_batch], pool[self.cfg.prompt_batch :]
             more_prompts = [(self.data[i].id, self.data[i].problem) for i in take]
@@ -124,8 +127,12 @@ class Rollouts:
         # all policies generate at once (overlapping in time with Ray; one after another in-process);
         # time_generate is measured in the worker, where the generation runs (Table 5's compute).
         # Under Ray a policy's generation may have started already, when its last update finished
-        pending = {name: self._prefetched.pop((name, step)) if (name, step) in self._prefetched
-                   else self._start_generation(name, step) for name in self.policies}
+        pending = {
+            name: self._prefetched.pop((name, step))
+            if (name, step) in self._prefetched
+            else self._start_generation(name, step)
+            for name in self.policies
+        }
         for name in self.policies:
             gs, gen_s = self._result(pending[name])
             rollouts = len(gs) * self.cfg.n
@@ -134,7 +141,9 @@ class Rollouts:
             times = {"time_generate": gen_s, "time_reward": time.perf_counter() - t0}
             rfilter = self.method.rollout_filter()
             if rfilter is not None:
-                gs, _, extra, lines[name]["gen_batches"] = self._dynamic_sampling(name, prompts, gs, step, vst, times, rfilter)
+                gs, _, extra, lines[name]["gen_batches"] = self._dynamic_sampling(
+                    name, prompts, gs, step, vst, times, rfilter
+                )
                 rollouts += extra
             lines[name].update(times)
             lines[name].update(vst)

@@ -23,8 +23,22 @@ import zipfile
 from pathlib import Path
 
 __all__ = [
-    "RunDirError", "RunLock", "read_log", "rewrite_log", "replace_dir", "remove_dir", "checkpoint_problem",
-    "clean_stale", "config_changes", "HARMLESS_KEYS", "best_steps", "write_text_atomic", "finite_json", "write_manifest", "manifest_problem", "MANIFEST",
+    "RunDirError",
+    "RunLock",
+    "read_log",
+    "rewrite_log",
+    "replace_dir",
+    "remove_dir",
+    "checkpoint_problem",
+    "clean_stale",
+    "config_changes",
+    "HARMLESS_KEYS",
+    "best_steps",
+    "write_text_atomic",
+    "finite_json",
+    "write_manifest",
+    "manifest_problem",
+    "MANIFEST",
 ]
 
 
@@ -207,8 +221,16 @@ def checkpoint_problem(ckpt: Path, policies: list[str]) -> str | None:
 #: Config keys a resumed run may change: they decide how long it runs, where and how it is
 #: observed or placed, never what a step computes.
 HARMLESS_KEYS = (
-    "run_dir", "steps", "epochs", "checkpoint_every", "keep_checkpoints", "tensorboard", "execution", "ray",
-    "validation.every", "validation.at_start",
+    "run_dir",
+    "steps",
+    "epochs",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "tensorboard",
+    "execution",
+    "ray",
+    "validation.every",
+    "validation.at_start",
     "method.max_num_gen_batches",  # whether a dynamic-sampling step may go on, never what it computes
 )
 

@@ -58,7 +58,9 @@ def _read_table(path: Path):
     try:
         return pq.read_table(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise RecordError(f"{path}: not a readable record file ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+        raise RecordError(
+            f"{path}: not a readable record file ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        ) from None
 
 
 class RecordError(ValueError):
@@ -137,7 +139,9 @@ class RecordStore:
         if not path.is_file():
             have = self.policies()
             if policy not in have:
-                raise RecordError(f"{self.root.parent}: no records for policy {policy!r} (have: {', '.join(have) or 'none'})")
+                raise RecordError(
+                    f"{self.root.parent}: no records for policy {policy!r} (have: {', '.join(have) or 'none'})"
+                )
             raise RecordError(f"{self.root.parent}: policy {policy!r} has no record for step {step}")
         rows = _read_table(path).to_pylist()
         groups: dict[str, dict] = {}
@@ -176,6 +180,8 @@ class RecordStore:
                 raise RecordError(f"{self.root.parent}: step {step} of {policy!r} has no record of prompt {pid!r}")
             g = recorded[pid]
             if g.prompt != text:
-                raise RecordError(f"{self.root.parent}: step {step}, prompt {pid!r}: recorded prompt text differs from this run's")
+                raise RecordError(
+                    f"{self.root.parent}: step {step}, prompt {pid!r}: recorded prompt text differs from this run's"
+                )
             out.append(g)
         return out

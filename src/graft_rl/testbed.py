@@ -45,9 +45,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TASKS", "TRANSFER_KINDS", "PAIRS", "PairSpec", "make_problem", "make_split", "Testbed", "ensure_testbed",
-           "shipped_testbed", "shipped_root", "warm_up", "PLAIN_TEMPLATE", "LOOKUP_FAMILIES", "lookup_response",
-           "build_lookup_pair", "lookup_right_digit_probability"]
+__all__ = [
+    "TASKS",
+    "TRANSFER_KINDS",
+    "PAIRS",
+    "PairSpec",
+    "make_problem",
+    "make_split",
+    "Testbed",
+    "ensure_testbed",
+    "shipped_testbed",
+    "shipped_root",
+    "warm_up",
+    "PLAIN_TEMPLATE",
+    "LOOKUP_FAMILIES",
+    "lookup_response",
+    "build_lookup_pair",
+    "lookup_right_digit_probability",
+]
 
 
 #: Prompt format of both testbed models (plain text, no chat template).
@@ -146,8 +161,9 @@ class PairSpec:
 #: Warm-up steps (batch 32): the byte-level model A learns more slowly, so it gets more.
 PAIRS: dict[str, PairSpec] = {
     "natural": PairSpec("natural", MIXTURE_A, MIXTURE_B, (1835, 842), pool=1000, heldout=512),
-    "transfer": PairSpec("transfer", TRANSFER_A, TRANSFER_B, (1835, 1700), pool=600, heldout=256,
-                         families=("muladd_hi", "add3_hi")),
+    "transfer": PairSpec(
+        "transfer", TRANSFER_A, TRANSFER_B, (1835, 1700), pool=600, heldout=256, families=("muladd_hi", "add3_hi")
+    ),
     # supervised steps (batch 64) of build_lookup_pair; the pool is A's missing family only
     "lookup": PairSpec("lookup", {}, {}, (1500, 1500), pool=64, heldout=64, families=("shift3", "shift6")),
 }
@@ -264,8 +280,14 @@ def _lookup_rows(families: tuple[str, ...], n: int, seed: int, prefix: str, avoi
         if expr in avoid:
             continue
         avoid.add(expr)
-        rows.append({"id": f"{prefix}-{len(rows)}", "problem": expr, "answer": str((k + LOOKUP_FAMILIES[fam][1]) % 10),
-                     "subject": fam})
+        rows.append(
+            {
+                "id": f"{prefix}-{len(rows)}",
+                "problem": expr,
+                "answer": str((k + LOOKUP_FAMILIES[fam][1]) % 10),
+                "subject": fam,
+            }
+        )
     return rows
 
 
@@ -279,8 +301,9 @@ def _lookup_label(model: str, family: str, k: int, rng: random.Random) -> int:
     return right
 
 
-def _lookup_teach(model_dir: Path, model: str, steps: int, seed: int, lr: float = 3e-3, batch: int = 64,
-                  answer_weight: float = 20.0) -> dict:
+def _lookup_teach(
+    model_dir: Path, model: str, steps: int, seed: int, lr: float = 3e-3, batch: int = 64, answer_weight: float = 20.0
+) -> dict:
     """Supervised teaching of one lookup model: fresh prompts and labels every step (so "half" is
     learnt as a distribution, not memorised), the answer digit's loss weighted ``answer_weight``
     times a sentence token's (otherwise the sentence dominates and the key is never read)."""
@@ -307,8 +330,9 @@ def _lookup_teach(model_dir: Path, model: str, steps: int, seed: int, lr: float 
                 w[i, len(p) - 1 : len(p) + len(r) - 1] = 1.0  # positions that predict response tokens
                 w[i, len(p) - 1 + answer] = answer_weight
             logits = net(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                   reduction="none")
+            ce = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+            )
             return (ce.view_as(w) * w).sum() / w.sum()
 
         return step_loss
@@ -316,8 +340,9 @@ def _lookup_teach(model_dir: Path, model: str, steps: int, seed: int, lr: float 
     return _supervised(model_dir, steps, seed, lr, 0.0, prepare)
 
 
-def build_lookup_pair(tb: Testbed, seed: int, steps: tuple[int, int], pool: int, heldout: int,
-                      progress: bool = True) -> dict:
+def build_lookup_pair(
+    tb: Testbed, seed: int, steps: tuple[int, int], pool: int, heldout: int, progress: bool = True
+) -> dict:
     """Build the lookup pair into ``tb.root`` (:data:`LOOKUP_TEACHING`): A a Llama-like model with a
     byte-level tokenizer, B a GPT-2-like one with a BPE trained on the task text (hidden 64, 2 layers
     each); the pool is ``pool`` prompts of ``shift3`` (A's missing family), the held-out set ``heldout``
@@ -330,12 +355,31 @@ def build_lookup_pair(tb: Testbed, seed: int, steps: tuple[int, int], pool: int,
     for path, rows in ((tb.train_file, train), (tb.eval_file, held)):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     crng = random.Random(seed + 4)
-    corpus = [PLAIN_TEMPLATE.replace("{prompt}", _lookup_problem(f, crng)[0]) + lookup_response(crng.randrange(10))
-              for _ in range(300) for f in LOOKUP_FAMILIES]
-    build_tiny_model(tb.model_a, "llama", char_tokenizer(chat_template=None), hidden=64, layers=2, heads=4,
-                     max_positions=256, seed=seed)
-    build_tiny_model(tb.model_b, "gpt2", bpe_tokenizer(corpus, vocab_size=320), hidden=64, layers=2, heads=4,
-                     max_positions=256, seed=seed + 1)
+    corpus = [
+        PLAIN_TEMPLATE.replace("{prompt}", _lookup_problem(f, crng)[0]) + lookup_response(crng.randrange(10))
+        for _ in range(300)
+        for f in LOOKUP_FAMILIES
+    ]
+    build_tiny_model(
+        tb.model_a,
+        "llama",
+        char_tokenizer(chat_template=None),
+        hidden=64,
+        layers=2,
+        heads=4,
+        max_positions=256,
+        seed=seed,
+    )
+    build_tiny_model(
+        tb.model_b,
+        "gpt2",
+        bpe_tokenizer(corpus, vocab_size=320),
+        hidden=64,
+        layers=2,
+        heads=4,
+        max_positions=256,
+        seed=seed + 1,
+    )
     info = {}
     for name, path, n in (("A", tb.model_a, steps[0]), ("B", tb.model_b, steps[1])):
         if progress:
@@ -419,7 +463,12 @@ class Testbed:
         if self.shipped:
             m, d = ("testbed", "testbed") if self.pair == "natural" else (self.pair, self.pair)
             return {"A": f"zoo:{m}-a", "B": f"zoo:{m}-b", "train": f"{d}_train", "heldout": f"{d}_heldout"}
-        return {"A": str(self.model_a), "B": str(self.model_b), "train": str(self.train_file), "heldout": str(self.eval_file)}
+        return {
+            "A": str(self.model_a),
+            "B": str(self.model_b),
+            "train": str(self.train_file),
+            "heldout": str(self.eval_file),
+        }
 
     def policy_dicts(self, lr: float = 1e-4) -> list[dict]:
         common = {"prompt_format": "plain", "plain_template": PLAIN_TEMPLATE, "prompt_suffix": None, "lr": lr}
@@ -429,7 +478,9 @@ class Testbed:
     def train_config(self, run_dir: str = "runs/demo", method: str = "graft") -> dict:
         """The embedded default of ``graft train``: GRAFT on this pair, a few minutes on 2 cores."""
         if self.pair == "lookup":  # one-token answers after a sentence, a one-family pool, unbalanced exchange
-            raise ValueError("the lookup pair's runs are configs/lookup/graft.yaml and grpo.yaml, not an arithmetic default")
+            raise ValueError(
+                "the lookup pair's runs are configs/lookup/graft.yaml and grpo.yaml, not an arithmetic default"
+            )
         return {
             "run_dir": run_dir,
             "seed": 0,
@@ -440,8 +491,15 @@ class Testbed:
             "max_new_tokens": 40,
             "checkpoint_every": 30,
             "data": {"train": self.refs()["train"], "verifier": "gsm8k"},
-            "validation": {"data": self.refs()["heldout"], "every": 30, "samples": 4, "limit": 256, "temperature": 1.0,
-                           "top_p": 1.0, "max_new_tokens": 40},
+            "validation": {
+                "data": self.refs()["heldout"],
+                "every": 30,
+                "samples": 4,
+                "limit": 256,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "max_new_tokens": 40,
+            },
             "method": {"name": method},
             "policies": self.policy_dicts(),
         }
@@ -468,16 +526,29 @@ def _prompt_sets(spec: PairSpec, seed: int, pool: int, heldout: int) -> tuple[li
     per = []
     for j, fam in enumerate(fams):  # held-out: `heldout` problems of each family, none in the pool
         in_pool = sum(1 for r in train if r["subject"] == fam)
-        rows = [r for r in make_split(heldout + in_pool, seed + 1 + 100 * j, {fam: 1.0}, prefix="h") if r["problem"] not in seen]
+        rows = [
+            r
+            for r in make_split(heldout + in_pool, seed + 1 + 100 * j, {fam: 1.0}, prefix="h")
+            if r["problem"] not in seen
+        ]
         if len(rows) < heldout:
-            raise ValueError(f"testbed family {fam!r} has fewer than {heldout} held-out problems outside a pool of {pool}")
+            raise ValueError(
+                f"testbed family {fam!r} has fewer than {heldout} held-out problems outside a pool of {pool}"
+            )
         per.append(rows[:heldout])
     held = [dict(r, id=f"heldout-{i}") for i, r in enumerate(r for group in zip(*per, strict=False) for r in group)]
     return train, held
 
 
-def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int] | None = None, pool: int | None = None,
-                   heldout: int | None = None, progress: bool = True, pair: str = "natural") -> Testbed:
+def ensure_testbed(
+    root: str | Path,
+    seed: int = 0,
+    warmup_steps: tuple[int, int] | None = None,
+    pool: int | None = None,
+    heldout: int | None = None,
+    progress: bool = True,
+    pair: str = "natural",
+) -> Testbed:
     """Build (once) the pair (:data:`PAIRS`) and its data under ``root``; later calls return the cached build.
 
     ``warmup_steps``, ``pool``, ``heldout`` default to the pair's spec (``heldout`` is per family
@@ -492,7 +563,13 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int
     pool, heldout = pool or spec.pool, heldout or spec.heldout
     tb = Testbed(Path(root), pair=pair)
     done = tb.root / "testbed.json"
-    build = {"version": BUILD_VERSION, "seed": seed, "warmup_steps": list(warmup_steps), "pool": pool, "heldout": heldout}
+    build = {
+        "version": BUILD_VERSION,
+        "seed": seed,
+        "warmup_steps": list(warmup_steps),
+        "pool": pool,
+        "heldout": heldout,
+    }
     if pair != "natural":
         build["pair"] = pair
     if done.is_file():
@@ -503,8 +580,10 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int
         if cached == build:
             return tb
         if progress:
-            print(f"testbed: the cached build in {tb.root} was made with other settings ({cached} != {build}); rebuilding",
-                  flush=True)
+            print(
+                f"testbed: the cached build in {tb.root} was made with other settings ({cached} != {build}); rebuilding",
+                flush=True,
+            )
         done.unlink()  # only this build's own files are replaced below
     tb.root.mkdir(parents=True, exist_ok=True)
     if pair == "lookup":
@@ -523,8 +602,10 @@ def ensure_testbed(root: str | Path, seed: int = 0, warmup_steps: tuple[int, int
     build_tiny_model(tb.model_a, "llama", char_tokenizer(chat_template=None), hidden=128, layers=2, heads=4, seed=seed)
     build_tiny_model(tb.model_b, "gpt2", bpe, hidden=128, layers=2, heads=4, seed=seed + 1)
     info = {}
-    for name, path, rows, s, steps in (("A", tb.model_a, warm_a, seed + 5, warmup_steps[0]),
-                                       ("B", tb.model_b, warm_b, seed + 6, warmup_steps[1])):
+    for name, path, rows, s, steps in (
+        ("A", tb.model_a, warm_a, seed + 5, warmup_steps[0]),
+        ("B", tb.model_b, warm_b, seed + 6, warmup_steps[1]),
+    ):
         if progress:
             print(f"testbed: warming up model {name} ({steps} steps, about {steps // 30} s on 2 cores)...", flush=True)
         info[name] = warm_up(path, rows, steps, s)
@@ -547,6 +628,8 @@ def shipped_testbed(pair: str = "natural") -> Testbed:
     machine, nothing to build."""
     tb = Testbed(shipped_root(pair), shipped=True, pair=pair)
     if not (tb.root / "testbed.json").is_file():
-        raise FileNotFoundError(f"{tb.root}: the shipped testbed is missing; reinstall graft-rl or run "
-                                f"scripts/build_testbed.py --pair {pair}")
+        raise FileNotFoundError(
+            f"{tb.root}: the shipped testbed is missing; reinstall graft-rl or run "
+            f"scripts/build_testbed.py --pair {pair}"
+        )
     return tb

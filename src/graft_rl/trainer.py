@@ -52,9 +52,15 @@ __all__ = ["Trainer", "RunInterrupted", "CheckpointError", "DynamicSamplingError
 class Trainer(Rollouts, Checkpointing, Validation):
     """Co-train the configured policies with the configured method."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False, show_progress: bool = True, *,
-                 reward: Callable[[list[RolloutGroup]], dict] | None = None,
-                 workers: Callable[[TrainConfig, list[PolicyConfig]], dict[str, WorkerHandle]] = start_workers):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        resume: bool = False,
+        show_progress: bool = True,
+        *,
+        reward: Callable[[list[RolloutGroup]], dict] | None = None,
+        workers: Callable[[TrainConfig, list[PolicyConfig]], dict[str, WorkerHandle]] = start_workers,
+    ):
         """``reward``: scores a step's groups in place (sets each group's ``rewards``) and returns its
         counts (``verify_timeouts``, ...); default: the run's verifier (:meth:`score_groups`).
         ``workers``: builds each policy's :class:`~graft_rl.handles.WorkerHandle` from the config and
@@ -88,7 +94,9 @@ class Trainer(Rollouts, Checkpointing, Validation):
         self.store = RecordStore(self.run_dir)
         self.data: list[Problem] = load_dataset(cfg.data.train, cfg.data.limit)
         if len(self.data) < cfg.prompt_batch:
-            raise ConfigError(f"data.train {cfg.data.train!r} has {len(self.data)} problems, fewer than prompt_batch={cfg.prompt_batch}")
+            raise ConfigError(
+                f"data.train {cfg.data.train!r} has {len(self.data)} problems, fewer than prompt_batch={cfg.prompt_batch}"
+            )
         self._by_id = {p.id: p for p in self.data}
         self._family = families(self.data)  # prompt id -> family, when the data names a few (testbed kinds)
         self.verifier = cfg.data.verifier if cfg.data.verifier != "auto" else verifier_for(cfg.data.train, self.data[0])
@@ -116,9 +124,13 @@ class Trainer(Rollouts, Checkpointing, Validation):
         pcs = []
         for pc in cfg.policies:
             if ckpt is not None:
-                ref = {"reference_model": pc.reference_model or pc.model,
-                       "reference_gguf_file": pc.reference_gguf_file if pc.reference_model else pc.gguf_file}
-                pc = PolicyConfig(**{**to_dict(pc), "model": str(ckpt / pc.name), "gguf_file": None, "tokenizer": None, **ref})
+                ref = {
+                    "reference_model": pc.reference_model or pc.model,
+                    "reference_gguf_file": pc.reference_gguf_file if pc.reference_model else pc.gguf_file,
+                }
+                pc = PolicyConfig(
+                    **{**to_dict(pc), "model": str(ckpt / pc.name), "gguf_file": None, "tokenizer": None, **ref}
+                )
             pcs.append(pc)
         self.workers = self._start_workers(cfg, pcs)
         # name -> the in-process Policy, or (Ray) its config: the model lives in the actor
@@ -187,7 +199,9 @@ class Trainer(Rollouts, Checkpointing, Validation):
         return stats
 
     # ------------------------------------------------------------------ one step
-    def receiver_batches(self, step: int, groups: dict[str, list[RolloutGroup]], lines: dict[str, dict]) -> dict[str, ReceiverBatch]:
+    def receiver_batches(
+        self, step: int, groups: dict[str, list[RolloutGroup]], lines: dict[str, dict]
+    ) -> dict[str, ReceiverBatch]:
         """A step's exchange phase: the method's per-step state (:meth:`Method.observe`), each
         receiver's batch (selection, composition, advantages; Section 4.1), and the groups'
         statistics in ``lines``. (``graft probe`` runs this.)"""
@@ -261,16 +275,27 @@ class Trainer(Rollouts, Checkpointing, Validation):
         end = self.total_steps if max_steps is None else min(self.total_steps, self.start_step + max_steps - 1)
         all_lines: list[dict] = []
         self.lock.acquire()
-        bar = tqdm(range(self.start_step, end + 1), desc="graft train", unit="step", disable=not self.show_progress,
-                   initial=self.start_step - 1, total=self.total_steps)
+        bar = tqdm(
+            range(self.start_step, end + 1),
+            desc="graft train",
+            unit="step",
+            disable=not self.show_progress,
+            initial=self.start_step - 1,
+            total=self.total_steps,
+        )
         stop = _GracefulStop()
         self._prefetch_until = end
         if self.val_sets:
             v = self.cfg.validation
             sizes = ", ".join(f"{Path(ds).stem} {len(ps)}" for ds, ps in self.val_sets.items())
-            print(textwrap.fill(f"graft train: validation every {v.every} steps: {v.samples} samples per problem at "
-                                f"temperature {v.temperature:g} ({sizes} problems); best/ by their mean pass@1",
-                                80, subsequent_indent="  "))
+            print(
+                textwrap.fill(
+                    f"graft train: validation every {v.every} steps: {v.samples} samples per problem at "
+                    f"temperature {v.temperature:g} ({sizes} problems); best/ by their mean pass@1",
+                    80,
+                    subsequent_indent="  ",
+                )
+            )
         try:
             if self.start_step == 1 and self.cfg.validation.at_start and self.val_sets:
                 self.validate(0)
@@ -286,16 +311,20 @@ class Trainer(Rollouts, Checkpointing, Validation):
                 self.start_step = step + 1  # a later run() call continues here
                 if stop.signum:
                     bar.close()
-                    print(f"graft train: stopped after step {step} ({signal.Signals(stop.signum).name}); "
-                          f"checkpoint in {self.run_dir} (resume with --resume)")
+                    print(
+                        f"graft train: stopped after step {step} ({signal.Signals(stop.signum).name}); "
+                        f"checkpoint in {self.run_dir} (resume with --resume)"
+                    )
                     raise RunInterrupted(stop.signum)
         except KeyboardInterrupt as exc:
             if not isinstance(exc, RunInterrupted):
                 bar.close()
                 # the newest checkpoint by name: no checksums on the way out (resume verifies them)
                 last = max((self.run_dir / "checkpoints").glob("step_*"), default=None)
-                print(f"graft train: stopped at once; --resume continues from "
-                      f"{'step ' + last.name.split('_')[1].lstrip('0') if last else 'the start'} in {self.run_dir}")
+                print(
+                    f"graft train: stopped at once; --resume continues from "
+                    f"{'step ' + last.name.split('_')[1].lstrip('0') if last else 'the start'} in {self.run_dir}"
+                )
             raise
         finally:
             self._prefetch_until = 0
@@ -353,7 +382,9 @@ def _config_from_checkpoints(run_dir: Path, cfg_path: Path, exc: Exception) -> d
         except (OSError, ValueError):
             continue
         if saved:
-            print(f"graft train: {cfg_path} is damaged ({exc}); resuming with the config saved in checkpoint {ckpt.name}")
+            print(
+                f"graft train: {cfg_path} is damaged ({exc}); resuming with the config saved in checkpoint {ckpt.name}"
+            )
             return saved
     raise ConfigError(f"{cfg_path} is damaged ({exc}) and no checkpoint holds a copy of the config") from None
 
@@ -381,8 +412,11 @@ class _GracefulStop:
         if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\ngraft train: {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-              f"(send it again to stop at once)", flush=True)
+        print(
+            f"\ngraft train: {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+            f"(send it again to stop at once)",
+            flush=True,
+        )
 
     def restore(self) -> None:
         for sig, prev in self.previous.items():

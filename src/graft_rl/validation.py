@@ -38,11 +38,20 @@ class Validation:
         # every policy's evaluations submitted before any is awaited (at once under Ray)
         pending = {
             (name, ds): self._submit(
-                name, "evaluate", problems, verifier_for(ds, problems[0]), v.samples, v.temperature, v.top_p,
-                v.max_new_tokens, derive_seed(self.cfg.seed, 7, step, self.names.index(name)), self.cfg.data.verify_timeout,
+                name,
+                "evaluate",
+                problems,
+                verifier_for(ds, problems[0]),
+                v.samples,
+                v.temperature,
+                v.top_p,
+                v.max_new_tokens,
+                derive_seed(self.cfg.seed, 7, step, self.names.index(name)),
+                self.cfg.data.verify_timeout,
                 self.cfg.data.verify_budget,  # per chunk of problems, as a step's batch: validation time is bounded too
             )
-            for name in self.policies for ds, problems in self.val_sets.items()
+            for name in self.policies
+            for ds, problems in self.val_sets.items()
         }
         lines, improved = [], []
         for name in self.policies:
@@ -87,7 +96,9 @@ class Validation:
 
                 if isinstance(exc, RuntimeError) and not is_write_error(exc):
                     raise
-                raise CheckpointError(f"cannot write {self.run_dir / 'best'}: {write_error_text(exc, self.run_dir)}") from None
+                raise CheckpointError(
+                    f"cannot write {self.run_dir / 'best'}: {write_error_text(exc, self.run_dir)}"
+                ) from None
         with (self.run_dir / "validation.jsonl").open("a") as f:
             for line in lines:
                 f.write(json.dumps(finite_json(line)) + "\n")
@@ -111,5 +122,3 @@ def pass1_variance(correct: list[int] | None, samples: int) -> float | None:
         return sum(x * (1 - x) for x in p) / (samples - 1) / n**2
     mean = statistics.fmean(p)
     return mean * (1 - mean) / n
-
-

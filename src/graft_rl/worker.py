@@ -34,10 +34,14 @@ def prompt_budget(policy: Policy, problems, max_new_tokens: int) -> tuple[int, s
     if longest + max_new_tokens <= ctx:
         return max_new_tokens, None
     if ctx - longest < 1:
-        raise PromptTooLongError(f"policy {policy.name!r}: prompt {pid!r} has {longest} tokens, over the model's {ctx}-token "
-                                 f"context (shorten or drop it in the data, or use a model with a longer context)")
-    return ctx - longest, (f"{policy.name} has a {ctx}-token context: max_new_tokens {max_new_tokens} -> {ctx - longest} "
-                           f"(longest prompt {longest} tokens)")
+        raise PromptTooLongError(
+            f"policy {policy.name!r}: prompt {pid!r} has {longest} tokens, over the model's {ctx}-token "
+            f"context (shorten or drop it in the data, or use a model with a longer context)"
+        )
+    return ctx - longest, (
+        f"{policy.name} has a {ctx}-token context: max_new_tokens {max_new_tokens} -> {ctx - longest} "
+        f"(longest prompt {longest} tokens)"
+    )
 
 
 class PolicyWorker:
@@ -90,14 +94,34 @@ class PolicyWorker:
     def load_state(self, path: str) -> None:
         self.policy.load_state(path)
 
-    def evaluate(self, problems, verifier: str, samples: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, timeout: float = 5.0, budget: float | None = None) -> dict:
+    def evaluate(
+        self,
+        problems,
+        verifier: str,
+        samples: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+        timeout: float = 5.0,
+        budget: float | None = None,
+    ) -> dict:
         """:func:`~graft_rl.evaluation.evaluate_policy`, with ``seconds``: its wall time here, where it runs."""
         from graft_rl.evaluation import evaluate_policy
 
         t0 = time.perf_counter()
-        res = evaluate_policy(self.policy, problems, verifier, samples, temperature, top_p, max_new_tokens, seed=seed,
-                              timeout=timeout, budget=budget)
+        res = evaluate_policy(
+            self.policy,
+            problems,
+            verifier,
+            samples,
+            temperature,
+            top_p,
+            max_new_tokens,
+            seed=seed,
+            timeout=timeout,
+            budget=budget,
+        )
         return {**res, "seconds": time.perf_counter() - t0}
 
     def rollout_check(self, prompts, max_new_tokens: int = 16, seed: int = 0, reference: dict | None = None) -> dict:
@@ -117,8 +141,12 @@ class PolicyWorker:
         pol = self.policy
         prompt_ids, response_ids = [], []
         foreign = [(i, r) for i, r in enumerate(batch.rows) if r.source != pol.name]
-        retok = pol.encode_texts([r.prompt for _, r in foreign], [r.text for _, r in foreign], [r.finished for _, r in foreign],
-                                 max_new_tokens)
+        retok = pol.encode_texts(
+            [r.prompt for _, r in foreign],
+            [r.text for _, r in foreign],
+            [r.finished for _, r in foreign],
+            max_new_tokens,
+        )
         foreign_idx = {i: j for j, (i, _) in enumerate(foreign)}
         cache: dict[str, list[int]] = {}
         for i, r in enumerate(batch.rows):
@@ -172,19 +200,29 @@ class PolicyWorker:
                 compat[i] = (st, sc)
         return tb, mask, old, peer_rows, compat, weights, included
 
-    def score_peers(self, batch: ReceiverBatch, seed: int, temperature: float = 1.0,
-                    max_new_tokens: int | None = None) -> list[dict]:
+    def score_peers(
+        self, batch: ReceiverBatch, seed: int, temperature: float = 1.0, max_new_tokens: int | None = None
+    ) -> list[dict]:
         """What :meth:`train` computes for the peer rows before any update (``graft probe``): per
         peer row its prompt, source, reward, compatibility (token mean and per character) and
         weight, from the same code and, for the same ``seed``, the same draws."""
         gen = torch.Generator().manual_seed(seed)
         _, _, _, peer_rows, compat, weights, _ = self._weigh(batch, gen, temperature, max_new_tokens)
-        return [{"prompt_id": batch.rows[i].prompt_id, "source": batch.rows[i].source, "reward": batch.rows[i].reward,
-                 "compat_token": compat[i][0], "compat_char": compat[i][1], "weight": weights[i]}
-                for i in peer_rows]
+        return [
+            {
+                "prompt_id": batch.rows[i].prompt_id,
+                "source": batch.rows[i].source,
+                "reward": batch.rows[i].reward,
+                "compat_token": compat[i][0],
+                "compat_char": compat[i][1],
+                "weight": weights[i],
+            }
+            for i in peer_rows
+        ]
 
-    def train(self, batch: ReceiverBatch, step: int, seed: int, temperature: float = 1.0,
-              max_new_tokens: int | None = None) -> ReceiverUpdate:
+    def train(
+        self, batch: ReceiverBatch, step: int, seed: int, temperature: float = 1.0, max_new_tokens: int | None = None
+    ) -> ReceiverUpdate:
         """Score the rows that need pi_old, weight peer rows, run the peer-last minibatch epoch.
 
         pi_old (the receiver's log-probs before the step's first update) is computed beforehand
@@ -206,12 +244,22 @@ class PolicyWorker:
         tb, mask, old, peer_rows, compat, weights, included = self._weigh(batch, gen, temperature, max_new_tokens)
         ref = pol.reference_logprobs(tb)[0] if cfg.kl_coef > 0 else None
         score_s = time.perf_counter() - t0
-        exchange_rows = ([
-            {"prompt_id": r.prompt_id, "source": r.source, "group_index": r.index, "reward": r.reward,
-             "advantage": r.advantage, "weight": weights[i], "compat_token": compat.get(i, (None, None))[0],
-             "compat_char": compat.get(i, (None, None))[1], "included": included[i], "auxiliary": r.is_aux}
-            for i, r in enumerate(batch.rows) if r.is_peer
-        ])
+        exchange_rows = [
+            {
+                "prompt_id": r.prompt_id,
+                "source": r.source,
+                "group_index": r.index,
+                "reward": r.reward,
+                "advantage": r.advantage,
+                "weight": weights[i],
+                "compat_token": compat.get(i, (None, None))[0],
+                "compat_char": compat.get(i, (None, None))[1],
+                "included": included[i],
+                "auxiliary": r.is_aux,
+            }
+            for i, r in enumerate(batch.rows)
+            if r.is_peer
+        ]
         # peer-last minibatches over the receiver's prompt groups (Section 4.2)
         group_rows = batch.group_rows()
         order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.minibatch, cfg.position, gen)
@@ -219,14 +267,28 @@ class PolicyWorker:
         t0 = time.perf_counter()
         first = {r for gi in order[0].tolist() for r in group_rows[gi]} if order else set()
         scored = set(peer_rows)
-        later = [i for i, r in enumerate(batch.rows) if i not in first and i not in scored and included[i] and not r.is_aux]
+        later = [
+            i for i, r in enumerate(batch.rows) if i not in first and i not in scored and included[i] and not r.is_aux
+        ]
         self._score(tb, later, old)
         score_s += time.perf_counter() - t0
         rows = batch.rows
-        extras = {key: [r.extras.get(key, 1.0) for r in rows] for key in dict.fromkeys(k for r in rows for k in r.extras)}
-        t = RowTensors(old, mask, [r.advantage for r in rows], weights, [r.is_peer for r in rows], included,
-                       [r.is_aux for r in rows], [r.src_mean_logprob for r in rows], ref,
-                       old_is_current=[i in first and i not in scored for i in range(len(rows))], extras=extras)
+        extras = {
+            key: [r.extras.get(key, 1.0) for r in rows] for key in dict.fromkeys(k for r in rows for k in r.extras)
+        }
+        t = RowTensors(
+            old,
+            mask,
+            [r.advantage for r in rows],
+            weights,
+            [r.is_peer for r in rows],
+            included,
+            [r.is_aux for r in rows],
+            [r.src_mean_logprob for r in rows],
+            ref,
+            old_is_current=[i in first and i not in scored for i in range(len(rows))],
+            extras=extras,
+        )
         t0 = time.perf_counter()
         stats: dict = {}
         upd: list[dict] = []
@@ -240,7 +302,9 @@ class PolicyWorker:
         update_s = time.perf_counter() - t0
         stats.update(batch.stats)
         stats["peer_cut"] = len(tb.cut)  # peer responses longer than the receiver's max_new_tokens here
-        by_source = [i for src in dict.fromkeys(rows[i].source for i in peer_rows) for i in peer_rows if rows[i].source == src]
+        by_source = [
+            i for src in dict.fromkeys(rows[i].source for i in peer_rows) for i in peer_rows if rows[i].source == src
+        ]
         stats.update(_exchange_stats([compat[i] for i in by_source], [weights[i] for i in by_source]))
         stats.update(_update_stats(upd, ref is not None))
         stats["time_score"] = score_s

@@ -173,10 +173,24 @@ def test_hacpo_loss_sequence_ratio_clipping():
 def test_hacpo_log_ratio_is_clamped_at_the_recipes_10():
     mask = torch.ones(1, 2)
     lp = torch.full((1, 2), -1.0, requires_grad=True)
-    _, st = hacpo_policy_loss(lp, torch.full((1, 2), -40.0), torch.tensor([-40.0]), torch.tensor([-1.0]), mask,
-                              torch.tensor([False]), update_index=0)
-    loss, _ = hacpo_policy_loss(lp, torch.full((1, 2), -40.0), torch.tensor([-40.0]), torch.tensor([-1.0]), mask,
-                                torch.tensor([False]), update_index=0)
+    _, st = hacpo_policy_loss(
+        lp,
+        torch.full((1, 2), -40.0),
+        torch.tensor([-40.0]),
+        torch.tensor([-1.0]),
+        mask,
+        torch.tensor([False]),
+        update_index=0,
+    )
+    loss, _ = hacpo_policy_loss(
+        lp,
+        torch.full((1, 2), -40.0),
+        torch.tensor([-40.0]),
+        torch.tensor([-1.0]),
+        mask,
+        torch.tensor([False]),
+        update_index=0,
+    )
     # own objective min(r a, clip(r) a) with a = -1 picks r = e^10 (not e^20): loss = e^10
     assert loss.item() == pytest.approx(float(torch.exp(torch.tensor(10.0))), rel=1e-5)
 

@@ -54,7 +54,9 @@ def test_limit():
 
 def test_row_without_answer_names_file_and_line(tmp_path):
     p = tmp_path / "bad.jsonl"
-    p.write_text(json.dumps({"id": "a", "problem": "1+1", "answer": "2"}) + "\n" + json.dumps({"id": "b", "problem": "x"}) + "\n")
+    p.write_text(
+        json.dumps({"id": "a", "problem": "1+1", "answer": "2"}) + "\n" + json.dumps({"id": "b", "problem": "x"}) + "\n"
+    )
     with pytest.raises(DatasetError, match=r"bad.jsonl:2: row has no 'answer' field"):
         load_jsonl(p)
 

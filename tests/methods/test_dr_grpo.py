@@ -14,8 +14,11 @@ from graft_rl.policy import RolloutGroup
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.sampled_from([0.0, 1.0]), min_size=2, max_size=8), min_size=1, max_size=5).filter(
-    lambda rows: len({len(r) for r in rows}) == 1))
+@given(
+    st.lists(st.lists(st.sampled_from([0.0, 1.0]), min_size=2, max_size=8), min_size=1, max_size=5).filter(
+        lambda rows: len({len(r) for r in rows}) == 1
+    )
+)
 def test_advantages_are_centred_and_grpo_scaled_by_the_std(rows):
     """Dr. GRPO's rule: A = r - mean(r) per group (mean 0); GRPO's is the same divided by std + eps."""
     r = torch.tensor(rows, dtype=torch.float64)
@@ -28,8 +31,21 @@ def test_advantages_are_centred_and_grpo_scaled_by_the_std(rows):
 def test_its_batches_are_own_groups_with_unnormalised_advantages():
     cfg = MethodConfig(name="dr_grpo")
     cfg.validate()
-    groups = {p: [RolloutGroup("q0", "0+0=?", p, ["a", "b", "c", "d"], [[1]] * 4, [[-1.0]] * 4, ["stop"] * 4,
-                               [1.0, 0.0, 0.0, 0.0] if p == "A" else [0.0] * 4)] for p in ("A", "B")}
+    groups = {
+        p: [
+            RolloutGroup(
+                "q0",
+                "0+0=?",
+                p,
+                ["a", "b", "c", "d"],
+                [[1]] * 4,
+                [[-1.0]] * 4,
+                ["stop"] * 4,
+                [1.0, 0.0, 0.0, 0.0] if p == "A" else [0.0] * 4,
+            )
+        ]
+        for p in ("A", "B")
+    }
     batch = build_exchange(cfg).build("A", groups, {"A", "B"}, 4, torch.Generator().manual_seed(0))
     assert [r.source for r in batch.rows] == ["A"] * 4  # no peer: B's group never enters
     assert [r.advantage for r in batch.rows] == [0.75, -0.25, -0.25, -0.25]

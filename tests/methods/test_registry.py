@@ -39,7 +39,9 @@ def test_allowed_names_and_keys_come_from_the_registry():
         MethodConfig(name="sgt", sgt_cof=0.2)
     with pytest.raises(ConfigError, match=r"method.luffy_gamma is not used by method 'graft' \(it is used by: luffy\)"):
         MethodConfig(name="graft", luffy_gamma=0.2).validate()
-    with pytest.raises(ConfigError, match=r"method.selection: 'x' is not one of auto, complementary, graft, random, sgt, all"):
+    with pytest.raises(
+        ConfigError, match=r"method.selection: 'x' is not one of auto, complementary, graft, random, sgt, all"
+    ):
         MethodConfig(name="graft", selection="x").validate()
 
 
@@ -59,8 +61,16 @@ def test_the_engine_names_no_method():
     branch on a method's name, the step loop has no ``execution ==`` branch, and HACPO's name
     appears in its own file only."""
     names = "|".join(method_names())
-    for module in ("trainer.py", "worker.py", "handles.py", "checkpointing.py", "validation.py",
-                   "methods/exchange.py", "methods/objectives.py", "methods/base.py"):
+    for module in (
+        "trainer.py",
+        "worker.py",
+        "handles.py",
+        "checkpointing.py",
+        "validation.py",
+        "methods/exchange.py",
+        "methods/objectives.py",
+        "methods/base.py",
+    ):
         text = (SRC / module).read_text()
         assert not re.search(rf"""name\s*(==|!=|in)\s*[(\[{{]?["']({names})["']""", text), module
     assert "execution ==" not in (SRC / "trainer.py").read_text()
@@ -108,16 +118,30 @@ def toy_method():
 
 def _data(tmp_path: Path) -> Path:
     p = tmp_path / "arith.jsonl"
-    p.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    p.write_text(
+        "".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(8))
+    )
     return p
 
 
 def _cfg(tmp_path, tiny_pair, method: dict, run: str = "run"):
-    return load_config({
-        "run_dir": str(tmp_path / run), "steps": 2, "prompt_batch": 8, "minibatch": 4, "n": 4, "max_new_tokens": 6,
-        "checkpoint_every": 2, "data": {"train": str(_data(tmp_path))}, "method": method,
-        "policies": [{"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3}, {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3}],
-    })
+    return load_config(
+        {
+            "run_dir": str(tmp_path / run),
+            "steps": 2,
+            "prompt_batch": 8,
+            "minibatch": 4,
+            "n": 4,
+            "max_new_tokens": 6,
+            "checkpoint_every": 2,
+            "data": {"train": str(_data(tmp_path))},
+            "method": method,
+            "policies": [
+                {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3},
+                {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3},
+            ],
+        }
+    )
 
 
 def pattern_reward(groups) -> dict:
@@ -132,7 +156,9 @@ def test_a_method_registered_in_one_place_configures_and_trains(toy_method, tmp_
 
     with pytest.raises(ConfigError, match=r"method.half_scale must be in \(0, 1\), got 2"):
         _cfg(tmp_path, tiny_pair, {"name": "half_grpo", "half_scale": 2.0})
-    with pytest.raises(ConfigError, match=r"method.half_scale is not used by method 'grpo' \(it is used by: half_grpo\)"):
+    with pytest.raises(
+        ConfigError, match=r"method.half_scale is not used by method 'grpo' \(it is used by: half_grpo\)"
+    ):
         _cfg(tmp_path, tiny_pair, {"name": "grpo", "half_scale": 0.5})
     for key in EXCHANGE_KEYS[:1]:  # it reads no peer, so the exchange switches are refused
         with pytest.raises(ConfigError, match=rf"method.{key} is not used by method 'half_grpo'"):
@@ -170,7 +196,9 @@ def test_the_trainer_scores_with_the_reward_it_is_given(tmp_path, tiny_pair):
 
 def test_a_config_of_every_method_is_written_flat_and_reloads_identically(tmp_path):
     for name in method_names():
-        cfg = load_config({"policies": [{"name": "A", "model": "x"}, {"name": "B", "model": "y"}], "method": {"name": name}})
+        cfg = load_config(
+            {"policies": [{"name": "A", "model": "x"}, {"name": "B", "model": "y"}], "method": {"name": name}}
+        )
         again = load_config(to_dict(cfg))
         assert again.method == cfg.method and to_dict(again) == to_dict(cfg)
 

@@ -43,15 +43,32 @@ def exercise(pol) -> dict:
     new, _ = pol.token_logprobs(batch)
     ref, _ = pol.reference_logprobs(batch)
     groups = pol.generate(GEN_PROMPTS, SamplingParams(n=3, max_new_tokens=6), seed=5)
-    return {"old": old.tolist(), "new": new.tolist(), "ref": ref.tolist(), "stats": stats, "texts": [g.texts for g in groups],
-            "digest": pol.param_digest(), "fused": pol.fused_head}
+    return {
+        "old": old.tolist(),
+        "new": new.tolist(),
+        "ref": ref.tolist(),
+        "stats": stats,
+        "texts": [g.texts for g in groups],
+        "digest": pol.param_digest(),
+        "fused": pol.fused_head,
+    }
 
 
 def run(model: str, out: str, dtype: str, ckpt: str) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    pol = ShardedPolicy(PolicyConfig("A", model, lr=1e-3, dtype=dtype, micro_batch_tokens=60, world_size=2,
-                                     gradient_checkpointing=True, fused_logprobs=True))
+    pol = ShardedPolicy(
+        PolicyConfig(
+            "A",
+            model,
+            lr=1e-3,
+            dtype=dtype,
+            micro_batch_tokens=60,
+            world_size=2,
+            gradient_checkpointing=True,
+            fused_logprobs=True,
+        )
+    )
     result = exercise(pol)
     pol.save(ckpt)
     pol.load_state(ckpt)

@@ -22,8 +22,20 @@ from fsdp_ranks import GEN_PROMPTS, exercise  # noqa: E402
 
 
 def _torchrun(model, out, dtype, ckpt, port):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           str(HERE / "fsdp_ranks.py"), str(model), str(out), dtype, str(ckpt)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        str(HERE / "fsdp_ranks.py"),
+        str(model),
+        str(out),
+        dtype,
+        str(ckpt),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -37,8 +49,9 @@ def test_two_fsdp_ranks_match_one_process(tiny_pair, tmp_path, arch):
     sharded = _torchrun(model, tmp_path / "out.json", "float32", ckpt, 29611 + arch)
     assert sharded["fused"]
 
-    single = Policy(PolicyConfig("A", str(model), lr=1e-3, micro_batch_tokens=60, gradient_checkpointing=True,
-                                 fused_logprobs=True))
+    single = Policy(
+        PolicyConfig("A", str(model), lr=1e-3, micro_batch_tokens=60, gradient_checkpointing=True, fused_logprobs=True)
+    )
     one = exercise(single)
 
     torch.testing.assert_close(torch.tensor(sharded["old"]), torch.tensor(one["old"]), rtol=0, atol=1e-5)
@@ -63,8 +76,12 @@ def test_two_fsdp_ranks_match_one_process(tiny_pair, tmp_path, arch):
     assert sharded["digest"] == pytest.approx(reloaded.param_digest(), rel=1e-9, abs=1e-9)
     # the weights equal one process's to 1e-6, except where Adam divides float noise by a near-zero
     # gradient (a handful of elements, each still within Adam's lr-per-step bound)
-    diffs = torch.cat([(a - b).detach().abs().flatten()
-                       for a, b in zip(reloaded.model.parameters(), single.model.parameters(), strict=True)])
+    diffs = torch.cat(
+        [
+            (a - b).detach().abs().flatten()
+            for a, b in zip(reloaded.model.parameters(), single.model.parameters(), strict=True)
+        ]
+    )
     assert (diffs > 1e-6).float().mean() < 1e-4
     assert diffs.max() <= 2 * 1e-3 * 2
 

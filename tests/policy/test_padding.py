@@ -62,7 +62,11 @@ def test_update_and_scores_equal_the_arrival_order_path(tiny_pair, monkeypatch):
     for rule in ("length", "arrival"):
         pol = Policy(PolicyConfig("A", str(tiny_pair[0]), lr=1e-3, micro_batch_tokens=120))
         if rule == "arrival":
-            monkeypatch.setattr(pol, "_micro_batches", lambda b, pol=pol: arrival_order_micro_batches(b.lengths(), pol.micro_batch_tokens))
+            monkeypatch.setattr(
+                pol,
+                "_micro_batches",
+                lambda b, pol=pol: arrival_order_micro_batches(b.lengths(), pol.micro_batch_tokens),
+            )
         batch = pol.encode_texts(["Q"] * len(texts), texts, [True] * len(texts))
         assert len(pol._micro_batches(batch)) > 1
         old, mask = pol.token_logprobs(batch)

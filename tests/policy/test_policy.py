@@ -68,12 +68,16 @@ def test_finished_rows_leave_the_decode_batch_without_changing_any_row(monkeypat
     from graft_rl.data import load_dataset
     from graft_rl.testbed import PLAIN_TEMPLATE
 
-    pol = Policy(PolicyConfig("T", "zoo:transfer-a", prompt_format="plain", plain_template=PLAIN_TEMPLATE, prompt_suffix=None))
+    pol = Policy(
+        PolicyConfig("T", "zoo:transfer-a", prompt_format="plain", plain_template=PLAIN_TEMPLATE, prompt_suffix=None)
+    )
     prompts = [(p.id, p.problem) for p in load_dataset("transfer_heldout")[:12]]
     selects = []
     cache_cls = type(pol.model(torch.tensor([[1, 2]]), use_cache=True).past_key_values)
     real_select = cache_cls.batch_select_indices
-    monkeypatch.setattr(cache_cls, "batch_select_indices", lambda self, idx: selects.append(len(idx)) or real_select(self, idx))
+    monkeypatch.setattr(
+        cache_cls, "batch_select_indices", lambda self, idx: selects.append(len(idx)) or real_select(self, idx)
+    )
     greedy = SamplingParams(n=2, max_new_tokens=40, top_k=1)
     out = {}
     for compact in (True, False):
@@ -363,4 +367,4 @@ def test_a_stop_string_given_as_text_stays_whole():
     assert load_config(base).policies[0].stop == ["\n\n"]
     assert load_config(base, ["policies.0.stop=a, b"]).policies[0].stop == ["a, b"]
     with pytest.raises(ConfigError, match="stop must be a list of non-empty strings"):
-        load_config(base, ["policies.0.stop=[\"\"]"])
+        load_config(base, ['policies.0.stop=[""]'])

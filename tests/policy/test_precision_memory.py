@@ -139,9 +139,18 @@ def big_vocab_model(tmp_path_factory):
     from graft_rl.policy.tiny import char_tokenizer
 
     tok = char_tokenizer()
-    cfg = LlamaConfig(vocab_size=32768, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=32768,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("bigvocab")
     LlamaForCausalLM(cfg).save_pretrained(out)

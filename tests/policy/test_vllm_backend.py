@@ -21,7 +21,9 @@ from graft_rl.policy.tiny import build_tiny_model, char_tokenizer  # noqa: E402
 
 @pytest.fixture(scope="module")
 def vllm_policy(tmp_path_factory):
-    d = build_tiny_model(tmp_path_factory.mktemp("vllm") / "llama", "llama", char_tokenizer(), hidden=128, heads=2, seed=0)
+    d = build_tiny_model(
+        tmp_path_factory.mktemp("vllm") / "llama", "llama", char_tokenizer(), hidden=128, heads=2, seed=0
+    )
     kwargs = {"max_model_len": 512, "enforce_eager": True}
     if not torch.cuda.is_available():
         kwargs.pop("enforce_eager")
@@ -30,7 +32,9 @@ def vllm_policy(tmp_path_factory):
 
 
 def test_vllm_logprobs_round_trip_at_temperature_one(vllm_policy):
-    groups = vllm_policy.generate([("p1", "What is 2+3?"), ("p2", "6*7?")], SamplingParams(n=4, max_new_tokens=32), seed=0)
+    groups = vllm_policy.generate(
+        [("p1", "What is 2+3?"), ("p2", "6*7?")], SamplingParams(n=4, max_new_tokens=32), seed=0
+    )
     lp, mask = vllm_policy.token_logprobs(vllm_policy.encode_own(groups))
     gen = [x for g in groups for x in g.gen_logprobs]
     for i, row in enumerate(gen):
@@ -46,7 +50,9 @@ def test_vllm_logprobs_are_those_of_the_sampling_distribution(vllm_policy):
         seq = torch.tensor([prompt + ids], device=pol.config.device)
         with torch.no_grad():
             logits = pol.model(input_ids=seq).logits[0, len(prompt) - 1 : -1]
-        ref = sampling_logprobs(logits, sp.temperature, sp.top_p).gather(1, torch.tensor(ids, device=logits.device)[:, None])
+        ref = sampling_logprobs(logits, sp.temperature, sp.top_p).gather(
+            1, torch.tensor(ids, device=logits.device)[:, None]
+        )
         assert torch.allclose(ref.squeeze(1).cpu(), torch.tensor(gen_lp), atol=1e-3)
 
 
@@ -62,7 +68,10 @@ def test_vllm_identical_prompts_get_independent_groups_and_a_seed_reproduces_a_c
     assert [x.token_ids for x in vllm_policy.generate(same, sp, seed=12)] != [x.token_ids for x in g]
     seen = []
     real = vllm_policy.backend.llm.generate
-    vllm_policy.backend.llm.generate = lambda prompts, params, **kw: (seen.append(params.seed), real(prompts, params, **kw))[1]
+    vllm_policy.backend.llm.generate = lambda prompts, params, **kw: (
+        seen.append(params.seed),
+        real(prompts, params, **kw),
+    )[1]
     try:
         vllm_policy.generate(same, sp, seed=3)
     finally:

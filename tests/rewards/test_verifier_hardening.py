@@ -16,15 +16,41 @@ from graft_rl.rewards import VerifierPool, verify_gsm8k, verify_math_detailed
 from graft_rl.rewards.extract import parse_whole_number
 
 
-@pytest.mark.parametrize("box, ref", [("1/2", "1"), ("12-5", "12"), ("3 or 4 or 5", "3"), ("1,2", "1"),
-                                      ("2^3", "2"), ("7 + 1", "7"), ("x = 5, y = 6", "5"), ("4 4", "4")])
+@pytest.mark.parametrize(
+    "box, ref",
+    [
+        ("1/2", "1"),
+        ("12-5", "12"),
+        ("3 or 4 or 5", "3"),
+        ("1,2", "1"),
+        ("2^3", "2"),
+        ("7 + 1", "7"),
+        ("x = 5, y = 6", "5"),
+        ("4 4", "4"),
+    ],
+)
 def test_a_box_with_more_than_one_number_never_scores(box, ref):
     assert verify_gsm8k([rf"so \boxed{{{box}}}"], [ref]) == [0.0]
 
 
-@pytest.mark.parametrize("box, ref", [("1,200", "1200"), ("-7", "-7"), ("+3", "3"), ("0.5", "0.5"), (r"\frac{1}{2}", "0.5"),
-                                      (r"\dfrac{3}{4}", "0.75"), (r"\frac12", "0.5"), ("3/4", "0.75"), (r"\$18.50", "18.5"),
-                                      ("18 dollars", "18"), (r"5\text{ cm}", "5"), ("25\\%", "25"), (r"1\,000", "1000")])
+@pytest.mark.parametrize(
+    "box, ref",
+    [
+        ("1,200", "1200"),
+        ("-7", "-7"),
+        ("+3", "3"),
+        ("0.5", "0.5"),
+        (r"\frac{1}{2}", "0.5"),
+        (r"\dfrac{3}{4}", "0.75"),
+        (r"\frac12", "0.5"),
+        ("3/4", "0.75"),
+        (r"\$18.50", "18.5"),
+        ("18 dollars", "18"),
+        (r"5\text{ cm}", "5"),
+        ("25\\%", "25"),
+        (r"1\,000", "1000"),
+    ],
+)
 def test_one_number_in_any_usual_spelling_scores(box, ref):
     assert verify_gsm8k([rf"\boxed{{{box}}}"], [ref]) == [1.0]
 
@@ -33,7 +59,7 @@ def test_the_answer_after_hashes_must_be_one_number_too():
     assert verify_gsm8k(["#### 12-5", "#### 18\nthanks", "#### 3 or 4"], ["12", "18", "3"]) == [0.0, 1.0, 0.0]
 
 
-_ints = st.integers(min_value=-10**12, max_value=10**12)
+_ints = st.integers(min_value=-(10**12), max_value=10**12)
 
 
 @given(_ints, st.booleans())
@@ -42,7 +68,7 @@ def test_integers_with_or_without_thousands_separators(n, commas):
     assert parse_whole_number(text) == float(n)
 
 
-@given(st.integers(-10**6, 10**6), st.integers(1, 10**6), st.sampled_from(["{a}/{b}", r"\frac{{{a}}}{{{b}}}"]))
+@given(st.integers(-(10**6), 10**6), st.integers(1, 10**6), st.sampled_from(["{a}/{b}", r"\frac{{{a}}}{{{b}}}"]))
 def test_simple_fractions_are_their_value(a, b, fmt):
     text = fmt.format(a=abs(a), b=b)
     if a < 0:
@@ -50,7 +76,9 @@ def test_simple_fractions_are_their_value(a, b, fmt):
     assert parse_whole_number(text) == pytest.approx(float(Fraction(a, b)), rel=1e-12)
 
 
-@given(st.integers(0, 10**6), st.integers(0, 10**6), st.sampled_from(["-", "+", "*", " or ", " and ", ", ", " ", "^", "="]))
+@given(
+    st.integers(0, 10**6), st.integers(0, 10**6), st.sampled_from(["-", "+", "*", " or ", " and ", ", ", " ", "^", "="])
+)
 def test_two_numbers_are_never_one(a, b, sep):
     assert parse_whole_number(f"{a}{sep}{b}") is None
 

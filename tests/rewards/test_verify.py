@@ -68,7 +68,14 @@ def test_verify_math_equivalent_forms_and_last_box_rule():
         r"The answer is 1/2.",
         r"\boxed{\frac{1}{2}} then \boxed{3}",
     ]
-    answers = ["1/2", r"\frac{1}{2}", r"\left( 3, \frac{\pi}{2} \right)", r"\left( 3, \frac{\pi}{2} \right)", "1/2", "1/2"]
+    answers = [
+        "1/2",
+        r"\frac{1}{2}",
+        r"\left( 3, \frac{\pi}{2} \right)",
+        r"\left( 3, \frac{\pi}{2} \right)",
+        "1/2",
+        "1/2",
+    ]
     assert verify_math(responses, answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
 
 
@@ -90,8 +97,9 @@ def test_pathological_answers_time_out_and_score_zero():
 def test_preloaded_warm_up_runs_before_the_first_item_is_timed(tmp_path, monkeypatch):
     """A preloaded module's warm_up() (math-verify's first parse, in graft_rl.rewards.checks) runs
     before the worker reports READY, so it never counts against an item's timeout."""
-    (tmp_path / "graft_slow_start.py").write_text(textwrap.dedent(
-        """
+    (tmp_path / "graft_slow_start.py").write_text(
+        textwrap.dedent(
+            """
         import time
         WARM = []
         def warm_up():
@@ -99,7 +107,9 @@ def test_preloaded_warm_up_runs_before_the_first_item_is_timed(tmp_path, monkeyp
             WARM.append(1)
         def warmed(x):
             return float(len(WARM))
-        """))
+        """
+        )
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     pool = VerifierPool(num_workers=1, preload=("graft_slow_start",))
     try:  # a 0.5 s timeout would expire inside a 1 s warm-up if it were on the item's clock
@@ -112,10 +122,10 @@ def test_preloaded_warm_up_runs_before_the_first_item_is_timed(tmp_path, monkeyp
 def test_pool_survives_hang_raise_and_death_without_zombies(faulty_pool):
     assert [o.score for o in faulty_pool.map("graft_faulty_checks:ok", [(1,), (2,)], timeout=30)] == [2.0, 4.0]
     before = faulty_pool.worker_pids()
-    out = faulty_pool.map(
-        "graft_faulty_checks:hang", [(0,)], timeout=0.5
-    ) + faulty_pool.map("graft_faulty_checks:boom", [(0,)], timeout=30) + faulty_pool.map(
-        "graft_faulty_checks:die", [(0,)], timeout=30
+    out = (
+        faulty_pool.map("graft_faulty_checks:hang", [(0,)], timeout=0.5)
+        + faulty_pool.map("graft_faulty_checks:boom", [(0,)], timeout=30)
+        + faulty_pool.map("graft_faulty_checks:die", [(0,)], timeout=30)
     )
     assert [o.status for o in out] == ["timeout", "error", "crash"]
     assert all(o.score == 0.0 for o in out)

@@ -37,7 +37,9 @@ def fake_rewards(monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     p = tmp_path_factory.mktemp("data") / "arith.jsonl"
-    p.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    p.write_text(
+        "".join(json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n" for i in range(8))
+    )
     return p
 
 

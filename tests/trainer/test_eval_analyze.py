@@ -36,9 +36,13 @@ class FakePolicy:
 
 def test_eval_pass1_averages_samples_then_problems_and_std_over_runs(tmp_path, monkeypatch):
     bench = tmp_path / "toy.jsonl"
-    bench.write_text("".join(json.dumps({"id": f"t-{i}", "problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(5)))
+    bench.write_text(
+        "".join(json.dumps({"id": f"t-{i}", "problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(5))
+    )
     monkeypatch.setattr(ev, "Policy", FakePolicy)
-    res = ev.run_eval(str(tmp_path / "modelX"), [str(bench)], samples=4, runs=3, out_dir=str(tmp_path / "out"), show=False)
+    res = ev.run_eval(
+        str(tmp_path / "modelX"), [str(bench)], samples=4, runs=3, out_dir=str(tmp_path / "out"), show=False
+    )
     per = res["policies"]["modelX"]["benchmarks"]["toy"]
     expected_runs = [statistics.fmean(((i + r) % 5) / 4 for i in range(5)) for r in range(3)]
     assert per["pass@1_runs"] == pytest.approx(expected_runs)
@@ -52,7 +56,9 @@ def test_eval_pass1_averages_samples_then_problems_and_std_over_runs(tmp_path, m
 def test_eval_unknown_benchmark_lists_available(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--benchmarks", "math5000"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("graft eval: unknown benchmark 'math5000'; available: math_train, math500") and "\n" not in err
+    assert (
+        err.startswith("graft eval: unknown benchmark 'math5000'; available: math_train, math500") and "\n" not in err
+    )
 
 
 def _run(make_cfg, method, run):
@@ -74,7 +80,14 @@ def test_analyze_from_records_alone(make_cfg, fake_rewards, monkeypatch, tmp_pat
     for png in ("complementarity.png", "exchange_volume.png", "compatibility.png", "clipping.png", "curves.png"):
         assert (out / png).stat().st_size > 1000
     report = (out / "report.md").read_text()
-    for section in ("Complementarity", "Exchange volume", "Compatibility and admission", "Clipped-token", "Case studies", "Compute"):
+    for section in (
+        "Complementarity",
+        "Exchange volume",
+        "Compatibility and admission",
+        "Clipped-token",
+        "Case studies",
+        "Compute",
+    ):
         assert section in report
     # conftest K: A's all-fail prompts {q1, q3, q6, q7}; B solves q1, q6, q7 -> 3/4
     assert s["policies"]["A"]["complementarity_mean"] == pytest.approx(0.75)
@@ -118,8 +131,22 @@ def test_compatibility_stats_compare_both_normalisations():
 def test_eval_of_a_run_defaults_to_its_own_task_and_lengths(make_cfg, fake_rewards, tiny_data, tmp_path, capsys):
     """Issue 15: `graft eval RUN_DIR` uses the run's validation set, sampling and max_new_tokens (a
     testbed run: its held-out set and 40 tokens), not the paper's math benchmarks and 4,096 tokens."""
-    tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="evrun", validation={"data": [str(tiny_data)], "every": 1,
-                 "samples": 1, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0}), show_progress=False)
+    tr = Trainer(
+        make_cfg(
+            {"name": "graft"},
+            steps=1,
+            run="evrun",
+            validation={
+                "data": [str(tiny_data)],
+                "every": 1,
+                "samples": 1,
+                "max_new_tokens": 6,
+                "temperature": 1.0,
+                "top_p": 1.0,
+            },
+        ),
+        show_progress=False,
+    )
     tr.run()
     defaults, source = ev.eval_defaults(str(tr.run_dir))
     assert defaults["benchmarks"] == [str(tiny_data)] and defaults["max_new_tokens"] == 6 and "validation" in source
@@ -133,8 +160,9 @@ def test_eval_clamps_max_new_tokens_to_the_models_context(tmp_path, tiny_data, c
     from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model
 
     model = build_tiny_model(tmp_path / "short", "gpt2", bpe_tokenizer(), max_positions=64, seed=3)
-    res = ev.run_eval(str(model), [str(tiny_data)], samples=1, runs=1, limit=1, max_new_tokens=4096,
-                      out_dir=str(tmp_path / "out"))
+    res = ev.run_eval(
+        str(model), [str(tiny_data)], samples=1, runs=1, limit=1, max_new_tokens=4096, out_dir=str(tmp_path / "out")
+    )
     out = capsys.readouterr()
     assert "64-token context: max_new_tokens 4096 ->" in out.out + out.err
     assert res["max_new_tokens"] == 4096 and res["policies"]["short"]["benchmarks"][tiny_data.stem]["problems"] == 1
@@ -145,8 +173,15 @@ def test_analyze_best_step_is_the_trainers(make_cfg, fake_rewards, tiny_data):
     so its seconds-to-best) is the trainer's selected checkpoint, not 0."""
     from graft_rl.rundir import read_log, rewrite_log
 
-    tr = Trainer(make_cfg({"name": "graft"}, steps=2, run="best", validation={"data": [str(tiny_data)], "every": 1,
-                 "samples": 1, "max_new_tokens": 4}), show_progress=False)
+    tr = Trainer(
+        make_cfg(
+            {"name": "graft"},
+            steps=2,
+            run="best",
+            validation={"data": [str(tiny_data)], "every": 1, "samples": 1, "max_new_tokens": 4},
+        ),
+        show_progress=False,
+    )
     tr.run()
     log = tr.run_dir / "validation.jsonl"
     lines = read_log(log)[0]
@@ -155,7 +190,9 @@ def test_analyze_best_step_is_the_trainers(make_cfg, fake_rewards, tiny_data):
     rewrite_log(log, lines)
     s = analyze(tr.run_dir)
     assert {p: s["policies"][p]["best_step"] for p in ("A", "B")} == {"A": 2, "B": 2}
-    assert Trainer.resume(tr.run_dir, show_progress=False)._best_from_log() == {p: {"step": 2, "score": 0.5} for p in "AB"}
+    assert Trainer.resume(tr.run_dir, show_progress=False)._best_from_log() == {
+        p: {"step": 2, "score": 0.5} for p in "AB"
+    }
 
 
 def test_eval_of_a_checkpoint_keeps_its_prompt_format(make_cfg, fake_rewards, tmp_path, tiny_pair):
@@ -163,15 +200,29 @@ def test_eval_of_a_checkpoint_keeps_its_prompt_format(make_cfg, fake_rewards, tm
     from the checkpoint's graft_policy.json or, for older checkpoints, its run's config; `--backend`
     overrides the run's backend instead of failing with a duplicate keyword."""
     template = "Problem: {prompt}\nSolution:"
-    pols = [{"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3},
-            {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "prompt_format": "plain", "plain_template": template,
-             "prompt_suffix": None}]
+    pols = [
+        {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3},
+        {
+            "name": "B",
+            "model": str(tiny_pair[1]),
+            "lr": 1e-3,
+            "prompt_format": "plain",
+            "plain_template": template,
+            "prompt_suffix": None,
+        },
+    ]
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="fmt", policies=pols), show_progress=False)
     tr.run()
     ckpt = tr.run_dir / "checkpoints" / "step_000001" / "B"
     for _ in range(2):
         (pc,) = ev.resolve_targets(str(ckpt))
-        assert (pc.name, pc.prompt_format, pc.plain_template, pc.prompt_suffix, pc.model) == ("B", "plain", template, None, str(ckpt))
+        assert (pc.name, pc.prompt_format, pc.plain_template, pc.prompt_suffix, pc.model) == (
+            "B",
+            "plain",
+            template,
+            None,
+            str(ckpt),
+        )
         # second pass: a checkpoint from before graft_policy.json (and the checksum manifest) existed
         (ckpt / "graft_policy.json").unlink(missing_ok=True)
         (ckpt.parent / "manifest.json").unlink(missing_ok=True)
@@ -199,15 +250,27 @@ def test_eval_spread_over_replicas_equals_one_process(tmp_path):
     assert 0 < a["average"] < 1  # the shipped model solves some of them: the comparison is not 0 == 0
 
 
-def test_eval_keeps_finished_policies_on_ctrl_c_and_checks_its_output_first(make_cfg, fake_rewards, tiny_data, tmp_path,
-                                                                            monkeypatch, capsys):
+def test_eval_keeps_finished_policies_on_ctrl_c_and_checks_its_output_first(
+    make_cfg, fake_rewards, tiny_data, tmp_path, monkeypatch, capsys
+):
     """Issue 24: each policy's results are written (atomically) as it finishes; Ctrl-C exits 130 in one
     line and keeps them; an unwritable --out fails before any evaluation."""
     from graft_rl.cli import main
 
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="ctrlc"), show_progress=False)
     tr.run()
-    args = ["eval", str(tr.run_dir), "--benchmarks", str(tiny_data), "--samples", "1", "--runs", "1", "--max-new-tokens", "4"]
+    args = [
+        "eval",
+        str(tr.run_dir),
+        "--benchmarks",
+        str(tiny_data),
+        "--samples",
+        "1",
+        "--runs",
+        "1",
+        "--max-new-tokens",
+        "4",
+    ]
     (tmp_path / "afile").write_text("x")
     assert main([*args, "--out", str(tmp_path / "afile")]) == 2
     assert "is a file; give a directory" in capsys.readouterr().err

@@ -18,8 +18,14 @@ def _groups(policy: str, n: int = 4) -> list[RolloutGroup]:
     for q, k in enumerate(K[policy]):
         out.append(
             RolloutGroup(
-                f"q{q}", f"{q}+{q}=?", policy, [f"{policy}{q}-{i}" for i in range(n)], [[1, 2]] * n,
-                [[-0.5, -1.5]] * n, ["stop"] * n, [1.0 if i < k else 0.0 for i in range(n)],
+                f"q{q}",
+                f"{q}+{q}=?",
+                policy,
+                [f"{policy}{q}-{i}" for i in range(n)],
+                [[1, 2]] * n,
+                [[-0.5, -1.5]] * n,
+                ["stop"] * n,
+                [1.0 if i < k else 0.0 for i in range(n)],
             )
         )
     return out

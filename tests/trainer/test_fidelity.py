@@ -23,8 +23,18 @@ def _method(**kw) -> MethodConfig:
 def _rows(is_peer: list[bool], T: int = 3) -> RowTensors:
     M = len(is_peer)
     old = torch.full((M, T), -1.0)
-    return RowTensors(old, torch.ones(M, T), [1.0] * M, [1.0] * M, is_peer, [True] * M, [False] * M,
-                      [-1.1] * M, ref=torch.full((M, T), -1.0), extras={"kappa": [1.0] * M})
+    return RowTensors(
+        old,
+        torch.ones(M, T),
+        [1.0] * M,
+        [1.0] * M,
+        is_peer,
+        [True] * M,
+        [False] * M,
+        [-1.1] * M,
+        ref=torch.full((M, T), -1.0),
+        extras={"kappa": [1.0] * M},
+    )
 
 
 def test_hacpo_peer_rollouts_still_have_a_gradient_late_in_training():
@@ -75,8 +85,15 @@ def test_hacpo_logs_self_and_peer_clip_fractions():
     assert stats["clipped_tokens_self"] == 3 and stats["clipped_tokens_peer"] == 3
 
 
-@pytest.mark.parametrize("kw", [{"name": "sgt"}, {"name": "sgt", "selection": "graft"}, {"name": "hacpo"},
-                                {"name": "hacpo", "selection": "graft"}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"name": "sgt"},
+        {"name": "sgt", "selection": "graft"},
+        {"name": "hacpo"},
+        {"name": "hacpo", "selection": "graft"},
+    ],
+)
 def test_sgt_and_hacpo_keep_peer_data_with_its_prompt_in_ordinary_order(kw):
     """SGT's NLL target and HACPO's pooled peer rollouts travel with their prompt's own group; only
     GRAFT's "how" packs peer groups last."""
@@ -91,10 +108,16 @@ def test_sgt_and_hacpo_keep_peer_data_with_its_prompt_in_ordinary_order(kw):
 
 def test_a_source_group_is_mixed_by_its_own_n():
     """A replayed peer sampled n=16: k=4 of 16 is mixed, though 4 = the receiver's n."""
-    n16 = [RolloutGroup(f"q{q}", f"{q}+{q}=?", "P", ["x"] * 16, [[1]] * 16, [[-1.0]] * 16, ["stop"] * 16,
-                        [1.0] * 4 + [0.0] * 12) for q in range(8)]
-    recv = [RolloutGroup(f"q{q}", f"{q}+{q}=?", "B", ["y"] * 4, [[1]] * 4, [[-1.0]] * 4, ["stop"] * 4, [0.0] * 4)
-            for q in range(8)]
+    n16 = [
+        RolloutGroup(
+            f"q{q}", f"{q}+{q}=?", "P", ["x"] * 16, [[1]] * 16, [[-1.0]] * 16, ["stop"] * 16, [1.0] * 4 + [0.0] * 12
+        )
+        for q in range(8)
+    ]
+    recv = [
+        RolloutGroup(f"q{q}", f"{q}+{q}=?", "B", ["y"] * 4, [[1]] * 4, [[-1.0]] * 4, ["stop"] * 4, [0.0] * 4)
+        for q in range(8)
+    ]
     ex = build_exchange(_method(name="graft", balance=False))
     b = ex.build("B", {"B": recv, "P": n16}, {"B"}, 4, torch.Generator().manual_seed(0))
     assert b.stats["exchanged_in"] == 8

@@ -63,13 +63,17 @@ def test_the_trainer_counts_cut_peer_responses(make_cfg, fake_rewards):
 
 
 # ---------------------------------------------------------------- 7: checkpoint selection
-def test_validation_samples_default_to_the_papers_8_and_train_says_what_it_uses(make_cfg, tiny_data, fake_rewards, capsys):
+def test_validation_samples_default_to_the_papers_8_and_train_says_what_it_uses(
+    make_cfg, tiny_data, fake_rewards, capsys
+):
     from graft_rl.config import ValidationConfig
     from graft_rl.trainer import Trainer
 
     assert ValidationConfig().samples == 8
-    tr = Trainer(make_cfg({"name": "grpo"}, steps=1, run="val8", validation={"data": [str(tiny_data)], "every": 1, "limit": 2}),
-                 show_progress=False)
+    tr = Trainer(
+        make_cfg({"name": "grpo"}, steps=1, run="val8", validation={"data": [str(tiny_data)], "every": 1, "limit": 2}),
+        show_progress=False,
+    )
     tr.run()
     out = " ".join(capsys.readouterr().out.split())
     assert "validation every 1 steps: 8 samples per problem at temperature 0.6" in out
@@ -82,13 +86,18 @@ def test_dynamic_sampling_stops_loudly_past_max_num_gen_batches(make_cfg, fake_r
     from graft_rl.trainer import DynamicSamplingError, Trainer
 
     # A has 3 prompts of 8 with mixed rewards: a batch of 4 can never fill
-    cfg = make_cfg({"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 3}, steps=1, run="dapo_cap", prompt_batch=4)
+    cfg = make_cfg(
+        {"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 3}, steps=1, run="dapo_cap", prompt_batch=4
+    )
     calls = []
     tr = Trainer(cfg, show_progress=False)
     real = tr._call
     tr._call = lambda name, method, *a: (calls.append((name, method)), real(name, method, *a))[1]
-    with pytest.raises(DynamicSamplingError, match=r"policy 'A' has 3 of 4 prompts with mixed rewards after 3 generation "
-                                                     r"batches \(method.max_num_gen_batches=3\)"):
+    with pytest.raises(
+        DynamicSamplingError,
+        match=r"policy 'A' has 3 of 4 prompts with mixed rewards after 3 generation "
+        r"batches \(method.max_num_gen_batches=3\)",
+    ):
         tr.run()
     assert calls.count(("A", "generate_timed")) == 2  # the step's batch + 2 more = 3
 
@@ -97,7 +106,9 @@ def test_dynamic_sampling_without_a_cap_draws_until_the_batch_is_full(make_cfg, 
     from graft_rl.trainer import Trainer
 
     # A has 3 prompts with mixed rewards, B 2 (q1, q7): a batch of 2 fills for both, after a few draws
-    cfg = make_cfg({"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0}, steps=1, run="dapo_free", prompt_batch=2)
+    cfg = make_cfg(
+        {"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0}, steps=1, run="dapo_free", prompt_batch=2
+    )
     lines = Trainer(cfg, show_progress=False).run()
     for ln in lines:
         assert ln["rollouts"] == ln["gen_batches"] * 2 * 4
@@ -120,7 +131,9 @@ def test_dynamic_sampling_never_puts_a_prompt_in_a_step_twice(make_cfg, monkeypa
         return {"verify_timeouts": 0, "verify_errors": 0}
 
     monkeypatch.setattr(Trainer, "_verify", chance)
-    cfg = make_cfg({"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0}, steps=1, run="dapo_dup", prompt_batch=6)
+    cfg = make_cfg(
+        {"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0}, steps=1, run="dapo_dup", prompt_batch=6
+    )
     tr = Trainer(cfg, show_progress=False)
     lines = tr.run()
     assert max(ln["gen_batches"] for ln in lines) > 2  # more than one pass over the 8 prompts
@@ -135,7 +148,10 @@ def test_dynamic_sampling_never_puts_a_prompt_in_a_step_twice(make_cfg, monkeypa
 def test_an_old_dynamic_max_rounds_key_is_named_and_a_saved_one_converted():
     from graft_rl.config import ConfigError, load_config
 
-    data = {"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo", "dynamic_sampling": True, "dynamic_max_rounds": 3}}
+    data = {
+        "policies": [{"name": "A", "model": "x"}],
+        "method": {"name": "grpo", "dynamic_sampling": True, "dynamic_max_rounds": 3},
+    }
     with pytest.raises(ConfigError, match="now method.max_num_gen_batches"):
         load_config(data)
     assert load_config(data, saved=True).method.max_num_gen_batches == 4
@@ -216,8 +232,18 @@ def test_hacpo_kl_is_seq_mean_token_mean_low_var_kl_clamped_to_10():
     ref = torch.zeros(M, T)
     ref[0, 0] = 30.0  # k3 = e^20 - 21 clamped to 10 (the log ratio itself clamped to 20 first)
     ref[1] = -1.0
-    t = RowTensors(torch.zeros(M, T), mask, [0.0] * M, [1.0] * M, [False, False, True], [True] * M, [False] * M,
-                   [0.0] * M, ref=ref, extras={"kappa": [1.0] * M})
+    t = RowTensors(
+        torch.zeros(M, T),
+        mask,
+        [0.0] * M,
+        [1.0] * M,
+        [False, False, True],
+        [True] * M,
+        [False] * M,
+        [0.0] * M,
+        ref=ref,
+        extras={"kappa": [1.0] * M},
+    )
     coef = 0.5
     obj = build_objective(_method(name="hacpo", kl_coef=coef))
     lp = torch.zeros(M, T, requires_grad=True)
@@ -233,8 +259,21 @@ def test_hacpo_pops_a_final_eos_from_sequence_means(tiny_pair):
     from graft_rl.methods import build_exchange
     from graft_rl.policy import RolloutGroup
 
-    groups = {p: [RolloutGroup("q0", "0+0=?", p, ["a", "b"], [[5, 6, 2], [5, 6]], [[-1.0, -2.0, -9.0], [-1.0, -2.0]],
-                               ["stop", "length"], [1.0, 0.0])] for p in ("A", "B")}
+    groups = {
+        p: [
+            RolloutGroup(
+                "q0",
+                "0+0=?",
+                p,
+                ["a", "b"],
+                [[5, 6, 2], [5, 6]],
+                [[-1.0, -2.0, -9.0], [-1.0, -2.0]],
+                ["stop", "length"],
+                [1.0, 0.0],
+            )
+        ]
+        for p in ("A", "B")
+    }
     ex = build_exchange(_method(name="hacpo"))
     batch = ex.build("B", groups, {"A", "B"}, 2, torch.Generator().manual_seed(0))
     peer = [r for r in batch.rows if r.is_peer]
@@ -309,8 +348,10 @@ def _fake_eval(run, scores: dict[str, tuple[float, float]], complete=True):
     import json
 
     (run / "eval").mkdir(parents=True)
-    pols = {name: {"benchmarks": {"math500": {"pass@1_mean": m}, "aime24": {"pass@1_mean": a}}, "average": (m + a) / 2}
-            for name, (m, a) in scores.items()}
+    pols = {
+        name: {"benchmarks": {"math500": {"pass@1_mean": m}, "aime24": {"pass@1_mean": a}}, "average": (m + a) / 2}
+        for name, (m, a) in scores.items()
+    }
     (run / "eval" / "eval.json").write_text(json.dumps({"complete": complete, "policies": pols}))
 
 
@@ -332,7 +373,9 @@ def test_graft_seeds_prints_table_4s_mean_and_sample_std_over_training_runs(tmp_
     avgs = [0.75 * g for g in (0.40, 0.44, 0.42)]
     assert res["policies"]["A"]["average"]["mean"] == pytest.approx(statistics.fmean(avgs))
     assert res["policies"]["A"]["average"]["std"] == pytest.approx(statistics.stdev(avgs))  # sample std, as Table 4
-    assert res["delta"]["A"] == pytest.approx(statistics.fmean(avgs) - statistics.fmean(0.75 * b for b in (0.30, 0.32, 0.28)))
+    assert res["delta"]["A"] == pytest.approx(
+        statistics.fmean(avgs) - statistics.fmean(0.75 * b for b in (0.30, 0.32, 0.28))
+    )
     text = capsys.readouterr().out
     assert "31.50 ± 1.50" in text and "+9.00" in text  # A's average over the 3 GRAFT runs; Δ vs GRPO
 

@@ -51,13 +51,16 @@ def _run(tmp_path_factory, variant: str) -> dict:
     mp = pytest.MonkeyPatch()
     try:
         if variant == "exchange_off":  # GRAFT's selection picks no prompt: nothing is ever grafted
+
             def no_exchange(k_a, k_b, n, balance=True):
                 none = torch.zeros_like(k_a, dtype=torch.bool)
                 return none, none.clone()
 
             mp.setattr(algo, "balanced_exchange", no_exchange)
         elif variant == "advantages_zeroed":  # every group's (own and grafted) advantages are zero
-            mp.setattr(algo, "grpo_advantages", lambda rewards, eps=1e-6: torch.zeros_like(rewards, dtype=torch.float32))
+            mp.setattr(
+                algo, "grpo_advantages", lambda rewards, eps=1e-6: torch.zeros_like(rewards, dtype=torch.float32)
+            )
         Trainer(cfg, show_progress=False).run()
     finally:
         mp.undo()
@@ -92,7 +95,9 @@ def test_graft_teaches_the_receiver_its_missing_family_and_grpo_does_not(tmp_pat
     assert c["grafted"] == 0
     # GRAFT: B's groups replace A's failed ones, the gate admits them, and A learns the family
     assert g["grafted"] >= 100 and g["admitted_frac"] > 0.5
-    assert g["val_after"] >= g["val_before"] + RISE, f"GRAFT moved A's {FAMILY} only {g['val_before']:.3f} -> {g['val_after']:.3f}"
+    assert g["val_after"] >= g["val_before"] + RISE, (
+        f"GRAFT moved A's {FAMILY} only {g['val_before']:.3f} -> {g['val_after']:.3f}"
+    )
     assert g["val_after"] >= c["val_after"] + RISE
     # and not by wrecking A: its other family stays within noise of where GRPO leaves it
     assert graft[("A", "shift6")]["val_after"] >= grpo[("A", "shift6")]["val_after"] - 0.25

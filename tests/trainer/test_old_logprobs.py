@@ -15,8 +15,17 @@ from graft_rl.trainer import Trainer
 
 def _rows(old, mask, current=None):
     m = len(mask)
-    return RowTensors(old, mask, [1.0, -1.0, 0.5][:m], [1.0] * m, [False] * m, [True] * m, [False] * m, [0.0] * m,
-                      old_is_current=current)
+    return RowTensors(
+        old,
+        mask,
+        [1.0, -1.0, 0.5][:m],
+        [1.0] * m,
+        [False] * m,
+        [True] * m,
+        [False] * m,
+        [0.0] * m,
+        old_is_current=current,
+    )
 
 
 @pytest.mark.parametrize("name", ["graft", "luffy", "hacpo"])
@@ -39,8 +48,17 @@ def test_old_from_the_current_pass_equals_pre_scored_old(name):
 def test_rows_flagged_current_ignore_stored_old():
     mask = torch.ones(2, 2)
     lp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
-    rows = RowTensors(torch.full((2, 2), -9.0), mask, [1.0, 1.0], [1.0, 1.0], [False] * 2, [True] * 2, [False] * 2, [0.0] * 2,
-                      old_is_current=[True, False])
+    rows = RowTensors(
+        torch.full((2, 2), -9.0),
+        mask,
+        [1.0, 1.0],
+        [1.0, 1.0],
+        [False] * 2,
+        [True] * 2,
+        [False] * 2,
+        [0.0] * 2,
+        old_is_current=[True, False],
+    )
     old = rows.old_for(torch.tensor([0, 1]), lp)
     assert old[0].tolist() == lp[0].tolist() and old[1].tolist() == [-9.0, -9.0]
 

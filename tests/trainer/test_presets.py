@@ -13,13 +13,32 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml
 
 def test_presets_exist_for_every_table_row():
     names = {p.stem for p in CONFIGS} | {"graft_stored" for p in CONFIGS if p.stem.startswith("graft_stored_")}
-    for row in ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_dynamic_sampling", "hacpo", "sgt", "graft", "graft_stored",
-                "graft_no_gate", "graft_no_floor", "graft_no_balance", "graft_sequence_ratio", "graft_peer_first",
-                "graft_random_prompts", "graft_random_admission", "graft_pooled", "graft_success_only", "luffy"):
+    for row in (
+        "grpo_n8",
+        "grpo_n16",
+        "grpo_n32",
+        "grpo_dynamic_sampling",
+        "hacpo",
+        "sgt",
+        "graft",
+        "graft_stored",
+        "graft_no_gate",
+        "graft_no_floor",
+        "graft_no_balance",
+        "graft_sequence_ratio",
+        "graft_peer_first",
+        "graft_random_prompts",
+        "graft_random_admission",
+        "graft_pooled",
+        "graft_success_only",
+        "luffy",
+    ):
         assert row in names
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if p.name != "base.yaml"], ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize(
+    "path", [p for p in CONFIGS if p.name != "base.yaml"], ids=lambda p: f"{p.parent.name}/{p.stem}"
+)
 def test_preset_loads(path):
     cfg = load_config(path)
     assert cfg.policies and cfg.run_dir

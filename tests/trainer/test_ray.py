@@ -11,8 +11,6 @@ from graft_rl.trainer import Trainer
 ray = pytest.importorskip("ray")
 
 
-
-
 def _strip(lines):
     return [{k: v for k, v in ln.items() if not k.startswith("time_")} for ln in lines]
 
@@ -32,10 +30,19 @@ def test_ray_matches_in_process(make_cfg, ray_local, monkeypatch):
     )
     events = []
     gen, finish = Trainer._start_generation, Trainer._finish_receiver
-    monkeypatch.setattr(Trainer, "_start_generation", lambda self, name, step: (
-        events.append(("gen", name, step)), gen(self, name, step))[1])
-    monkeypatch.setattr(Trainer, "_finish_receiver", lambda self, name, batch, step, handle: (
-        events.append(("finish", name, step)), finish(self, name, batch, step, handle))[1])
+    monkeypatch.setattr(
+        Trainer,
+        "_start_generation",
+        lambda self, name, step: (events.append(("gen", name, step)), gen(self, name, step))[1],
+    )
+    monkeypatch.setattr(
+        Trainer,
+        "_finish_receiver",
+        lambda self, name, batch, step, handle: (
+            events.append(("finish", name, step)),
+            finish(self, name, batch, step, handle),
+        )[1],
+    )
     remote_lines = remote.run()
     # issue 22: each policy's step-2 generation starts as soon as its step-1 update is done, before
     # the driver has collected step 1's updates (the faster policy does not wait for the slower)
@@ -90,14 +97,22 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
     from .conftest import fake_verify
 
     monkeypatch.setattr(Trainer, "_verify", fake_verify)
-    pols = [{"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3, "micro_batch_tokens": 64},
-            {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "micro_batch_tokens": 64}]
+    pols = [
+        {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3, "micro_batch_tokens": 64},
+        {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "micro_batch_tokens": 64},
+    ]
     local = Trainer(make_cfg({"name": "graft"}, steps=3, run="local3", policies=pols), show_progress=False)
     local_lines = local.run()
     sharded = [{**p, "world_size": 2, "rollout_on_rank0": True} for p in pols]  # samples as one process does
     remote = Trainer(
-        make_cfg({"name": "graft"}, steps=3, run="fsdp", policies=sharded, execution="ray",
-                 ray={"num_cpus": 0.5, "torch_threads": 1}),
+        make_cfg(
+            {"name": "graft"},
+            steps=3,
+            run="fsdp",
+            policies=sharded,
+            execution="ray",
+            ray={"num_cpus": 0.5, "torch_threads": 1},
+        ),
         show_progress=False,
     )
     assert all(isinstance(w.actor, ActorGroup) for w in remote.workers.values())
@@ -106,7 +121,9 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
         a = RecordStore(local.run_dir).read_exchange(name)
         b = RecordStore(remote.run_dir).read_exchange(name)
         assert len(a) > 0
-        assert [(r["step"], r["prompt_id"], r["group_index"]) for r in a] == [(r["step"], r["prompt_id"], r["group_index"]) for r in b]
+        assert [(r["step"], r["prompt_id"], r["group_index"]) for r in a] == [
+            (r["step"], r["prompt_id"], r["group_index"]) for r in b
+        ]
         assert [r["weight"] for r in b] == pytest.approx([r["weight"] for r in a], abs=1e-6)
     for x, y in zip(_strip(local_lines), _strip(remote_lines), strict=True):
         assert x.keys() == y.keys()
@@ -121,9 +138,15 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
     # (but for a few elements where Adam divides float noise by a near-zero gradient)
     for name in ("A", "B"):
         saved = Policy(PolicyConfig(name, str(remote.run_dir / "checkpoints" / "step_000003" / name)))
-        assert get(remote.workers[name].actor.state_digest.remote()) == pytest.approx(saved.param_digest(), rel=1e-9, abs=1e-9)
-        diffs = torch.cat([(a - b).detach().abs().flatten()
-                           for a, b in zip(saved.model.parameters(), local.policies[name].model.parameters(), strict=True)])
+        assert get(remote.workers[name].actor.state_digest.remote()) == pytest.approx(
+            saved.param_digest(), rel=1e-9, abs=1e-9
+        )
+        diffs = torch.cat(
+            [
+                (a - b).detach().abs().flatten()
+                for a, b in zip(saved.model.parameters(), local.policies[name].model.parameters(), strict=True)
+            ]
+        )
         assert (diffs > 1e-6).float().mean() < 1e-3 and diffs.max() <= 2 * 1e-3 * 3  # measured: 0.02 %
     remote.close()
 
@@ -134,8 +157,10 @@ def test_fsdp_policy_groups_resume_exactly(make_cfg, ray_local, monkeypatch, tin
     from .conftest import fake_verify
 
     monkeypatch.setattr(Trainer, "_verify", fake_verify)
-    pols = [{"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3, "world_size": 2},
-            {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "world_size": 2}]
+    pols = [
+        {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3, "world_size": 2},
+        {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "world_size": 2},
+    ]
     kw = {"execution": "ray", "ray": {"num_cpus": 0.5, "torch_threads": 1}, "policies": pols}
     t = Trainer(make_cfg({"name": "graft"}, steps=3, run="full", **kw), show_progress=False)
     full = t.run()
@@ -203,8 +228,11 @@ def test_probe_under_ray_equals_the_in_process_probe(make_cfg, ray_local, monkey
     monkeypatch.setattr(Trainer, "_verify", fake_verify)
     threads = torch.get_num_threads()
     local = probe(make_cfg({"name": "graft"}, run="pl"), out_dir=tmp_path / "l", show=False)
-    remote = probe(make_cfg({"name": "graft"}, run="pr", execution="ray", ray={"num_cpus": 1, "torch_threads": threads}),
-                   out_dir=tmp_path / "r", show=False)
+    remote = probe(
+        make_cfg({"name": "graft"}, run="pr", execution="ray", ray={"num_cpus": 1, "torch_threads": threads}),
+        out_dir=tmp_path / "r",
+        show=False,
+    )
     assert remote["directions"].keys() == local["directions"].keys()
     for key, d in local["directions"].items():
         r = remote["directions"][key]

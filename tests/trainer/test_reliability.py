@@ -44,8 +44,13 @@ def fake_eval(monkeypatch, fake_rewards):
 @pytest.fixture
 def cfg_for(make_cfg, tiny_data):
     def make(run, **kw):
-        args = dict(steps=4, run=run, checkpoint_every=2, keep_checkpoints=2,
-                    validation={"data": [str(tiny_data)], "every": 2, "samples": 1, "max_new_tokens": 4})
+        args = dict(
+            steps=4,
+            run=run,
+            checkpoint_every=2,
+            keep_checkpoints=2,
+            validation={"data": [str(tiny_data)], "every": 2, "samples": 1, "max_new_tokens": 4},
+        )
         args.update(kw)
         return make_cfg({"name": "graft"}, **args)
 
@@ -54,18 +59,33 @@ def cfg_for(make_cfg, tiny_data):
 
 def _snapshot(run_dir):
     """Everything a run leaves that must not depend on interruptions (times stripped)."""
+
     def strip(rows):
         return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
 
     store = RecordStore(run_dir)
-    records = {(n, s): [(g.prompt_id, g.texts, g.rewards) for g in store.read(n, s)] for n in ("A", "B") for s in store.steps(n)}
-    exchange = {n: [(r["step"], r["prompt_id"], r["group_index"], r["weight"]) for r in store.read_exchange(n)] for n in ("A", "B")}
+    records = {
+        (n, s): [(g.prompt_id, g.texts, g.rewards) for g in store.read(n, s)]
+        for n in ("A", "B")
+        for s in store.steps(n)
+    }
+    exchange = {
+        n: [(r["step"], r["prompt_id"], r["group_index"], r["weight"]) for r in store.read_exchange(n)]
+        for n in ("A", "B")
+    }
     final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     weights = {n: [p.detach().clone() for p in _load(final / n)] for n in ("A", "B")}
     best = {n: [p.detach().clone() for p in _load(run_dir / "best" / n)] for n in ("A", "B")}
-    return {"metrics": strip(read_log(run_dir / "metrics.jsonl")[0]), "validation": strip(read_log(run_dir / "validation.jsonl")[0]),
-            "records": records, "exchange": exchange, "final": final.name, "weights": weights, "best": best,
-            "best.json": json.loads((run_dir / "best" / "best.json").read_text())}
+    return {
+        "metrics": strip(read_log(run_dir / "metrics.jsonl")[0]),
+        "validation": strip(read_log(run_dir / "validation.jsonl")[0]),
+        "records": records,
+        "exchange": exchange,
+        "final": final.name,
+        "weights": weights,
+        "best": best,
+        "best.json": json.loads((run_dir / "best" / "best.json").read_text()),
+    }
 
 
 def _load(path):
@@ -99,7 +119,11 @@ PHASES = {
     "update": (Trainer, "_train_receiver", lambda self, name, batch, step: step == 2 and name == "B"),
     "validate": (Trainer, "validate", lambda self, step: step == 2),
     "checkpoint": (Trainer, "save_checkpoint", lambda self, step: step == 2),
-    "best-write": (validation_mod, "replace_dir", lambda tmp, final: final.parent.name == "best" and "step2" in str(os.environ.get("PHASE_STEP"))),
+    "best-write": (
+        validation_mod,
+        "replace_dir",
+        lambda tmp, final: final.parent.name == "best" and "step2" in str(os.environ.get("PHASE_STEP")),
+    ),
     "prune": (checkpointing_mod, "remove_dir", lambda path: True),
 }
 
@@ -131,7 +155,9 @@ def test_a_signal_at_any_phase_then_resume_equals_the_uninterrupted_run(phase, c
     with pytest.raises(RunInterrupted) as info:
         tr.run()
     assert fired and info.value.signum == signal.SIGTERM
-    stopped = json.loads((sorted((tr.run_dir / "checkpoints").glob("step_*"))[-1] / "trainer_state.json").read_text())["step"]
+    stopped = json.loads((sorted((tr.run_dir / "checkpoints").glob("step_*"))[-1] / "trainer_state.json").read_text())[
+        "step"
+    ]
     monkeypatch.setattr(owner, attr, real)
     resumed = Trainer.resume(tr.run_dir, show_progress=False)
     assert resumed.start_step == stopped + 1  # the step in flight was finished, not lost
@@ -217,7 +243,9 @@ def test_resume_refuses_a_config_change_that_alters_results(cfg_for, fake_reward
     data = yaml.safe_load(path.read_text())
     data["method"]["name"] = "grpo"
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"config key method.name changed since checkpoint step_000002 \('graft' -> 'grpo'\)"):
+    with pytest.raises(
+        ConfigError, match=r"config key method.name changed since checkpoint step_000002 \('graft' -> 'grpo'\)"
+    ):
         Trainer.resume(tr.run_dir, show_progress=False)
     data["method"]["name"] = "graft"
     path.write_text(yaml.safe_dump(data))
@@ -234,14 +262,25 @@ def _zero_inside(path, n=1000):
 
 
 DAMAGE = {  # how a file of the newest checkpoint is damaged -> what resume says
-    "emptied optimiser state": (lambda d: (d / "A" / "policy_state.pt").write_bytes(b""), r"A/policy_state.pt has 0 bytes"),
-    "zeroed bytes inside the optimiser state": (lambda d: _zero_inside(d / "A" / "policy_state.pt"),
-                                                r"A/policy_state.pt differs from what was written \(sha256\)"),
-    "truncated weights": (lambda d: (d / "B" / "model.safetensors").write_bytes((d / "B" / "model.safetensors").read_bytes()[:500]),
-                          r"B/model.safetensors has 500 bytes"),
+    "emptied optimiser state": (
+        lambda d: (d / "A" / "policy_state.pt").write_bytes(b""),
+        r"A/policy_state.pt has 0 bytes",
+    ),
+    "zeroed bytes inside the optimiser state": (
+        lambda d: _zero_inside(d / "A" / "policy_state.pt"),
+        r"A/policy_state.pt differs from what was written \(sha256\)",
+    ),
+    "truncated weights": (
+        lambda d: (d / "B" / "model.safetensors").write_bytes((d / "B" / "model.safetensors").read_bytes()[:500]),
+        r"B/model.safetensors has 500 bytes",
+    ),
     "deleted tokenizer": (lambda d: (d / "A" / "tokenizer.json").unlink(), r"A/tokenizer.json is missing"),
-    "changed trainer state": (lambda d: (d / "trainer_state.json").write_text((d / "trainer_state.json").read_text().replace('"step": 4', '"step": 3')),
-                              r"trainer_state.json differs"),
+    "changed trainer state": (
+        lambda d: (d / "trainer_state.json").write_text(
+            (d / "trainer_state.json").read_text().replace('"step": 4', '"step": 3')
+        ),
+        r"trainer_state.json differs",
+    ),
 }
 
 
@@ -268,7 +307,10 @@ def test_when_every_checkpoint_is_damaged_resume_refuses_and_deletes_nothing(cfg
     (only,) = sorted((tr.run_dir / "checkpoints").glob("step_*"))
     _zero_inside(only / "A" / "model.safetensors")
     before = sorted(str(p.relative_to(tr.run_dir)) for p in tr.run_dir.rglob("*") if p.name != ".lock")
-    with pytest.raises(CheckpointError, match=r"every checkpoint is damaged \(step_000004: A/model.safetensors differs.*nothing was deleted"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"every checkpoint is damaged \(step_000004: A/model.safetensors differs.*nothing was deleted",
+    ):
         Trainer.resume(tr.run_dir, show_progress=False)
     assert sorted(str(p.relative_to(tr.run_dir)) for p in tr.run_dir.rglob("*") if p.name != ".lock") == before
 
@@ -282,7 +324,9 @@ def test_graft_eval_refuses_a_best_checkpoint_that_is_not_what_was_written(cfg_f
     assert [pc.model for pc in resolve_targets(str(tr.run_dir))] == [str(tr.run_dir / "best" / n) for n in "AB"]
     _zero_inside(tr.run_dir / "best" / "B" / "model.safetensors", 64)
     for target in (tr.run_dir, tr.run_dir / "best" / "B"):  # the run, or the directory itself
-        with pytest.raises(DatasetError, match=r"best/B: model.safetensors differs from what was written.*not evaluated"):
+        with pytest.raises(
+            DatasetError, match=r"best/B: model.safetensors differs from what was written.*not evaluated"
+        ):
             resolve_targets(str(target))
     ckpt = sorted((tr.run_dir / "checkpoints").glob("step_*"))[-1]
     _zero_inside(ckpt / "A" / "model.safetensors", 64)
@@ -317,13 +361,18 @@ def test_interrupted_writes_are_cleaned_up_on_resume(cfg_for, fake_rewards, caps
 
 def test_a_full_disk_at_checkpoint_time_is_one_line(cfg_for, fake_rewards, monkeypatch):
     def full(*a, **k):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0: "
-                           "file write failed")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0: "
+            "file write failed"
+        )
 
     monkeypatch.setattr(torch, "save", full)
     tr = Trainer(cfg_for("full", validation={"data": []}), show_progress=False)
-    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*step_000002: the disk is full or failed while "
-                                               r"writing \(RuntimeError from torch/safetensors\); [\d,]+ MB free there"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"cannot write checkpoint .*step_000002: the disk is full or failed while "
+        r"writing \(RuntimeError from torch/safetensors\); [\d,]+ MB free there",
+    ):
         tr.run()
 
 
@@ -332,7 +381,9 @@ def test_a_full_disk_while_best_is_written_is_one_line(cfg_for, fake_eval, monke
     from transformers import PreTrainedModel
 
     def full(self, *a, **k):
-        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })")
+        raise RuntimeError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
 
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
     tr = Trainer(cfg_for("full_best"), show_progress=False)
@@ -412,10 +463,14 @@ def test_best_matches_the_logs_after_a_resume_that_drops_later_validations(cfg_f
     resumed = Trainer.resume(tr.run_dir, show_progress=False, overrides=["validation.every=2"])
     assert "best/A restored to step 2's weights" in capsys.readouterr().out
     best = json.loads((tr.run_dir / "best" / "best.json").read_text())
-    logged = {r["policy"]: r["step"] for r in read_log(tr.run_dir / "validation.jsonl")[0] if r.get("best_step") == r["step"]}
+    logged = {
+        r["policy"]: r["step"] for r in read_log(tr.run_dir / "validation.jsonl")[0] if r.get("best_step") == r["step"]
+    }
     assert {n: best[n]["step"] for n in "AB"} == {"A": 2, "B": 2} == {n: logged[n] for n in "AB"}
     for n in "AB":
-        for p, q in zip(_load(tr.run_dir / "best" / n), _load(tr.run_dir / "checkpoints" / "step_000002" / n), strict=True):
+        for p, q in zip(
+            _load(tr.run_dir / "best" / n), _load(tr.run_dir / "checkpoints" / "step_000002" / n), strict=True
+        ):
             assert torch.equal(p, q)
     resumed.run()  # and the run goes on to its end
     assert json.loads((tr.run_dir / "best" / "best.json").read_text())["A"]["step"] == 4

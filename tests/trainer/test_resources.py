@@ -14,8 +14,13 @@ from graft_rl.distributed import ResourceError, check_cluster, policy_bundles
 
 def _cfg(num_cpus=8.0, num_gpus=1.0, world=2, resources=None, device="cuda"):
     pols = [{"name": n, "model": "x", "device": device, "world_size": world} for n in ("A", "B")]
-    return load_config({"execution": "ray", "ray": {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources or {}},
-                        "policies": pols})
+    return load_config(
+        {
+            "execution": "ray",
+            "ray": {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources or {}},
+            "policies": pols,
+        }
+    )
 
 
 def test_too_few_cpus_names_the_override_that_fits():
@@ -33,7 +38,9 @@ def test_too_few_gpus_and_a_bundle_no_node_holds():
     with pytest.raises(ResourceError, match=r"4 GPU in all.*has 2.*world_size"):
         check_cluster(cfg, cfg.policies, nodes=[{"CPU": 64.0, "GPU": 2.0}])
     one = _cfg(num_cpus=32, world=1)
-    with pytest.raises(ResourceError, match=r"no node .* can hold one rank's bundle \{CPU: 32, GPU: 1\}.*ray.num_cpus=16"):
+    with pytest.raises(
+        ResourceError, match=r"no node .* can hold one rank's bundle \{CPU: 32, GPU: 1\}.*ray.num_cpus=16"
+    ):
         check_cluster(one, one.policies, nodes=[{"CPU": 16.0, "GPU": 2.0}] * 4)
 
 
@@ -47,9 +54,9 @@ def test_custom_resources_are_the_policys_total_split_over_its_ranks():
     """The README's two-node recipe: {node_a: 1} pins both ranks of A to node_a (0.5 each)."""
     cfg = _cfg(num_cpus=0.5, resources={"A": {"resources": {"node_a": 1}}, "B": {"resources": {"node_b": 1}}})
     assert policy_bundles(cfg, cfg.policies[0]) == [{"CPU": 0.5, "GPU": 1.0, "node_a": 0.5}] * 2
-    check_cluster(cfg, cfg.policies, nodes=[{"CPU": 8.0, "GPU": 2.0, "node_a": 1.0}, {"CPU": 8.0, "GPU": 2.0, "node_b": 1.0}])
-
-
+    check_cluster(
+        cfg, cfg.policies, nodes=[{"CPU": 8.0, "GPU": 2.0, "node_a": 1.0}, {"CPU": 8.0, "GPU": 2.0, "node_b": 1.0}]
+    )
 
 
 def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, capsys, tmp_path):
@@ -58,9 +65,15 @@ def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, c
 
     from graft_rl.cli import main
 
-    cfg = make_cfg({"name": "graft"}, execution="ray", ray={"num_cpus": 8},
-                   policies=[{"name": "A", "model": str(tiny_pair[0]), "world_size": 2},
-                             {"name": "B", "model": str(tiny_pair[1])}])
+    cfg = make_cfg(
+        {"name": "graft"},
+        execution="ray",
+        ray={"num_cpus": 8},
+        policies=[
+            {"name": "A", "model": str(tiny_pair[0]), "world_size": 2},
+            {"name": "B", "model": str(tiny_pair[1])},
+        ],
+    )
     from graft_rl.config import to_dict
 
     path = tmp_path / "misfit.yaml"
@@ -79,9 +92,16 @@ def test_error_inside_an_actor_is_one_line_naming_policy_and_rank(make_cfg, ray_
     from graft_rl.trainer import Trainer
 
     # a rank whose model cannot be found: graft-rl's own error class, naming the policy
-    bad = make_cfg({"name": "graft"}, run="bad", execution="ray", ray={"num_cpus": 0.5},
-                   policies=[{"name": "A", "model": str(tiny_pair[0]) + "-missing", "world_size": 2},
-                             {"name": "B", "model": str(tiny_pair[1])}])
+    bad = make_cfg(
+        {"name": "graft"},
+        run="bad",
+        execution="ray",
+        ray={"num_cpus": 0.5},
+        policies=[
+            {"name": "A", "model": str(tiny_pair[0]) + "-missing", "world_size": 2},
+            {"name": "B", "model": str(tiny_pair[1])},
+        ],
+    )
     with pytest.raises(PolicyError, match=r"^policy 'A'.*does not exist") as err:
         Trainer(bad, show_progress=False)
     assert "\n" not in str(err.value)
@@ -92,10 +112,19 @@ def test_error_inside_an_actor_is_one_line_naming_policy_and_rank(make_cfg, ray_
         pytest.skip("vLLM is installed here: its engine would build")
     except ImportError:
         pass
-    eng = make_cfg({"name": "graft"}, run="eng", execution="ray", ray={"num_cpus": 0.5},
-                   policies=[{"name": "A", "model": str(tiny_pair[0])},
-                             {"name": "B", "model": str(tiny_pair[1]), "backend": "vllm", "world_size": 2}])
-    with pytest.raises(ActorError, match=r"^policy 'B' rank [01]: ImportError: rollout backend 'vllm' needs vLLM") as err:
+    eng = make_cfg(
+        {"name": "graft"},
+        run="eng",
+        execution="ray",
+        ray={"num_cpus": 0.5},
+        policies=[
+            {"name": "A", "model": str(tiny_pair[0])},
+            {"name": "B", "model": str(tiny_pair[1]), "backend": "vllm", "world_size": 2},
+        ],
+    )
+    with pytest.raises(
+        ActorError, match=r"^policy 'B' rank [01]: ImportError: rollout backend 'vllm' needs vLLM"
+    ) as err:
         Trainer(eng, show_progress=False)
     assert "\n" not in str(err.value)
 

@@ -53,7 +53,12 @@ def test_shipped_data_is_disjoint_and_named_in_configs(pair):
     assert len(train) == META[pair]["build"]["pool"] and len(held) == META[pair]["heldout_rows"]
     assert not {p.problem for p in train} & {p.problem for p in held}
     prefix = "testbed" if pair == "natural" else pair
-    assert refs == {"A": f"zoo:{prefix}-a", "B": f"zoo:{prefix}-b", "train": f"{prefix}_train", "heldout": f"{prefix}_heldout"}
+    assert refs == {
+        "A": f"zoo:{prefix}-a",
+        "B": f"zoo:{prefix}-b",
+        "train": f"{prefix}_train",
+        "heldout": f"{prefix}_heldout",
+    }
 
 
 def test_transfer_pair_lacks_one_family_each():

@@ -20,7 +20,9 @@ from graft_rl.trainer import Trainer
 
 @pytest.fixture(scope="module")
 def testbed(tmp_path_factory):
-    return ensure_testbed(tmp_path_factory.mktemp("testbed"), warmup_steps=(20, 20), pool=120, heldout=24, progress=False)
+    return ensure_testbed(
+        tmp_path_factory.mktemp("testbed"), warmup_steps=(20, 20), pool=120, heldout=24, progress=False
+    )
 
 
 def test_problems_are_verifiable_and_solutions_correct():
@@ -130,7 +132,15 @@ def test_cli_default_uses_the_shipped_testbed_without_a_cache(tmp_path, monkeypa
     """`graft train` with no config builds nothing: the shipped pair, wherever GRAFT_RL_CACHE points."""
     monkeypatch.setenv("GRAFT_RL_CACHE", str(tmp_path / "empty_cache"))
     monkeypatch.chdir(tmp_path)
-    args = ["steps=1", "prompt_batch=8", "n=2", "max_new_tokens=8", "validation.limit=4", "validation.samples=1", "--no-progress"]
+    args = [
+        "steps=1",
+        "prompt_batch=8",
+        "n=2",
+        "max_new_tokens=8",
+        "validation.limit=4",
+        "validation.samples=1",
+        "--no-progress",
+    ]
     assert main(["train", *args]) == 0
     assert (tmp_path / "runs" / "demo" / "metrics.jsonl").is_file()
     assert not (tmp_path / "empty_cache").exists()
@@ -150,8 +160,10 @@ def test_testbed_presets_run_from_any_directory(tmp_path, monkeypatch):
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GRAFT_RL_CACHE", str(tmp_path / "nowhere"))
-    cfg = load_config(root / "configs" / "testbed" / "graft_no_gate.yaml", [f"run_dir={tmp_path / 'r'}", "steps=1",
-                                                                            "prompt_batch=8", "n=2", "max_new_tokens=4"])
+    cfg = load_config(
+        root / "configs" / "testbed" / "graft_no_gate.yaml",
+        [f"run_dir={tmp_path / 'r'}", "steps=1", "prompt_batch=8", "n=2", "max_new_tokens=4"],
+    )
     tr = Trainer(cfg, show_progress=False)
     assert tr.cfg.policies[0].model == "zoo:testbed-a" and len(tr.data) == 1000
     tr.close()
@@ -215,7 +227,15 @@ def test_families_are_reported_only_for_a_few_named_ones():
 def test_eval_of_a_default_run_uses_the_shipped_heldout_set(tmp_path, monkeypatch, capsys):
     """The README's `graft eval runs/demo --limit 50` on a default (testbed) run."""
     monkeypatch.chdir(tmp_path)
-    args = ["steps=1", "prompt_batch=8", "n=2", "max_new_tokens=8", "validation.limit=4", "validation.samples=1", "--no-progress"]
+    args = [
+        "steps=1",
+        "prompt_batch=8",
+        "n=2",
+        "max_new_tokens=8",
+        "validation.limit=4",
+        "validation.samples=1",
+        "--no-progress",
+    ]
     assert main(["train", *args]) == 0
     assert main(["eval", "runs/demo", "--limit", "3", "--samples", "2", "--runs", "2"]) == 0
     res = json.loads((tmp_path / "runs" / "demo" / "eval" / "eval.json").read_text())

@@ -91,13 +91,20 @@ def test_every_receiver_update_is_started_before_any_is_awaited(make_cfg, fake_r
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, validation=val), show_progress=False)
     tr.run()
     trains = [e for e in events if e[0] in ("_train_receiver", "_finish_receiver")]
-    assert trains == [("_train_receiver", "A"), ("_train_receiver", "B"), ("_finish_receiver", "A"), ("_finish_receiver", "B")]
+    assert trains == [
+        ("_train_receiver", "A"),
+        ("_train_receiver", "B"),
+        ("_finish_receiver", "A"),
+        ("_finish_receiver", "B"),
+    ]
     for method in ("train", "evaluate", "save"):  # each phase: every policy's call submitted, then the results
         i = [k for k, e in enumerate(events) if e[:2] == ("submit", method)]
         assert len(i) >= 2 and not any(e == ("result",) for e in events[i[0] : i[1]]), method
 
 
-def test_graft_replaces_exactly_the_complementary_groups_with_source_advantages_last(make_cfg, fake_rewards, monkeypatch):
+def test_graft_replaces_exactly_the_complementary_groups_with_source_advantages_last(
+    make_cfg, fake_rewards, monkeypatch
+):
     cfg = make_cfg({"name": "graft"}, steps=1)
     tr = Trainer(cfg, show_progress=False)
     seen, orders = {}, {}
@@ -175,7 +182,11 @@ def test_stored_trajectory_replay_reproduces_online_selection(make_cfg, tiny_pai
 
     def capture(tr):
         real = tr._train_receiver
-        monkeypatch.setattr(tr, "_train_receiver", lambda n, bt, s: (captured.setdefault(tr.cfg.run_dir, {}).__setitem__(n, bt), real(n, bt, s))[1])
+        monkeypatch.setattr(
+            tr,
+            "_train_receiver",
+            lambda n, bt, s: (captured.setdefault(tr.cfg.run_dir, {}).__setitem__(n, bt), real(n, bt, s))[1],
+        )
 
     online = make_cfg({"name": "graft", "balance": False}, steps=1, run="online")
     tr_online = Trainer(online, show_progress=False)
@@ -223,7 +234,10 @@ def test_replay_refuses_mismatched_prompt_and_missing_step(make_cfg, tiny_pair, 
     t = t.set_column(t.schema.get_field_index("prompt"), "prompt", pa.array(["changed"] * t.num_rows))
     pq.write_table(t, path)
     replay3 = make_cfg(
-        {"name": "graft"}, steps=1, run="replay3", policies=[{"name": "A", "model": str(tiny_pair[0])}],
+        {"name": "graft"},
+        steps=1,
+        run="replay3",
+        policies=[{"name": "A", "model": str(tiny_pair[0])}],
         peers=[{"records": grpo.run_dir, "policy": "B"}],
     )
     with pytest.raises(RecordError, match="recorded prompt text differs"):
@@ -253,6 +267,7 @@ def test_resume_reproduces_an_uninterrupted_run(make_cfg, fake_rewards, kl_coef)
     for name in ("A", "B"):
         for p, q in zip(_params(full)[name], _params(resumed)[name], strict=True):
             assert torch.equal(p, q)
+
     def read(tr):
         return [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -317,7 +332,9 @@ def test_overrides_and_resolved_config(make_cfg, fake_rewards):
         Trainer(cfg2, show_progress=False)
 
 
-def test_validation_verifies_within_the_steps_budget_and_reports_what_it_skipped(make_cfg, fake_rewards, tiny_data, monkeypatch):
+def test_validation_verifies_within_the_steps_budget_and_reports_what_it_skipped(
+    make_cfg, fake_rewards, tiny_data, monkeypatch
+):
     """Issue 24: validation shares data.verify_budget with the training step (slow references cannot
     stall it), per chunk of problems, and its line says how many answers the budget left unchecked."""
     from graft_rl import evaluation
@@ -331,8 +348,10 @@ def test_validation_verifies_within_the_steps_budget_and_reports_what_it_skipped
 
     monkeypatch.setattr(evaluation, "score_responses", fake_score)
     val = {"data": [str(tiny_data)], "every": 1, "samples": 2, "max_new_tokens": 4, "limit": 3}
-    tr = Trainer(make_cfg({"name": "graft"}, steps=1, validation=val, data={"train": str(tiny_data), "verify_budget": 7.5}),
-                 show_progress=False)
+    tr = Trainer(
+        make_cfg({"name": "graft"}, steps=1, validation=val, data={"train": str(tiny_data), "verify_budget": 7.5}),
+        show_progress=False,
+    )
     tr.run()
     assert seen and set(seen) == {7.5}
     lines = read_log(tr.run_dir / "validation.jsonl")[0]

@@ -40,7 +40,9 @@ def _strip(lines):
     return [{k: v for k, v in ln.items() if not k.startswith("time_")} for ln in lines]
 
 
-def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(make_cfg, vllm_pair, tiny_data, monkeypatch):
+def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(
+    make_cfg, vllm_pair, tiny_data, monkeypatch
+):
     from graft_rl.analyze import analyze
     from graft_rl.evaluate_cli import run_eval
     from graft_rl.policy import Policy, PolicyConfig
@@ -50,8 +52,10 @@ def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(mak
     monkeypatch.setattr(Trainer, "_verify", fake_verify)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     vk = {"max_model_len": 512}
-    pols = [{"name": "A", "model": str(vllm_pair[0]), "lr": 1e-3, "backend": "vllm", "vllm_kwargs": vk},
-            {"name": "B", "model": str(vllm_pair[1]), "lr": 1e-3, "backend": "vllm", "vllm_kwargs": vk}]
+    pols = [
+        {"name": "A", "model": str(vllm_pair[0]), "lr": 1e-3, "backend": "vllm", "vllm_kwargs": vk},
+        {"name": "B", "model": str(vllm_pair[1]), "lr": 1e-3, "backend": "vllm", "vllm_kwargs": vk},
+    ]
     val = {"data": [str(tiny_data)], "every": 1, "samples": 1, "max_new_tokens": 4, "limit": 4}
     common = dict(steps=3, validation=val, keep_checkpoints=3)
     local = Trainer(make_cfg({"name": "graft"}, run="local", policies=pols, **common), show_progress=False)
@@ -60,8 +64,13 @@ def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(mak
     local_dir = local.run_dir
     local = None  # its two engines go before the Ray ranks start theirs
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        ignore_reinit_error=True,
+        runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+    )
     try:
         sharded = [{**p, "world_size": 2, "rollout_on_rank0": True} for p in pols]  # rank 0 samples as one process
         kw = dict(execution="ray", ray={"num_cpus": 0.5, "torch_threads": 1}, policies=sharded, **common)
@@ -77,7 +86,8 @@ def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(mak
         for name in ("A", "B"):
             a, b = RecordStore(local_dir).read_exchange(name), RecordStore(run).read_exchange(name)
             assert [(r["step"], r["prompt_id"], r["group_index"]) for r in a] == [
-                (r["step"], r["prompt_id"], r["group_index"]) for r in b]
+                (r["step"], r["prompt_id"], r["group_index"]) for r in b
+            ]
             assert [r["weight"] for r in b] == pytest.approx([r["weight"] for r in a], abs=1e-6)
         for x, y in zip(_strip(local_lines), _strip(first_lines + rest), strict=True):
             assert x.keys() == y.keys()
@@ -127,21 +137,43 @@ def test_every_rank_engine_samples_its_share_from_the_pushed_weights(make_cfg, v
     from .conftest import fake_verify
 
     monkeypatch.setattr(Trainer, "_verify", fake_verify)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        ignore_reinit_error=True,
+        runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+    )
     try:
-        pol = {"name": "A", "model": str(vllm_pair[0]), "lr": 1e-3, "backend": "vllm", "world_size": 2,
-               "vllm_kwargs": {"max_model_len": 512}}
-        tr = Trainer(make_cfg({"name": "grpo"}, steps=2, run="shares", policies=[pol], execution="ray",
-                              ray={"num_cpus": 1, "torch_threads": 1}), show_progress=False)
+        pol = {
+            "name": "A",
+            "model": str(vllm_pair[0]),
+            "lr": 1e-3,
+            "backend": "vllm",
+            "world_size": 2,
+            "vllm_kwargs": {"max_model_len": 512},
+        }
+        tr = Trainer(
+            make_cfg(
+                {"name": "grpo"},
+                steps=2,
+                run="shares",
+                policies=[pol],
+                execution="ray",
+                ray={"num_cpus": 1, "torch_threads": 1},
+            ),
+            show_progress=False,
+        )
         tr.run()
         tr.close()
     finally:
         ray.shutdown()
     groups = RecordStore(tr.run_dir).read("A", 2)
     assert len(groups) == 8
-    pols = {label: Policy(PolicyConfig("A", str(m))) for label, m in
-            (("previous", tr.run_dir / "checkpoints" / "step_000001" / "A"), ("initial", vllm_pair[0]))}
+    pols = {
+        label: Policy(PolicyConfig("A", str(m)))
+        for label, m in (("previous", tr.run_dir / "checkpoints" / "step_000001" / "A"), ("initial", vllm_pair[0]))
+    }
     for share in (groups[0::2], groups[1::2]):  # rank 0's prompts, rank 1's
         diffs = {}
         for label, p in pols.items():

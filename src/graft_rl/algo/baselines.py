@@ -438,8 +438,10 @@ def sequence_reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, ma
     ``global_batch_size``).
     """
     if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape:
-        raise ValueError(f"sequence_reference_kl: shapes differ: logprobs {tuple(logprobs.shape)}, "
-                         f"ref {tuple(ref_logprobs.shape)}, mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"sequence_reference_kl: shapes differ: logprobs {tuple(logprobs.shape)}, "
+            f"ref {tuple(ref_logprobs.shape)}, mask {tuple(mask.shape)}"
+        )
     r = (ref_logprobs.detach().to(logprobs.dtype) - logprobs).clamp(-20.0, 20.0)
     k3 = (torch.exp(r) - r - 1).clamp(-10.0, 10.0)
     m = mask.to(logprobs.dtype)

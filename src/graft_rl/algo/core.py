@@ -200,8 +200,9 @@ def compatibility_score(recv_mean_logprob: torch.Tensor, src_mean_logprob: torch
     return torch.exp(diff).to(recv_mean_logprob.dtype)
 
 
-def per_char_compatibility_score(recv_sum_logprob: torch.Tensor, src_sum_logprob: torch.Tensor,
-                                 chars: torch.Tensor) -> torch.Tensor:
+def per_char_compatibility_score(
+    recv_sum_logprob: torch.Tensor, src_sum_logprob: torch.Tensor, chars: torch.Tensor
+) -> torch.Tensor:
     r"""Tokenisation-invariant compatibility (beyond the paper; ``method.compatibility: per_char``).
 
     .. math:: s_{char}(o\mid q) = \exp\big((\textstyle\sum_t \log\pi_B(o^B_t) - \sum_t \log\pi_A(o^A_t)) / |o|_{chars}\big)

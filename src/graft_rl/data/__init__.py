@@ -124,7 +124,9 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Problem]:
         with opener(path, "rt", encoding="utf-8") as f:
             return _read_rows(f, path, limit)
     except UnicodeDecodeError as exc:
-        raise DatasetError(f"{path}: not UTF-8 text (byte {exc.start} of a line); a dataset is JSONL, one object per line") from None
+        raise DatasetError(
+            f"{path}: not UTF-8 text (byte {exc.start} of a line); a dataset is JSONL, one object per line"
+        ) from None
     except (gzip.BadGzipFile, EOFError, OSError) as exc:
         raise DatasetError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
 
@@ -212,10 +214,14 @@ def check_answers(problems: list[Problem], verifier: str, name: str) -> None:
         if verifier == "gsm8k":
             value = parse_whole_number(text)
             if value is None or not math.isfinite(value):
-                raise DatasetError(f"{name}: problem {p.id!r} has answer {p.answer!r}, which is not one number; the gsm8k "
-                                   f"verifier compares a response's one number with it, so it could never score")
+                raise DatasetError(
+                    f"{name}: problem {p.id!r} has answer {p.answer!r}, which is not one number; the gsm8k "
+                    f"verifier compares a response's one number with it, so it could never score"
+                )
         elif verifier == "math" and (not text or text.lower() in ("nan", "none", "null")):
-            raise DatasetError(f"{name}: problem {p.id!r} has answer {p.answer!r}; the math verifier could never match it")
+            raise DatasetError(
+                f"{name}: problem {p.id!r} has answer {p.answer!r}; the math verifier could never match it"
+            )
 
 
 def make_prompt(problem: str, suffix: str | None = PROMPT_SUFFIX) -> str:
@@ -254,6 +260,8 @@ class ReasoningGymTask:
 
     def problems(self) -> list[Problem]:
         return [
-            Problem(id=f"rg/{self.name}/{self.seed}/{i}", problem=e["question"], answer=str(e["answer"]), source=self.source)
+            Problem(
+                id=f"rg/{self.name}/{self.seed}/{i}", problem=e["question"], answer=str(e["answer"]), source=self.source
+            )
             for i, e in enumerate(self.dataset)
         ]

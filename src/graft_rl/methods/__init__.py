@@ -22,8 +22,18 @@ from graft_rl.methods.base import (
 from graft_rl.methods import grpo, graft, sgt, luffy, hacpo, dr_grpo  # noqa: E402,F401
 # isort: on
 
-__all__ = ["EXCHANGE_KEYS", "Method", "MethodConfig", "RolloutFilter", "build_exchange", "build_method", "build_objective",
-           "method_class", "method_names", "register_method"]
+__all__ = [
+    "EXCHANGE_KEYS",
+    "Method",
+    "MethodConfig",
+    "RolloutFilter",
+    "build_exchange",
+    "build_method",
+    "build_objective",
+    "method_class",
+    "method_names",
+    "register_method",
+]
 
 
 def build_exchange(cfg: MethodConfig):

@@ -40,15 +40,34 @@ from typing import Any, ClassVar
 
 from graft_rl.errors import ConfigError
 
-__all__ = ["EXCHANGE_KEYS", "Method", "MethodConfig", "RolloutFilter", "build_method", "method_class", "method_names",
-           "register_method"]
+__all__ = [
+    "EXCHANGE_KEYS",
+    "Method",
+    "MethodConfig",
+    "RolloutFilter",
+    "build_method",
+    "method_class",
+    "method_names",
+    "register_method",
+]
 
 #: name -> method class, filled by :func:`register_method`
 _REGISTRY: dict[str, type[Method]] = {}
 
 #: the exchange switches (Sections 4.1-4.2, Table 2, Appendix G): read by every method with a peer
-EXCHANGE_KEYS = ("selection", "balance", "gate", "floor", "admission", "delta", "ratio", "position", "pooled",
-                 "success_only", "compatibility")
+EXCHANGE_KEYS = (
+    "selection",
+    "balance",
+    "gate",
+    "floor",
+    "admission",
+    "delta",
+    "ratio",
+    "position",
+    "pooled",
+    "success_only",
+    "compatibility",
+)
 
 
 @dataclass(init=False)
@@ -145,8 +164,16 @@ class MethodConfig:
                 raise ConfigError(f"method.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if self.selection == "auto":
             self.selection = cls.default_selection
-        check_range(self, {"delta": (0.0, math.inf, True), "eps_low": (0.0, 1.0, True), "eps_high": (0.0, math.inf, True),
-                           "adv_eps": (0.0, math.inf, False), "kl_coef": (0.0, math.inf, True)})
+        check_range(
+            self,
+            {
+                "delta": (0.0, math.inf, True),
+                "eps_low": (0.0, 1.0, True),
+                "eps_high": (0.0, math.inf, True),
+                "adv_eps": (0.0, math.inf, False),
+                "kl_coef": (0.0, math.inf, True),
+            },
+        )
         self._check_types(cls)
         cls.check(self)
         if not unused_keys:
@@ -160,10 +187,14 @@ class MethodConfig:
         if not cls.uses_peers:
             default = MethodConfig(name=self.name)
             for key in EXCHANGE_KEYS:
-                unchanged = getattr(self, key) == getattr(default, key) or (key == "selection" and self.selection == "complementary")
+                unchanged = getattr(self, key) == getattr(default, key) or (
+                    key == "selection" and self.selection == "complementary"
+                )
                 if not unchanged:
                     users = [n for n, c in _REGISTRY.items() if c.uses_peers]
-                    raise ConfigError(f"method.{key} is not used by method {self.name!r} (it is used by: {', '.join(users)})")
+                    raise ConfigError(
+                        f"method.{key} is not used by method {self.name!r} (it is used by: {', '.join(users)})"
+                    )
 
     def _check_types(self, cls: type[Method]) -> None:
         hints = typing.get_type_hints(cls.Params) if cls.Params is not None else {}
@@ -176,7 +207,9 @@ class MethodConfig:
                     self.params[key] = float(value)
                 except ValueError:
                     raise ConfigError(f"method.{key}: expected a number, got {value!r}") from None
-            elif want in (int, bool, str) and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+            elif want in (int, bool, str) and (
+                not isinstance(value, want) or (want is int and isinstance(value, bool))
+            ):
                 raise ConfigError(f"method.{key}: expected {want.__name__}, got {value!r}")
 
 

@@ -31,8 +31,18 @@ from graft_rl import algo
 from graft_rl.methods.base import MethodConfig
 from graft_rl.policy import RolloutGroup
 
-__all__ = ["SELECTIONS", "Exchange", "NoWeighting", "ReceiverBatch", "Row", "Selection", "Weighting", "group_rewards", "rows_of",
-           "success_counts"]
+__all__ = [
+    "SELECTIONS",
+    "Exchange",
+    "NoWeighting",
+    "ReceiverBatch",
+    "Row",
+    "Selection",
+    "Weighting",
+    "group_rewards",
+    "rows_of",
+    "success_counts",
+]
 
 
 @dataclass
@@ -179,8 +189,13 @@ class Every(Selection):
 
 
 #: ``method.selection`` -> its rule (the config's allowed values come from here)
-SELECTIONS: dict[str, type[Selection]] = {"complementary": Complementary, "graft": Complementary, "random": CountMatchedRandom,
-                                          "sgt": SGTRule, "all": Every}
+SELECTIONS: dict[str, type[Selection]] = {
+    "complementary": Complementary,
+    "graft": Complementary,
+    "random": CountMatchedRandom,
+    "sgt": SGTRule,
+    "all": Every,
+}
 
 
 # --------------------------------------------------------------------------- weightings
@@ -230,7 +245,7 @@ class Exchange:
         k = {name: success_counts(gs) for name, gs in groups.items()}
         adv = {name: self.advantages(group_rewards(gs)) for name, gs in groups.items()}
         group_n = {name: (gs[0].n if gs else n) for name, gs in groups.items()}
-        chosen, candidates = (self.selection.select(receiver, k, group_n, live, gen) if len(groups) > 1 else ({}, {}))
+        chosen, candidates = self.selection.select(receiver, k, group_n, live, gen) if len(groups) > 1 else ({}, {})
         from_peer = {}  # prompt index -> peer
         for peer, mask in chosen.items():
             for q in torch.nonzero(mask).flatten().tolist():
@@ -258,10 +273,11 @@ class Exchange:
         pg = groups[peer][q]
         rows = rows_of(pg, gi, True, adv[peer][q].tolist())
         if self.cfg.success_only:  # Appendix G: unsuccessful peer responses leave the loss
-            keep = algo.success_only_mask(torch.ones(len(rows), 1), torch.tensor([r.reward for r in rows]),
-                                          torch.ones(len(rows), dtype=torch.bool))
+            keep = algo.success_only_mask(
+                torch.ones(len(rows), 1),
+                torch.tensor([r.reward for r in rows]),
+                torch.ones(len(rows), dtype=torch.bool),
+            )
             for r, k in zip(rows, keep[:, 0].tolist(), strict=True):
                 r.include = k > 0
         yield rows, True
-
-

@@ -23,7 +23,9 @@ class PooledExchange(Exchange):
             return
         pg = groups[peer][q]
         a_own, a_peer = algo.pooled_advantages(
-            torch.tensor([own_group.rewards], dtype=torch.float64), torch.tensor([pg.rewards], dtype=torch.float64), self.cfg.adv_eps
+            torch.tensor([own_group.rewards], dtype=torch.float64),
+            torch.tensor([pg.rewards], dtype=torch.float64),
+            self.cfg.adv_eps,
         )
         yield rows_of(own_group, gi, False, a_own[0].tolist()) + rows_of(pg, gi, True, a_peer[0].tolist()), True
 

@@ -166,8 +166,15 @@ class HACPO(Method):
 
     @classmethod
     def check(cls, cfg) -> None:
-        check_range(cfg, {"hacpo_self_clip_low": (0.0, 1.0, True), "hacpo_self_clip_high": (0.0, math.inf, True),
-                          "hacpo_peer_clip_start": (0.0, 1.0, True), "hacpo_peer_clip_increment": (0.0, 1.0, True)})
+        check_range(
+            cfg,
+            {
+                "hacpo_self_clip_low": (0.0, 1.0, True),
+                "hacpo_self_clip_high": (0.0, math.inf, True),
+                "hacpo_peer_clip_start": (0.0, 1.0, True),
+                "hacpo_peer_clip_increment": (0.0, 1.0, True),
+            },
+        )
         if cfg.hacpo_capability_window < 1:
             raise ConfigError(f"method.hacpo_capability_window must be >= 1, got {cfg.hacpo_capability_window}")
 

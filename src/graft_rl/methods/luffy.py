@@ -20,7 +20,14 @@ class LuffyObjective(Objective):
     def rl_loss(self, lp, old, mask, t, rows, step):
         c = self.cfg
         return algo.luffy_policy_loss(
-            lp, old, t.adv[rows].to(lp.device), mask, t.is_peer[rows].to(lp.device), c.luffy_gamma, c.eps_low, c.eps_high
+            lp,
+            old,
+            t.adv[rows].to(lp.device),
+            mask,
+            t.is_peer[rows].to(lp.device),
+            c.luffy_gamma,
+            c.eps_low,
+            c.eps_high,
         )
 
 

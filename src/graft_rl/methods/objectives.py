@@ -32,11 +32,26 @@ class RowTensors:
     method's objective reads, by name (``Row.extras``, e.g. HACPO's ``kappa``).
     """
 
-    def __init__(self, old: torch.Tensor, mask: torch.Tensor, adv, weight, is_peer, include, is_aux, src_mean,
-                 ref: torch.Tensor | None = None, old_is_current=None, extras: dict | None = None):
+    def __init__(
+        self,
+        old: torch.Tensor,
+        mask: torch.Tensor,
+        adv,
+        weight,
+        is_peer,
+        include,
+        is_aux,
+        src_mean,
+        ref: torch.Tensor | None = None,
+        old_is_current=None,
+        extras: dict | None = None,
+    ):
         self.old, self.mask, self.ref = old, mask, ref
-        self.old_is_current = (torch.zeros(len(mask), dtype=torch.bool) if old_is_current is None
-                               else torch.as_tensor(old_is_current, dtype=torch.bool))
+        self.old_is_current = (
+            torch.zeros(len(mask), dtype=torch.bool)
+            if old_is_current is None
+            else torch.as_tensor(old_is_current, dtype=torch.bool)
+        )
         self.adv = torch.as_tensor(adv, dtype=torch.float32)
         self.weight = torch.as_tensor(weight, dtype=torch.float32)
         self.is_peer = torch.as_tensor(is_peer, dtype=torch.bool)

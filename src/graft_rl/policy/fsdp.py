@@ -68,7 +68,9 @@ class ShardedPolicy(Policy):
 
     def _setup_parallel(self) -> None:
         if not dist.is_initialized():
-            raise PolicyError(f"policy {self.name!r}: world_size={self.config.world_size} needs torch.distributed initialised")
+            raise PolicyError(
+                f"policy {self.name!r}: world_size={self.config.world_size} needs torch.distributed initialised"
+            )
         if dist.get_world_size() != self.config.world_size:
             raise PolicyError(
                 f"policy {self.name!r}: world_size={self.config.world_size} but the process group has {dist.get_world_size()} ranks"
@@ -82,7 +84,10 @@ class ShardedPolicy(Policy):
         # registered unsharded on the module, so the optimiser, clipping and digests use these
         self.sharded_params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(
-            self.sharded_params, lr=self.config.lr, betas=tuple(self.config.betas), weight_decay=self.config.weight_decay
+            self.sharded_params,
+            lr=self.config.lr,
+            betas=tuple(self.config.betas),
+            weight_decay=self.config.weight_decay,
         )
 
     def compute_context(self):
@@ -172,15 +177,19 @@ class ShardedPolicy(Policy):
             box = [super().generate(prompts, sampling, seed) if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             return box[0]
-        mine = super().generate([prompts[i] for i in self._local(len(prompts))], sampling,
-                                rank_seed(seed, self.rank, self.world))
+        mine = super().generate(
+            [prompts[i] for i in self._local(len(prompts))], sampling, rank_seed(seed, self.rank, self.world)
+        )
         parts: list = [None] * self.world
         dist.all_gather_object(parts, mine)
         return [parts[i % self.world][i // self.world] for i in range(len(prompts))]
 
     def param_digest(self) -> list[float]:
-        sums = torch.tensor([float(p.detach().to_local().double().sum()) for p in self.sharded_params],
-                            dtype=torch.float64, device=self._comm_device())
+        sums = torch.tensor(
+            [float(p.detach().to_local().double().sum()) for p in self.sharded_params],
+            dtype=torch.float64,
+            device=self._comm_device(),
+        )
         dist.all_reduce(sums)
         return sums.tolist()
 
@@ -188,8 +197,10 @@ class ShardedPolicy(Policy):
     def init_reference(self) -> None:
         if self.reference is not None:
             return
-        path, gguf = self._resolve(self.config.reference_model or self.config.model,
-                                   self.config.reference_gguf_file if self.config.reference_model else self.config.gguf_file)
+        path, gguf = self._resolve(
+            self.config.reference_model or self.config.model,
+            self.config.reference_gguf_file if self.config.reference_model else self.config.gguf_file,
+        )
         ref = self._load_model(path, gguf).to(self.config.device).eval().requires_grad_(False)
         self.reference = shard_model(ref, self.compute_dtype)
 
@@ -203,8 +214,11 @@ class ShardedPolicy(Policy):
             self.tokenizer.save_pretrained(out)
             self.save_settings(out)
         dist.barrier()
-        state = {"optimizer": _to_local(self.optimizer.state_dict()), "torch_rng": torch.get_rng_state(),
-                 "world_size": self.world}
+        state = {
+            "optimizer": _to_local(self.optimizer.state_dict()),
+            "torch_rng": torch.get_rng_state(),
+            "world_size": self.world,
+        }
         tmp = out / f"policy_state.rank{self.rank}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, out / f"policy_state.rank{self.rank}.pt")
@@ -214,10 +228,14 @@ class ShardedPolicy(Policy):
     def load_state(self, ckpt_dir: str | Path) -> None:
         path = Path(ckpt_dir) / f"policy_state.rank{self.rank}.pt"
         if not path.is_file():
-            raise PolicyError(f"policy {self.name!r}: {path} is missing; resume with the world_size the run was saved with")
+            raise PolicyError(
+                f"policy {self.name!r}: {path} is missing; resume with the world_size the run was saved with"
+            )
         state = torch.load(path, weights_only=False)
         if state.get("world_size") != self.world:
-            raise PolicyError(f"policy {self.name!r}: checkpoint saved with world_size={state.get('world_size')}, now {self.world}")
+            raise PolicyError(
+                f"policy {self.name!r}: checkpoint saved with world_size={state.get('world_size')}, now {self.world}"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         for p in self.sharded_params:  # back to DTensors laid out like their parameter
             for k, v in self.optimizer.state.get(p, {}).items():
@@ -240,5 +258,6 @@ def _to_local(sd: dict) -> dict:
 def _like(param, local: torch.Tensor):
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local.to(param.to_local().device), param.device_mesh, param.placements,
-                              shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        local.to(param.to_local().device), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )

@@ -24,16 +24,18 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["chunked_head_logprobs", "logprob_head"]
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
+def _chunk_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     logits = torch.nn.functional.linear(hidden, weight, bias).float()
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
-def chunked_head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, chunk: int = 1024,
-                          temperature: float = 1.0) -> torch.Tensor:
+def chunked_head_logprobs(
+    hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, chunk: int = 1024, temperature: float = 1.0
+) -> torch.Tensor:
     """``log softmax(head(hidden) / T)[target]`` as float32 ``[B, P]``, ``chunk`` tokens at a time.
 
     Args:

@@ -25,13 +25,20 @@ from graft_rl.policy.training import POLICY_SETTINGS, PolicyTraining
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
 
 __all__ = [
-    "POLICY_SETTINGS", "length_micro_batches", "PASS_OVERHEAD", "Policy", "PolicyConfig", "PolicyError", "saved_policy_config", "PromptTooLongError", "auto_micro_batch_tokens", "disable_dropout",
+    "POLICY_SETTINGS",
+    "length_micro_batches",
+    "PASS_OVERHEAD",
+    "Policy",
+    "PolicyConfig",
+    "PolicyError",
+    "saved_policy_config",
+    "PromptTooLongError",
+    "auto_micro_batch_tokens",
+    "disable_dropout",
     "token_logprobs_from_logits",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 
 
 def saved_policy_config(model_dir: str | Path, **overrides) -> PolicyConfig | None:
@@ -129,14 +136,18 @@ class PolicyConfig:
         if not (0 < self.lr < math.inf):  # NaN fails too
             raise PolicyError(f"policy {self.name!r}: lr must be a finite number > 0, got {self.lr}")
         if not (0 < self.max_grad_norm < math.inf) or not (0 <= self.weight_decay < math.inf):
-            raise PolicyError(f"policy {self.name!r}: max_grad_norm must be > 0 and weight_decay >= 0, got "
-                              f"{self.max_grad_norm}, {self.weight_decay}")
+            raise PolicyError(
+                f"policy {self.name!r}: max_grad_norm must be > 0 and weight_decay >= 0, got "
+                f"{self.max_grad_norm}, {self.weight_decay}"
+            )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise PolicyError(f"policy {self.name!r}: betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.logprob_chunk < 1:
             raise PolicyError(f"policy {self.name!r}: logprob_chunk must be >= 1, got {self.logprob_chunk}")
         if self.prompt_format not in ("auto", "chat", "plain"):
-            raise PolicyError(f"policy {self.name!r}: prompt_format must be auto, chat or plain, got {self.prompt_format!r}")
+            raise PolicyError(
+                f"policy {self.name!r}: prompt_format must be auto, chat or plain, got {self.prompt_format!r}"
+            )
         if "{prompt}" not in self.plain_template:
             raise PolicyError(f"policy {self.name!r}: plain_template must contain {{prompt}}")
         if isinstance(self.stop, str):
@@ -144,7 +155,9 @@ class PolicyConfig:
         if not all(isinstance(x, str) and x for x in self.stop):
             raise PolicyError(f"policy {self.name!r}: stop must be a list of non-empty strings, got {self.stop!r}")
         if self.gen_batch_size is not None and self.gen_batch_size < 1:
-            raise PolicyError(f"policy {self.name!r}: gen_batch_size must be >= 1 (or null for automatic), got {self.gen_batch_size}")
+            raise PolicyError(
+                f"policy {self.name!r}: gen_batch_size must be >= 1 (or null for automatic), got {self.gen_batch_size}"
+            )
         tp = self.vllm_kwargs.get("tensor_parallel_size", 1) if isinstance(self.vllm_kwargs, dict) else 1
         if tp != 1:
             raise PolicyError(
@@ -152,7 +165,9 @@ class PolicyConfig:
                 f"one rank actor with one GPU; shard the policy with world_size (every rank's engine samples its share)"
             )
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise PolicyError(f"policy {self.name!r}: micro_batch_tokens must be >= 1 (or null for automatic), got {self.micro_batch_tokens}")
+            raise PolicyError(
+                f"policy {self.name!r}: micro_batch_tokens must be >= 1 (or null for automatic), got {self.micro_batch_tokens}"
+            )
 
 
 #: Bytes of float32 logits one forward pass may produce when ``micro_batch_tokens`` is automatic.
@@ -233,11 +248,15 @@ class Policy(PolicyScoring, PolicyTraining):
             self.tokenizer = AutoTokenizer.from_pretrained(tok_path, gguf_file=gguf if not config.tokenizer else None)
         except Exception as exc:
             where = f"{tok_path}" + (f" (gguf_file={gguf})" if gguf and not config.tokenizer else "")
-            raise PolicyError(f"policy {config.name!r}: no usable tokenizer at {where}: {type(exc).__name__}: {exc}") from None
+            raise PolicyError(
+                f"policy {config.name!r}: no usable tokenizer at {where}: {type(exc).__name__}: {exc}"
+            ) from None
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if config.prompt_format == "chat" and not self.tokenizer.chat_template:
-            raise PolicyError(f"policy {config.name!r}: prompt_format 'chat' but the tokenizer at {tok_path} has no chat template")
+            raise PolicyError(
+                f"policy {config.name!r}: prompt_format 'chat' but the tokenizer at {tok_path} has no chat template"
+            )
         self.compute_dtype = _DTYPES[config.dtype]
         self.master_dtype = _DTYPES[config.master_dtype]
         self.model = self._load_model(path, gguf)
@@ -248,12 +267,16 @@ class Policy(PolicyScoring, PolicyTraining):
         self.model.eval()
         if config.gradient_checkpointing:
             if not getattr(self.model, "supports_gradient_checkpointing", False):
-                raise PolicyError(f"policy {config.name!r}: {type(self.model).__name__} does not support gradient_checkpointing")
+                raise PolicyError(
+                    f"policy {config.name!r}: {type(self.model).__name__} does not support gradient_checkpointing"
+                )
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.use_chat = config.prompt_format == "chat" or (config.prompt_format == "auto" and bool(self.tokenizer.chat_template))
+        self.use_chat = config.prompt_format == "chat" or (
+            config.prompt_format == "auto" and bool(self.tokenizer.chat_template)
+        )
         self.eos_token_ids = self._eos_ids()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -271,8 +294,11 @@ class Policy(PolicyScoring, PolicyTraining):
         # rollout temperature, as verl does), so ratios and compatibility use the sampling distribution
         self.logprob_temperature = 1.0
         self._setup_parallel()
-        self.fused_head = (uses_fused_head(config.fused_logprobs, vocab, self.micro_batch_tokens) and self._keeps_logits
-                           and self._fused_head_matches())
+        self.fused_head = (
+            uses_fused_head(config.fused_logprobs, vocab, self.micro_batch_tokens)
+            and self._keeps_logits
+            and self._fused_head_matches()
+        )
         if with_reference:
             self.init_reference()
         self.backend = make_backend(config.backend, self)
@@ -333,7 +359,9 @@ class Policy(PolicyScoring, PolicyTraining):
         try:
             model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=_DTYPES[self.config.master_dtype])
         except Exception as exc:
-            raise PolicyError(f"policy {self.name!r}: cannot load model from {path}: {type(exc).__name__}: {exc}") from None
+            raise PolicyError(
+                f"policy {self.name!r}: cannot load model from {path}: {type(exc).__name__}: {exc}"
+            ) from None
         if gguf:  # a dequantised GGUF model: drop the quantizer marker so save_pretrained works
             model.hf_quantizer = None
             if hasattr(model.config, "quantization_config"):
@@ -392,8 +420,10 @@ class Policy(PolicyScoring, PolicyTraining):
             # of its table); the rows stop at the context with finish_reason "length", as in vLLM
             left = ctx - max(map(len, ids))
             if left < 1:
-                raise PromptTooLongError(f"policy {self.name!r}: a prompt has {max(map(len, ids))} tokens, "
-                                         f"over the model's {ctx}-token context")
+                raise PromptTooLongError(
+                    f"policy {self.name!r}: a prompt has {max(map(len, ids))} tokens, "
+                    f"over the model's {ctx}-token context"
+                )
             sampling = replace(sampling, max_new_tokens=left)
         self.sync_rollout_weights()  # one weight push per step, not one per minibatch update
         samples = self.backend.generate(ids, sampling, seed)
@@ -424,8 +454,9 @@ class Policy(PolicyScoring, PolicyTraining):
             responses.extend(g.token_ids)
         return TokenBatch(prompts, responses)
 
-    def encode_texts(self, problems: Sequence[str], responses: Sequence[str], finished: Sequence[bool],
-                     max_tokens: int | None = None) -> TokenBatch:
+    def encode_texts(
+        self, problems: Sequence[str], responses: Sequence[str], finished: Sequence[bool], max_tokens: int | None = None
+    ) -> TokenBatch:
         """Re-tokenise response *texts* after this policy's own prompt formatting (SPEC §2).
 
         EOS: a response that stopped on its own gets *this* policy's EOS appended
@@ -449,7 +480,9 @@ class Policy(PolicyScoring, PolicyTraining):
         for row, (prob, text, done) in enumerate(zip(problems, responses, finished, strict=True)):
             if prob not in cache:
                 cache[prob] = self.prompt_token_ids(prob)
-            ends = done and not (self.config.stop and text.endswith(tuple(self.config.stop)))  # ends in a stop string already
+            ends = done and not (
+                self.config.stop and text.endswith(tuple(self.config.stop))
+            )  # ends in a stop string already
             ids = self.tokenizer(text, add_special_tokens=False).input_ids + (end if ends else [])
             cap = min(max_tokens or len(ids), (ctx - len(cache[prob])) if ctx else len(ids))
             if len(ids) > cap:

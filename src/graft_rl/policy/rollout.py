@@ -27,8 +27,18 @@ import torch
 
 from graft_rl.policy.types import SamplingParams
 
-__all__ = ["Sample", "RolloutBackend", "HFBackend", "VLLMBackend", "sampling_logprobs", "make_backend",
-           "GEN_MEMORY_BUDGET_BYTES", "kv_bytes_per_token", "auto_gen_batch_rows", "shield_from_vllm_patches"]
+__all__ = [
+    "Sample",
+    "RolloutBackend",
+    "HFBackend",
+    "VLLMBackend",
+    "sampling_logprobs",
+    "make_backend",
+    "GEN_MEMORY_BUDGET_BYTES",
+    "kv_bytes_per_token",
+    "auto_gen_batch_rows",
+    "shield_from_vllm_patches",
+]
 
 #: Bytes of KV cache plus sampling logits one HF generate call may hold when ``gen_batch_size`` is
 #: automatic (null): every row of a testbed step in one call, ~70 rows of SmolLM2-135M at 512 new tokens.
@@ -76,7 +86,9 @@ class RolloutBackend(Protocol):
         """Make the engine sample from the trainer's current weights."""
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
     """Log-probs ``[B, V]`` of the sampling distribution: temperature, then top-k, then top-p, renormalised.
 
     Filtered tokens get ``-inf``. Top-p keeps the smallest set of most likely tokens whose
@@ -108,8 +120,16 @@ STOP_WINDOW = 8
 class HFBackend:
     """KV-cached ancestral sampling with a transformers model (the trainer's own module)."""
 
-    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, batch_size: int | None = None,
-                 compute_context=None, stop: list[str] | None = None, decode=None):
+    def __init__(
+        self,
+        model,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        batch_size: int | None = None,
+        compute_context=None,
+        stop: list[str] | None = None,
+        decode=None,
+    ):
         self.model = model
         # stop strings: matched on the decoded text of a row's last STOP_WINDOW tokens after each token
         self.stop = list(stop or [])
@@ -138,7 +158,8 @@ class HFBackend:
         if not rows:
             return [[] for _ in prompt_ids]
         size = self.batch_size or auto_gen_batch_rows(
-            self.model, len(rows), max(map(len, rows)) + sampling.max_new_tokens, self._vocab, GEN_MEMORY_BUDGET_BYTES)
+            self.model, len(rows), max(map(len, rows)) + sampling.max_new_tokens, self._vocab, GEN_MEMORY_BUDGET_BYTES
+        )
         out: list[Sample] = []
         with self.compute_context():
             for s in range(0, len(rows), size):
@@ -256,8 +277,17 @@ class VLLMBackend:
     refused (:class:`~graft_rl.policy.PolicyConfig`): each engine lives in one rank actor with one GPU.
     """
 
-    def __init__(self, model, model_dir: str, dtype: str = "float32", gpu_memory_utilization: float = 0.4,
-                 sleep: bool | None = None, weights_fn=None, stop: list[str] | None = None, **engine_kwargs):
+    def __init__(
+        self,
+        model,
+        model_dir: str,
+        dtype: str = "float32",
+        gpu_memory_utilization: float = 0.4,
+        sleep: bool | None = None,
+        weights_fn=None,
+        stop: list[str] | None = None,
+        **engine_kwargs,
+    ):
         # One engine per policy, in this process: no spawned engine (so no __main__ guard is
         # needed) and weight reloads pass tensors directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -307,7 +337,9 @@ class VLLMBackend:
         engine wakes its weights only; the KV cache is allocated at generation.
         """
         self._wake(("weights",))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.weights_fn(), "is_checkpoint_format": True})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": self.weights_fn(), "is_checkpoint_format": True}
+        )
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[Sample]]:
@@ -381,12 +413,23 @@ def make_backend(kind: str, policy) -> RolloutBackend:
     if kind == "hf":
         # a sharded policy samples from its unsharded float32 rollout copy (FSDP2), under autocast
         copy = getattr(policy, "rollout_model", None)
-        return HFBackend(copy or policy.model, policy.eos_token_ids, policy.tokenizer.pad_token_id,
-                         policy.config.gen_batch_size, policy.autocast_context if copy is not None else policy.compute_context,
-                         stop=policy.config.stop,
-                         decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True))  # as the texts are
+        return HFBackend(
+            copy or policy.model,
+            policy.eos_token_ids,
+            policy.tokenizer.pad_token_id,
+            policy.config.gen_batch_size,
+            policy.autocast_context if copy is not None else policy.compute_context,
+            stop=policy.config.stop,
+            decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
+        )  # as the texts are
     if kind == "vllm":
         weights_fn = getattr(policy, "rollout_weights", None)  # a sharded policy's gathered full weights
-        return VLLMBackend(policy.model, policy.model_dir, dtype=policy.config.dtype, weights_fn=weights_fn,
-                           stop=policy.config.stop, **policy.config.vllm_kwargs)
+        return VLLMBackend(
+            policy.model,
+            policy.model_dir,
+            dtype=policy.config.dtype,
+            weights_fn=weights_fn,
+            stop=policy.config.stop,
+            **policy.config.vllm_kwargs,
+        )
     raise ValueError(f"unknown rollout backend {kind!r}; use 'hf' or 'vllm'")

@@ -37,8 +37,9 @@ def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, chun
 PASS_OVERHEAD = 1 / 64
 
 
-def length_micro_batches(lengths: Sequence[int], budget: int, ranks: int = 1,
-                         overhead: float = PASS_OVERHEAD) -> list[list[int]]:
+def length_micro_batches(
+    lengths: Sequence[int], budget: int, ranks: int = 1, overhead: float = PASS_OVERHEAD
+) -> list[list[int]]:
     """Rows in forward passes of at most ``budget`` padded tokens per rank (rows x longest row),
     formed by length; with ``ranks`` > 1 each pass is dealt over the ranks (rows ``r, r + ranks, ...``
     of it to rank ``r``), which run it in lock step (FSDP's collectives).
@@ -113,7 +114,9 @@ class PolicyScoring:
         with self.compute_context():
             if fused:  # hidden state k (position first + k) predicts token first + k + 1
                 with logprob_head(model, targets, self.config.logprob_chunk, self.logprob_temperature):
-                    lp_all = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits[..., 0]
+                    lp_all = model(
+                        input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first
+                    ).logits[..., 0]
             else:
                 if self._keeps_logits:
                     logits = model(input_ids=inp, attention_mask=attn, use_cache=False, logits_to_keep=L - first).logits

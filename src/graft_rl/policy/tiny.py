@@ -95,7 +95,9 @@ def build_tiny_model(
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     tok = tokenizer if tokenizer is not None else (char_tokenizer() if arch == "llama" else bpe_tokenizer())
-    ids = dict(vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ids = dict(
+        vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     if arch == "llama":
         cfg = LlamaConfig(
             hidden_size=hidden,

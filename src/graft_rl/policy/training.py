@@ -94,8 +94,9 @@ class PolicyTraining:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
         return [float(p.detach().double().sum()) for p in self.model.parameters()]
 
-    def rollout_check(self, prompts: Sequence[tuple[str, str]], max_new_tokens: int = 16, seed: int = 0,
-                      reference: dict | None = None) -> dict:
+    def rollout_check(
+        self, prompts: Sequence[tuple[str, str]], max_new_tokens: int = 16, seed: int = 0, reference: dict | None = None
+    ) -> dict:
         """Does the rollout engine sample from the trainer's current weights? (``graft preflight``)
 
         Pushes the weights if they changed (as a step's generation does), samples two responses per
@@ -157,8 +158,11 @@ class PolicyTraining:
         import dataclasses
         import json
 
-        keep = {k: v for k, v in dataclasses.asdict(self.config).items()
-                if k not in ("model", "gguf_file", "tokenizer", "reference_model", "reference_gguf_file")}
+        keep = {
+            k: v
+            for k, v in dataclasses.asdict(self.config).items()
+            if k not in ("model", "gguf_file", "tokenizer", "reference_model", "reference_gguf_file")
+        }
         (Path(out) / POLICY_SETTINGS).write_text(json.dumps(keep, indent=1))
 
     def load_state(self, ckpt_dir: str | Path) -> None:

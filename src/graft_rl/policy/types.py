@@ -62,10 +62,14 @@ class RolloutGroup:
     def __post_init__(self) -> None:
         n = len(self.texts)
         if not (len(self.token_ids) == len(self.gen_logprobs) == len(self.finish_reasons) == n):
-            raise ValueError(f"RolloutGroup {self.prompt_id!r}: texts, token_ids, gen_logprobs, finish_reasons differ in length")
+            raise ValueError(
+                f"RolloutGroup {self.prompt_id!r}: texts, token_ids, gen_logprobs, finish_reasons differ in length"
+            )
         for ids, lps in zip(self.token_ids, self.gen_logprobs, strict=True):
             if len(ids) != len(lps):
-                raise ValueError(f"RolloutGroup {self.prompt_id!r}: a response has {len(ids)} ids but {len(lps)} log-probs")
+                raise ValueError(
+                    f"RolloutGroup {self.prompt_id!r}: a response has {len(ids)} ids but {len(lps)} log-probs"
+                )
 
     @property
     def n(self) -> int:

@@ -32,6 +32,7 @@ def cache_dir() -> Path:
 
     return Path(os.environ.get("GRAFT_RL_CACHE", Path.home() / ".cache" / "graft_rl")).expanduser()
 
+
 #: A few-shot plain template for base models without a chat template ({prompt} is the problem).
 FEW_SHOT_ARITHMETIC = (
     "Q: What is 3+4?\nA: 3+4=7. The answer is \\boxed{7}.\n\n"
@@ -69,17 +70,24 @@ def _testbed(pair: str, which: str):
     def path() -> Path:
         p = TESTBED_FILES / pair / f"model_{which}"
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"zoo:{name}-{which}: {p} is missing; reinstall graft-rl or run "
-                                    f"scripts/build_testbed.py --pair {pair}")
+            raise FileNotFoundError(
+                f"zoo:{name}-{which}: {p} is missing; reinstall graft-rl or run scripts/build_testbed.py --pair {pair}"
+            )
         return p
 
     return path
 
 
-ZOO = {"smollm2-135m-instruct": _smollm2, "gemma3-270m": _gemma3,
-       "testbed-a": _testbed("natural", "a"), "testbed-b": _testbed("natural", "b"),
-       "transfer-a": _testbed("transfer", "a"), "transfer-b": _testbed("transfer", "b"),
-       "lookup-a": _testbed("lookup", "a"), "lookup-b": _testbed("lookup", "b")}
+ZOO = {
+    "smollm2-135m-instruct": _smollm2,
+    "gemma3-270m": _gemma3,
+    "testbed-a": _testbed("natural", "a"),
+    "testbed-b": _testbed("natural", "b"),
+    "transfer-a": _testbed("transfer", "a"),
+    "transfer-b": _testbed("transfer", "b"),
+    "lookup-a": _testbed("lookup", "a"),
+    "lookup-b": _testbed("lookup", "b"),
+}
 
 
 def resolve(model: str) -> str:

@@ -41,7 +41,10 @@ def main() -> None:
                 fns[name] = getattr(importlib.import_module(mod), attr)
             reply = {"id": req.get("id"), "r": float(fns[name](*req["args"]))}
         except Exception as exc:
-            reply = {"id": req.get("id") if isinstance(req, dict) else None, "err": f"{type(exc).__name__}: {exc}"[:500]}
+            reply = {
+                "id": req.get("id") if isinstance(req, dict) else None,
+                "err": f"{type(exc).__name__}: {exc}"[:500],
+            }
         out.write(json.dumps(reply).encode() + b"\n")
         out.flush()
 

@@ -200,7 +200,9 @@ class VerifierPool:
         else:
             results[i] = Outcome(float(reply["r"]), "ok")
 
-    def map(self, fn: str, arg_list: Sequence[Sequence], timeout: float = 5.0, budget: float | None = None) -> list[Outcome]:
+    def map(
+        self, fn: str, arg_list: Sequence[Sequence], timeout: float = 5.0, budget: float | None = None
+    ) -> list[Outcome]:
         """Run ``fn(*args)`` for each ``args``; each item gets at most ``timeout`` seconds, and the
         whole call at most ``budget`` seconds: items not finished by then score 0 (``budget``)."""
         if timeout <= 0:
@@ -239,7 +241,9 @@ class VerifierPool:
                     continue
                 now = time.monotonic()
                 deadlines = [busy[w][1] if w in busy else w.started + STARTUP_TIMEOUT for w in waiting]
-                readable, _, _ = select.select([w.fd for w in waiting], [], [], max(0.0, min(min(deadlines), end) - now))
+                readable, _, _ = select.select(
+                    [w.fd for w in waiting], [], [], max(0.0, min(min(deadlines), end) - now)
+                )
                 by_fd = {w.fd: w for w in waiting}
                 for fd in readable:
                     self._receive(by_fd[fd], busy, results)
@@ -250,7 +254,5 @@ class VerifierPool:
                         results[i] = Outcome(0.0, "timeout", f"over {timeout:g}s")
                         self._replace(w)
                     elif not w.ready and w not in busy and now >= w.started + STARTUP_TIMEOUT:
-                        raise RuntimeError(
-                            f"VerifierPool: a verifier worker did not start within {STARTUP_TIMEOUT:g}s"
-                        )
+                        raise RuntimeError(f"VerifierPool: a verifier worker did not start within {STARTUP_TIMEOUT:g}s")
         return results  # type: ignore[return-value]

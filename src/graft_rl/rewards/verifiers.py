@@ -25,16 +25,30 @@ def default_pool() -> VerifierPool:
         return _default_pool
 
 
-def _finish(outcomes: list, todo: list[int], fn: str, args: list, timeout: float, pool, stats: VerifyStats, t0: float,
-            budget: float | None = None) -> None:
+def _finish(
+    outcomes: list,
+    todo: list[int],
+    fn: str,
+    args: list,
+    timeout: float,
+    pool,
+    stats: VerifyStats,
+    t0: float,
+    budget: float | None = None,
+) -> None:
     """Run the undecided items in the pool (each distinct argument tuple once), fill their outcomes,
     and count everything."""
     if todo:
         keys = [json.dumps(a) for a in args]
         unique = list(dict.fromkeys(keys))
         first = {k: args[keys.index(k)] for k in unique}
-        done = dict(zip(unique, (pool or default_pool()).map(fn, [first[k] for k in unique], timeout=timeout, budget=budget),
-                        strict=True))
+        done = dict(
+            zip(
+                unique,
+                (pool or default_pool()).map(fn, [first[k] for k in unique], timeout=timeout, budget=budget),
+                strict=True,
+            )
+        )
         for i, k in zip(todo, keys, strict=True):
             outcomes[i] = done[k]
     for o in outcomes:
@@ -201,8 +215,9 @@ def score_responses(
         for src in dict.fromkeys(sources):
             rows = [i for i, s in enumerate(sources) if s == src]
             left = max(1e-3, t_end - time.monotonic()) if t_end is not None else None
-            got, st = gym_scores([responses[i] for i in rows], src, [int(ids[i].rsplit("/", 1)[1]) for i in rows], timeout,
-                                 budget=left)
+            got, st = gym_scores(
+                [responses[i] for i in rows], src, [int(ids[i].rsplit("/", 1)[1]) for i in rows], timeout, budget=left
+            )
             for i, s in zip(rows, got, strict=True):
                 scores[i] = s
             for k in ("total", "ok", "timeout", "error", "crash", "skipped", "budget"):
