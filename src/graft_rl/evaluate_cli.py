@@ -172,6 +172,13 @@ def _ray_config(target: str, pc: PolicyConfig, replicas: int):
     return SimpleNamespace(ray=ray_cfg)
 
 
+def _check_counts(**counts: int | None) -> None:
+    """Each count given is >= 1 (0 would silently mean "the default", or one problem): one line naming the flag."""
+    for key, value in counts.items():
+        if value is not None and value < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+
+
 def run_eval(
     target: str,
     benchmarks: Sequence[str] | None = None,
@@ -198,14 +205,7 @@ def run_eval(
     """
     from tqdm.auto import tqdm
 
-    for flag, value in (
-        ("--samples", samples),
-        ("--runs", runs),
-        ("--limit", limit),
-        ("--max-new-tokens", max_new_tokens),
-    ):
-        if value is not None and value < 1:  # 0 would silently mean "the default" (or one problem)
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    _check_counts(samples=samples, runs=runs, limit=limit, max_new_tokens=max_new_tokens, world_size=replicas)
     defaults, source = eval_defaults(target)
     benchmarks = list(benchmarks) if benchmarks else defaults["benchmarks"]
     samples = samples or defaults["samples"]
@@ -213,8 +213,6 @@ def run_eval(
     temperature = defaults["temperature"] if temperature is None else temperature
     top_p = defaults["top_p"] if top_p is None else top_p
     max_new_tokens = max_new_tokens or defaults["max_new_tokens"]
-    if replicas is not None and replicas < 1:
-        raise ValueError(f"--world-size must be >= 1, got {replicas}")
     if show:
         print(
             f"graft eval: {', '.join(benchmarks)}; {samples} samples x {runs} runs, T={temperature}, top-p={top_p}, "

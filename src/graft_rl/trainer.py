@@ -237,31 +237,8 @@ class Trainer(Rollouts, Checkpointing, Validation):
         for name in self.policies:
             lines[name].update(self._finish_receiver(name, batches[name], step, pending[name]))
             if self._family:
-                lines[name].update(self._family_stats(groups[name], batches[name]))
+                lines[name].update(family_stats(self._family, groups[name], batches[name]))
         return [lines[n] for n in self.policies]
-
-    def _family_stats(self, own: list[RolloutGroup], batch: ReceiverBatch) -> dict:
-        """Per prompt family (``subject``): own groups, own all-fail groups, prompts with peer data
-        (grafted groups; SGT's auxiliary response), and grafted peer responses with those the gate
-        admitted (weight > 0): counts, pooled by the report."""
-        out: dict[str, float] = {}
-
-        def add(key: str, fam: str, v: float = 1.0) -> None:
-            out[f"{key}/{fam}"] = out.get(f"{key}/{fam}", 0.0) + v
-
-        for g in own:
-            fam = self._family[g.prompt_id]
-            add("groups", fam)
-            add("all_fail", fam, float(g.k == 0))
-        for rows in batch.group_rows():
-            if not any(batch.rows[i].is_peer for i in rows):  # no peer data for this prompt
-                continue
-            fam = self._family[batch.rows[rows[0]].prompt_id]
-            add("grafted", fam)  # a grafted group, or SGT's auxiliary peer response
-            peer = [batch.rows[i] for i in rows if batch.rows[i].is_peer and not batch.rows[i].is_aux]
-            add("grafted_rows", fam, len(peer))
-            add("admitted_rows", fam, sum(1 for r in peer if r.weight > 0))
-        return out
 
     # ------------------------------------------------------------------ run
     def run(self, max_steps: int | None = None) -> list[dict]:
@@ -450,3 +427,27 @@ def _summary(lines: list[dict]) -> str:
         ex = ln.get("exchanged_in", 0)
         parts.append(f"{ln['policy']} reward {ln['reward_mean']:.2f} grafted {int(ex)}")
     return " | ".join(parts)
+
+
+def family_stats(family: dict[str, str], own: list[RolloutGroup], batch: ReceiverBatch) -> dict:
+    """Per prompt family (``subject``): own groups, own all-fail groups, prompts with peer data
+    (grafted groups; SGT's auxiliary response), and grafted peer responses with those the gate
+    admitted (weight > 0): counts, pooled by the report."""
+    out: dict[str, float] = {}
+
+    def add(key: str, fam: str, v: float = 1.0) -> None:
+        out[f"{key}/{fam}"] = out.get(f"{key}/{fam}", 0.0) + v
+
+    for g in own:
+        fam = family[g.prompt_id]
+        add("groups", fam)
+        add("all_fail", fam, float(g.k == 0))
+    for rows in batch.group_rows():
+        if not any(batch.rows[i].is_peer for i in rows):  # no peer data for this prompt
+            continue
+        fam = family[batch.rows[rows[0]].prompt_id]
+        add("grafted", fam)  # a grafted group, or SGT's auxiliary peer response
+        peer = [batch.rows[i] for i in rows if batch.rows[i].is_peer and not batch.rows[i].is_aux]
+        add("grafted_rows", fam, len(peer))
+        add("admitted_rows", fam, sum(1 for r in peer if r.weight > 0))
+    return out
