@@ -1,4 +1,4 @@
-"""Checkpoints and exact resume (SPEC §5, §6; issue 14; SPEC §4 layer 5).
+"""Checkpoints and exact resume (docs/design.md, layer 5; docs/reliability.md).
 
 :class:`Checkpointing` is a part of :class:`~graft_rl.trainer.Trainer`: ``checkpoints/step_N``
 holds every policy's weights (``save_pretrained``), optimiser and RNG state and the trainer's own

@@ -370,7 +370,7 @@ def load_config(path: str | Path | dict | None, overrides: list[str] | None = No
         data = _read_yaml(Path(path))
     data = apply_overrides(data, overrides or [])
     method = data.get("method")
-    if isinstance(method, dict) and "dynamic_max_rounds" in method:  # the key before issue 23
+    if isinstance(method, dict) and "dynamic_max_rounds" in method:  # the key's old name
         if not saved:
             raise ConfigError(
                 "method.dynamic_max_rounds is now method.max_num_gen_batches (DAPO's: generation batches "

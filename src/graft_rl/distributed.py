@@ -1,4 +1,4 @@
-"""``execution: ray``: each policy a Ray actor, or a group of actors (SPEC §4 layer 5, "Execution").
+"""``execution: ray``: each policy a Ray actor, or a group of actors (docs/design.md, layer 5).
 
 A policy with ``world_size: 1`` is one actor holding a :class:`~graft_rl.worker.PolicyWorker`
 (model, optimiser, rollout backend) on its own resources (``ray.num_cpus``/``num_gpus``, plus

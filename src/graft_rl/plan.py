@@ -1,4 +1,4 @@
-"""``graft plan CONFIG``: memory per GPU and GPUs per policy, before anything is loaded (issue 11).
+"""``graft plan CONFIG``: memory per GPU and GPUs per policy, before anything is loaded.
 
 Estimates, per policy sharded with FSDP2 over ``world_size`` GPUs (full sharding, fp32 master
 weights, fp32 gradients, AdamW's two fp32 moments, ``dtype`` compute):

@@ -1,4 +1,4 @@
-"""The run directory's integrity (SPEC §5, §6; issue 14): an exclusive lock, JSONL logs that survive
+"""The run directory's integrity (docs/reliability.md): an exclusive lock, JSONL logs that survive
 a torn last line, directories replaced atomically, checkpoints checked before they are trusted,
 and the config check on resume.
 

@@ -1,4 +1,4 @@
-"""Seeds derived from integers (SPEC §4 layer 1): every random draw of a run comes from
+"""Seeds derived from integers (docs/design.md, layer 1): every random draw of a run comes from
 ``derive_seed(run seed, purpose, step, policy, ...)``, never from global RNG state, so a resumed
 run reproduces an uninterrupted one."""
 

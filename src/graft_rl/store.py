@@ -1,4 +1,4 @@
-"""Trajectory records (SPEC §5): one Parquet file per step per policy, written atomically.
+"""Trajectory records (docs/design.md, layer 4; docs/reliability.md): one Parquet file per step per policy, written atomically.
 
 Layout: ``RUN_DIR/records/<policy>/step_<step:06d>.parquet``. One row per response: step,
 prompt id, prompt text, policy, group position, response text, token ids, generation
@@ -68,7 +68,7 @@ class RecordError(ValueError):
 
 
 def _write_atomic(table: pa.Table, out: Path) -> Path:
-    """Write a Parquet file under a temporary name and rename it: a crash never leaves half a file (SPEC §5)."""
+    """Write a Parquet file under a temporary name and rename it: a crash never leaves half a file (docs/design.md, layer 4; docs/reliability.md)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".parquet.tmp{os.getpid()}")
     pq.write_table(table, tmp, compression="zstd")

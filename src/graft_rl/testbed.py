@@ -28,7 +28,7 @@ Three pairs ship (:data:`PAIRS`):
   on ``add3_hi``) while the peer's groups are mixed: the paper's complementary prompts, by design.
   ``graft train`` without a config runs GRAFT on this pair.
 - ``lookup``: the smallest setting in which the mechanism must show, for the end-to-end check
-  (issue 13 item 3; :func:`build_lookup_pair`). The answer is one digit read from a key in the
+  (:func:`build_lookup_pair`). The answer is one digit read from a key in the
   prompt, ``Q: T3 kqzv`` / ``A: \\boxed{6}, as we look up the key ...`` (a fixed sentence after the
   answer: the response is long, the difference between models sits on one token, so the gate
   admits while the receiver's groups all fail). A was *taught a wrong rule* for family ``shift3``

@@ -1,4 +1,4 @@
-"""The step loop for N policies (SPEC §4 layer 5): generate, verify, exchange, score, update.
+"""The step loop for N policies (docs/design.md, layer 5): generate, verify, exchange, score, update.
 
 One step (paper Section 4, Algorithm in Figure 2):
 

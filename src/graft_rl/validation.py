@@ -1,5 +1,5 @@
 """Validation during training and the best checkpoint (paper Section 5.1, App. B: checkpoint
-selection on held-out data; SPEC §4 layer 5).
+selection on held-out data; docs/design.md, layer 5).
 
 :class:`Validation` is a part of :class:`~graft_rl.trainer.Trainer`: every ``validation.every``
 steps each policy is scored on every validation set (pass@1 over ``validation.samples`` samples,

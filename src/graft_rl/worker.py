@@ -1,4 +1,4 @@
-"""Receiver-side work on one policy, in-process or inside a Ray actor (SPEC §4 layer 5).
+"""Receiver-side work on one policy, in-process or inside a Ray actor (docs/design.md, layer 5).
 
 A :class:`PolicyWorker` owns one :class:`~graft_rl.policy.Policy` (model, optimiser, rollout
 backend). The trainer's driver sends it prompts, or a receiver batch (texts, advantages, the

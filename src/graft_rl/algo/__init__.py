@@ -1,6 +1,6 @@
 """``graft_rl.algo``: GRAFT's equations and the baselines' building blocks, pure torch.
 
-The public API of SPEC section 3 (stable; other code and external checks call these names):
+The public API (stable; other code and external checks call these names; docs/design.md, layer 1):
 :func:`grpo_advantages`, :func:`complementary_mask`, :func:`balanced_exchange`,
 :func:`mean_token_logprob`, :func:`compatibility_score`, :func:`compatibility_weight`,
 :func:`policy_loss`, :func:`minibatch_order`. Appendix B/G building blocks live in

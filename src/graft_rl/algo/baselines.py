@@ -46,7 +46,7 @@ def pooled_advantages(
     .. math:: \mathcal G_{pool}(q) = \mathcal G_B(q) \| \mathcal G_A(q),\quad
               \hat a_i = \frac{r_i - \mathrm{mean}(\mathcal G_{pool})}{\mathrm{std}(\mathcal G_{pool}) + \epsilon_{adv}}
 
-    Unbiased std over the ``n_recv + n_src`` pooled rewards (SPEC section 2).
+    Unbiased std over the ``n_recv + n_src`` pooled rewards (docs/fidelity.md).
 
     Args:
         rewards_recv: ``[G, n]`` receiver rewards. rewards_src: ``[G, n']`` source rewards.

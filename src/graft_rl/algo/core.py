@@ -1,7 +1,7 @@
-"""GRAFT's equations (paper Sections 3-4, SPEC section 2) as pure tensor functions.
+"""GRAFT's equations (paper Sections 3-4; the choices the paper leaves open in docs/fidelity.md) as pure tensor functions.
 
 Every function here is framework-free: torch only, no I/O, no model code, no Python
-loop over responses. Shapes follow SPEC section 3: ``G`` prompts, ``n`` rollouts per
+loop over responses. Shapes: ``G`` prompts, ``n`` rollouts per
 prompt, ``M`` responses, ``T`` tokens. All functions accept CPU or GPU tensors of any
 float dtype; arithmetic that needs precision (means, exponentials, sums over tokens) is
 carried out in at least float32 and the result is returned in the input dtype.
@@ -46,7 +46,7 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     .. math:: \hat a_i = \frac{r_i - \mathrm{mean}(\mathcal R(q))}{\mathrm{std}(\mathcal R(q)) + \epsilon_{adv}}
 
     ``std`` is the unbiased (Bessel-corrected) standard deviation, as in verl and TRL
-    (SPEC section 2). A group of size 1 has no contrast and gets advantage 0; a group whose
+    (docs/fidelity.md). A group of size 1 has no contrast and gets advantage 0; a group whose
     rewards are all equal gets 0 as well (numerator is 0).
 
     Args:
@@ -119,7 +119,7 @@ def balanced_exchange(
     :math:`m = \min(|\mathcal C_{A\to B}|, |\mathcal C_{B\to A}|)`; in each direction the
     candidates are ranked by the *source's* success count, descending, and every candidate
     whose count is at least the m-th largest is kept, so all ties at the boundary stay
-    (SPEC section 2). ``m = 0`` exchanges nothing in either direction. Without ``balance``
+    (docs/fidelity.md). ``m = 0`` exchanges nothing in either direction. Without ``balance``
     every candidate is kept (the "w/o balancing" ablation, and stored-trajectory replay).
 
     Args:
@@ -275,7 +275,7 @@ def policy_loss(
         \qquad \rho_{j,t} = \exp(\log\pi_\theta - \log\pi_{\theta_{old}})
 
     The denominator is the number of response tokens in the minibatch, *gated ones
-    included* (SPEC section 2): a peer response with ``w = 0`` still dilutes the mean.
+    included* (docs/fidelity.md): a peer response with ``w = 0`` still dilutes the mean.
     Own responses carry ``w = 1`` (``weights=None`` means all ones). With
     ``ratio="sequence"`` (the Table 2 "token ratio" ablation) every token of response
     ``j`` uses :math:`\rho_j = \exp(\text{masked mean}_t(\log\pi_\theta - \log\pi_{old}))`.

@@ -1,4 +1,4 @@
-"""Prompt datasets (SPEC §4 layer 2): JSONL problems, the paper's benchmarks, procedural tasks.
+"""Prompt datasets (docs/design.md, layer 2): JSONL problems, the paper's benchmarks, procedural tasks.
 
 Every dataset is a list of :class:`Problem` rows with the schema of the shipped files
 (``files/PROVENANCE.md``): ``id``, ``problem``, ``answer`` and optional ``solution``,

@@ -96,7 +96,7 @@ def _clip_counts(lp, old, adv, mask, eps_low, eps_high) -> tuple[float, float]:
 
 
 class Objective:
-    """GRPO/GRAFT's loss (Section 4.2, SPEC "Token loss"): ``policy_loss`` over the minibatch's token
+    """GRPO/GRAFT's loss (Section 4.2; docs/fidelity.md): ``policy_loss`` over the minibatch's token
     mean (every response token counted, gated ones included), plus ``kl_coef`` x the k3 KL."""
 
     def __init__(self, cfg: MethodConfig):

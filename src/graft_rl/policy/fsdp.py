@@ -1,4 +1,4 @@
-"""One policy sharded over several processes with PyTorch FSDP2 (SPEC §4 layer 3; issue 11).
+"""One policy sharded over several processes with PyTorch FSDP2 (docs/design.md, layer 3).
 
 Each rank (one GPU, or one CPU process with gloo) runs a :class:`ShardedPolicy` over the same
 ``torch.distributed`` process group; to the worker and the driver it is an ordinary

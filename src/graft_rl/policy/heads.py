@@ -1,4 +1,4 @@
-"""Response-token log-probs without ``[tokens x vocab]`` logits (bounded memory, issue 11).
+"""Response-token log-probs without ``[tokens x vocab]`` logits (bounded memory; docs/design.md, layer 3).
 
 A policy-gradient step needs ``log pi(o_t | q, o_<t)`` of the sampled tokens only. The naive
 path builds the logits of every response position (``[B, L, V]``: 8 x 4096 x 152k in bf16 is
@@ -43,7 +43,7 @@ def chunked_head_logprobs(
         head: the model's LM head (``[V, H]`` weight, optional bias).
         targets: ``[B, P]`` token ids.
         chunk: tokens (rows of ``B x P``) per LM-head call; the largest tensor built is ``chunk x V``.
-        temperature: logits are divided by it (SPEC §2: the sampling temperature, as verl does).
+        temperature: logits are divided by it (docs/fidelity.md: the sampling temperature, as verl does).
 
     Under autograd each chunk is checkpointed, so backward rebuilds one chunk's logits at a time.
     """

@@ -1,4 +1,4 @@
-"""A policy unit: one model + its tokenizer + optimizer (SPEC §4 layer 3).
+"""A policy unit: one model + its tokenizer + optimizer (docs/design.md, layer 3).
 
 It formats prompts its own way (chat template, or plain text for base models), generates
 groups through a rollout backend, scores any (prompt, response text) pair under its *own*
@@ -75,7 +75,7 @@ class PolicyConfig:
     gguf_file: str | None = None  # GGUF file name inside `model` (or None)
     tokenizer: str | None = None  # tokenizer directory if not beside the model
     # compute dtype (forward/backward matmuls). Trainable weights and AdamW state stay in
-    # `master_dtype`, float32 by default, as verl/FSDP mixed precision does (SPEC §2 Precision).
+    # `master_dtype`, float32 by default, as verl/FSDP mixed precision does (docs/fidelity.md).
     dtype: str = "float32"  # float32 | bfloat16 | float16
     # float32 (default). Setting it equal to a low-precision `dtype` is pure low-precision training,
     # an explicit opt-in: at the paper's lr 1e-6 most bf16 weights never change (Adam steps below
@@ -290,7 +290,7 @@ class Policy(PolicyScoring, PolicyTraining):
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.reference = None  # the frozen KL reference, once init_reference() ran
         self.weights_version, self._synced_version = 0, 0  # optimiser steps taken / pushed to the rollout engine
-        # logits are divided by this before every log-softmax that scores or trains (SPEC §2: the
+        # logits are divided by this before every log-softmax that scores or trains (docs/fidelity.md: the
         # rollout temperature, as verl does), so ratios and compatibility use the sampling distribution
         self.logprob_temperature = 1.0
         self._setup_parallel()
@@ -457,7 +457,7 @@ class Policy(PolicyScoring, PolicyTraining):
     def encode_texts(
         self, problems: Sequence[str], responses: Sequence[str], finished: Sequence[bool], max_tokens: int | None = None
     ) -> TokenBatch:
-        """Re-tokenise response *texts* after this policy's own prompt formatting (SPEC §2).
+        """Re-tokenise response *texts* after this policy's own prompt formatting (docs/fidelity.md, re-tokenisation).
 
         EOS: a response that stopped on its own gets *this* policy's EOS appended
         (:meth:`end_token_ids`: its chat end-of-turn token under a chat template, its first stop

@@ -1,4 +1,4 @@
-"""Rollout backends: one interface, two engines (SPEC §4 layer 3).
+"""Rollout backends: one interface, two engines (docs/design.md, layer 3).
 
 ``hf``: a KV-cached sampling loop over any transformers causal LM (CPU or GPU). It samples
 from, and records the log-prob of each token under, the *sampling distribution*:

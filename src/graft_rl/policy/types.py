@@ -1,7 +1,7 @@
 """The data contract passed between layers: one group of rollouts, and token batches.
 
 A peer response crosses models as *text* plus the source's generation log-probs; the
-receiver never uses the source's token ids (SPEC §2, re-tokenisation).
+receiver never uses the source's token ids (docs/fidelity.md, re-tokenisation).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``graft_rl.rewards``: binary verifiable rewards that cannot hang or crash training (SPEC §3, §4).
+"""``graft_rl.rewards``: binary verifiable rewards that cannot hang or crash training (docs/design.md, layer 2).
 
 Public entry point: :func:`verify_math`. Also :func:`verify_gsm8k` (numbers) and
 :func:`gym_scores` (reasoning-gym tasks' own scoring), and :class:`VerifierPool`, the

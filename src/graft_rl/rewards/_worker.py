@@ -17,7 +17,7 @@ import sys
 
 def main() -> None:
     # The protocol gets a private copy of stdout; fd 1 and sys.stdout then point at stderr, so a
-    # check that prints cannot put a stray line into the protocol (issue 14).
+    # check that prints cannot put a stray line into the protocol.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr

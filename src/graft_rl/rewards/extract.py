@@ -87,7 +87,7 @@ def _num(text: str) -> float:
 
 
 def parse_whole_number(text: str) -> float | None:
-    r"""The value of ``text`` if the *whole* text is one number, else ``None`` (issue 14).
+    r"""The value of ``text`` if the *whole* text is one number, else ``None``.
 
     Accepted: a sign, thousands separators (``1,200``), decimals, ``$``/``%`` and LaTeX spacing,
     a trailing unit in words (``18 dollars``, ``5\text{ cm}``), and simple fractions

@@ -157,7 +157,7 @@ def gym_scores(
     ``source`` is the row's ``source`` field written by :class:`graft_rl.data.ReasoningGymTask`
     (``reasoning_gym:NAME:SIZE:SEED:CONFIG_JSON``); ``indices`` the entries' indices. The
     answer is the content of the last ``\boxed{}``. With ``binary`` a score counts as 1 only
-    when reasoning-gym gives full credit (SPEC: rewards are binary). Scoring runs in the
+    when reasoning-gym gives full credit (rewards are binary). Scoring runs in the
     verifier pool, under the same hard timeout as math.
     """
     if len(responses) != len(indices):
