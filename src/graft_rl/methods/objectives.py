@@ -72,8 +72,10 @@ class RowTensors:
         return self.mask[rows] * keep[:, None]
 
     def aux_mask(self, rows) -> torch.Tensor:
-        """Tokens of auxiliary targets (SGT's NLL)."""
-        return self.mask[rows] * self.is_aux[rows].float()[:, None]
+        """Tokens of auxiliary targets (SGT's NLL) that are included: a peer response cut at the
+        receiver's budget leaves the auxiliary loss as it leaves the policy-gradient term."""
+        keep = (self.include & self.is_aux)[rows].float()
+        return self.mask[rows] * keep[:, None]
 
 
 @dataclass
