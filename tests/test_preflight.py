@@ -48,6 +48,7 @@ def test_reward_pattern_has_both_directions_in_any_batch():
         assert a_to_b >= 1 and b_to_a >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["graft.yaml", "graft_stored_Qwen3-1.7B-Base.yaml"])
 def test_paper_preset_passes_every_stage(preset):
     """The paper preset (Ray, FSDP2 over 2 ranks per policy, vLLM, bf16) rehearsed on this CPU;

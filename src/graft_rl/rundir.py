@@ -258,7 +258,8 @@ def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
             continue
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
             out.append((key, a.get(key, "<absent>"), b.get(key, "<absent>")))
-    return out
+    # a key set on both sides first: another method's name changes which keys the method has
+    return sorted(out, key=lambda c: "<absent>" in (c[1], c[2]))
 
 
 def best_steps(validation: list[dict], select_initial: bool = False) -> dict[str, dict]:

@@ -20,6 +20,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from fsdp_ranks import GEN_PROMPTS, exercise  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray clusters, process groups, subprocesses: the full suite runs them
+
 
 def _torchrun(model, out, dtype, ckpt, port):
     cmd = [

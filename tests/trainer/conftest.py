@@ -51,11 +51,12 @@ def tiny_trio(tmp_path_factory, tiny_pair):
     return (*tiny_pair, c)
 
 
-@pytest.fixture
-def make_cfg(tmp_path, tiny_pair, tiny_data):
+def cfg_maker(root, tiny_pair, tiny_data):
+    """``make(method, steps, run, policies, **keys)``: a config of the two tiny models on the tiny data, in ``root/run``."""
+
     def make(method: dict | None = None, steps: int = 2, run: str = "run", policies=None, **kw):
         data = {
-            "run_dir": str(tmp_path / run),
+            "run_dir": str(root / run),
             "steps": steps,
             "prompt_batch": 8,
             "minibatch": 2,
@@ -74,6 +75,11 @@ def make_cfg(tmp_path, tiny_pair, tiny_data):
         return load_config(data)
 
     return make
+
+
+@pytest.fixture
+def make_cfg(tmp_path, tiny_pair, tiny_data):
+    return cfg_maker(tmp_path, tiny_pair, tiny_data)
 
 
 @pytest.fixture(scope="module")

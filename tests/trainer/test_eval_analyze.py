@@ -67,6 +67,7 @@ def _run(make_cfg, method, run):
     return tr.run_dir
 
 
+@pytest.mark.slow
 def test_analyze_from_records_alone(make_cfg, fake_rewards, monkeypatch, tmp_path):
     graft = _run(make_cfg, {"name": "graft", "gate": False}, "g")
     grpo = _run(make_cfg, {"name": "grpo"}, "r")
@@ -168,6 +169,7 @@ def test_eval_clamps_max_new_tokens_to_the_models_context(tmp_path, tiny_data, c
     assert res["max_new_tokens"] == 4096 and res["policies"]["short"]["benchmarks"][tiny_data.stem]["problems"] == 1
 
 
+@pytest.mark.slow
 def test_analyze_best_step_is_the_trainers(make_cfg, fake_rewards, tiny_data):
     """Issue 21: step 0 scored highest but `validation.select_initial` is off: analyze's best step (and
     so its seconds-to-best) is the trainer's selected checkpoint, not 0."""
@@ -231,6 +233,7 @@ def test_eval_of_a_checkpoint_keeps_its_prompt_format(make_cfg, fake_rewards, tm
     assert ev.default_replicas(str(tr.run_dir), b) == 1
 
 
+@pytest.mark.slow
 def test_eval_spread_over_replicas_equals_one_process(tmp_path):
     """`graft eval --world-size 2`: two Ray actors, each a whole model, share the chunks; every chunk is
     sampled with the seed one process gives it, so the scores equal the single-process eval."""

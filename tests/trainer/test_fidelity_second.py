@@ -63,6 +63,7 @@ def test_the_trainer_counts_cut_peer_responses(make_cfg, fake_rewards):
 
 
 # ---------------------------------------------------------------- 7: checkpoint selection
+@pytest.mark.slow
 def test_validation_samples_default_to_the_papers_8_and_train_says_what_it_uses(
     make_cfg, tiny_data, fake_rewards, capsys
 ):
@@ -102,6 +103,7 @@ def test_dynamic_sampling_stops_loudly_past_max_num_gen_batches(make_cfg, fake_r
     assert calls.count(("A", "generate_timed")) == 2  # the step's batch + 2 more = 3
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_without_a_cap_draws_until_the_batch_is_full(make_cfg, fake_rewards):
     from graft_rl.trainer import Trainer
 
@@ -115,6 +117,7 @@ def test_dynamic_sampling_without_a_cap_draws_until_the_batch_is_full(make_cfg, 
     assert max(ln["gen_batches"] for ln in lines) >= 2
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_never_puts_a_prompt_in_a_step_twice(make_cfg, monkeypatch):
     """Past one pass over the data the refill draws only prompts not kept yet (a prompt's group is
     recorded once per step): rewards that are mixed by chance, 6 of 8 prompts to fill."""
@@ -172,6 +175,7 @@ def test_hacpo_presets_take_the_recipes_four_updates_of_512_responses(pair, row)
     assert cfg.minibatch * 2 * cfg.n == 512
 
 
+@pytest.mark.slow
 def test_hacpo_peer_bound_steps_through_0_8_to_0_875_in_a_step(make_cfg, fake_rewards, monkeypatch):
     """On a tiny pair at the presets' ratio (4 minibatches per step): the peer lower bound of the
     loss is 0.8, 0.825, 0.85, 0.875 in every step, for each receiver."""
@@ -281,6 +285,7 @@ def test_hacpo_pops_a_final_eos_from_sequence_means(tiny_pair):
     assert peer[1].src_mean_logprob == pytest.approx(-1.5)  # truncated: every token counts
 
 
+@pytest.mark.slow
 def test_hacpo_training_masks_the_final_eos(make_cfg, fake_rewards, monkeypatch):
     from graft_rl.methods.hacpo import HacpoObjective
     from graft_rl.trainer import Trainer

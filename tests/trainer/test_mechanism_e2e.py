@@ -84,6 +84,7 @@ def test_the_pair_is_built_as_described():
     assert 0.35 < sum(b) / len(b) < 0.65
 
 
+@pytest.mark.slow
 def test_graft_teaches_the_receiver_its_missing_family_and_grpo_does_not(tmp_path_factory):
     graft, grpo = _run(tmp_path_factory, "graft"), _run(tmp_path_factory, "grpo")
     g, c = graft[("A", FAMILY)], grpo[("A", FAMILY)]
@@ -103,6 +104,7 @@ def test_graft_teaches_the_receiver_its_missing_family_and_grpo_does_not(tmp_pat
     assert graft[("A", "shift6")]["val_after"] >= grpo[("A", "shift6")]["val_after"] - 0.25
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["exchange_off", "advantages_zeroed"])
 def test_the_check_fails_without_the_mechanism(tmp_path_factory, variant):
     rows = _run(tmp_path_factory, variant)

@@ -76,6 +76,7 @@ def _spy_scoring(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_one_update_per_step_scores_no_own_row_and_never_clips(make_cfg, fake_rewards, monkeypatch):
     """GRPO with minibatch = prompt batch: no separate pi_old pass at all, ratio exactly 1."""
     calls = _spy_scoring(monkeypatch)
@@ -86,6 +87,7 @@ def test_one_update_per_step_scores_no_own_row_and_never_clips(make_cfg, fake_re
     assert all(line["clip_frac_self"] == 0.0 and line["minibatches"] == 1 for line in lines)
 
 
+@pytest.mark.slow
 def test_graft_scores_peer_rows_and_rows_after_the_first_update(make_cfg, fake_rewards, monkeypatch):
     seen = {}
     real_order = algo.minibatch_order

@@ -11,6 +11,7 @@ from graft_rl.probe import ProbeError, format_probe, probe
 from graft_rl.trainer import Trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [{"name": "graft"}, {"name": "graft", "balance": False, "delta": 0.5}])
 def test_probe_predicts_the_first_training_steps_exchange_and_admission(make_cfg, fake_rewards, tmp_path, method):
     """Same config and seed: the probe's grafted groups and admitted share per receiver are what
@@ -35,6 +36,7 @@ def test_probe_predicts_the_first_training_steps_exchange_and_admission(make_cfg
     assert not (tmp_path / "probe_cfg").exists()  # nothing trained, no run directory
 
 
+@pytest.mark.slow
 def test_probe_report_fits_80_columns_and_ends_with_a_verdict(make_cfg, fake_rewards, tmp_path):
     res = probe(make_cfg({"name": "grpo"}, steps=1, run="p80"), limit=12, out_dir=tmp_path / "p", show=False)
     text = format_probe(res)

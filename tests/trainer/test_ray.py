@@ -8,6 +8,8 @@ import torch
 from graft_rl.store import RecordStore
 from graft_rl.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # Ray clusters, process groups, subprocesses: the full suite runs them
+
 ray = pytest.importorskip("ray")
 
 

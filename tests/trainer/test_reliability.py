@@ -16,13 +16,13 @@ from graft_rl import checkpointing as checkpointing_mod
 from graft_rl import validation as validation_mod
 from graft_rl.cli import main
 from graft_rl.config import ConfigError, to_dict
+from graft_rl.handles import Pending
 from graft_rl.rundir import RunDirError, read_log
 from graft_rl.store import RecordStore
 from graft_rl.trainer import CheckpointError, RunInterrupted, Trainer
 
 
-@pytest.fixture
-def fake_eval(monkeypatch, fake_rewards):
+def _patch_eval(monkeypatch) -> None:
     """Validation scores that rise with the step and depend on the weights, so every validation
     writes best/ and a resumed run with wrong weights or a wrong step would score differently."""
     real_validate, real_submit = Trainer.validate, Trainer._submit
@@ -31,10 +31,10 @@ def fake_eval(monkeypatch, fake_rewards):
         self._val_step = step
         return real_validate(self, step)
 
-    def submit(self, name, method, *args):  # in-process, a submitted call is its result
+    def submit(self, name, method, *args):  # in-process: the call's result is its own reference
         if method == "evaluate":
             digest = sum(abs(x) for x in self.policies[name].param_digest())
-            return {"pass@1": self._val_step / 100 + (digest % 1.0) / 1000}
+            return Pending(self.workers[name], {"pass@1": self._val_step / 100 + (digest % 1.0) / 1000})
         return real_submit(self, name, method, *args)
 
     monkeypatch.setattr(Trainer, "validate", validate)
@@ -42,7 +42,11 @@ def fake_eval(monkeypatch, fake_rewards):
 
 
 @pytest.fixture
-def cfg_for(make_cfg, tiny_data):
+def fake_eval(monkeypatch, fake_rewards):
+    _patch_eval(monkeypatch)
+
+
+def _cfg_for(make_cfg, tiny_data):
     def make(run, **kw):
         args = dict(
             steps=4,
@@ -55,6 +59,11 @@ def cfg_for(make_cfg, tiny_data):
         return make_cfg({"name": "graft"}, **args)
 
     return make
+
+
+@pytest.fixture
+def cfg_for(make_cfg, tiny_data):
+    return _cfg_for(make_cfg, tiny_data)
 
 
 def _snapshot(run_dir):
@@ -102,11 +111,18 @@ def _same(a, b):
             assert all(torch.equal(x, y) for x, y in zip(a[key][n], b[key][n], strict=True)), (key, n)
 
 
-@pytest.fixture
-def baseline(cfg_for, fake_eval):
-    tr = Trainer(cfg_for("baseline"), show_progress=False)
-    tr.run()
-    return _snapshot(tr.run_dir)
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, tiny_pair, tiny_data):
+    """The uninterrupted run every interrupted one is compared with: run once per module (only read)."""
+    from .conftest import cfg_maker, fake_verify
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "_verify", fake_verify)
+        _patch_eval(mp)
+        make = _cfg_for(cfg_maker(tmp_path_factory.mktemp("reliability"), tiny_pair, tiny_data), tiny_data)
+        tr = Trainer(make("baseline"), show_progress=False)
+        tr.run()
+        return _snapshot(tr.run_dir)
 
 
 def _sigterm():
@@ -129,7 +145,9 @@ PHASES = {
 
 
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_a_signal_at_any_phase_then_resume_equals_the_uninterrupted_run(phase, cfg_for, baseline, monkeypatch):
+def test_a_signal_at_any_phase_then_resume_equals_the_uninterrupted_run(
+    phase, cfg_for, baseline, fake_eval, monkeypatch
+):
     owner, attr, when = PHASES[phase]
     real = getattr(owner, attr)
     fired = []
@@ -165,7 +183,9 @@ def test_a_signal_at_any_phase_then_resume_equals_the_uninterrupted_run(phase, c
     _same(_snapshot(tr.run_dir), baseline)
 
 
-def test_a_second_signal_stops_at_once_and_resume_still_equals_the_uninterrupted_run(cfg_for, baseline, monkeypatch):
+def test_a_second_signal_stops_at_once_and_resume_still_equals_the_uninterrupted_run(
+    cfg_for, baseline, fake_eval, monkeypatch
+):
     real = Trainer._train_receiver
 
     def twice(self, name, batch, step):
@@ -285,7 +305,9 @@ DAMAGE = {  # how a file of the newest checkpoint is damaged -> what resume says
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_resume_falls_back_to_the_previous_checkpoint_when_the_newest_is_damaged(damage, cfg_for, baseline, capsys):
+def test_resume_falls_back_to_the_previous_checkpoint_when_the_newest_is_damaged(
+    damage, cfg_for, baseline, fake_eval, capsys
+):
     """Issue 24: every checkpoint file is checked against the sha256 recorded when it was written, so
     damage that leaves a loadable file (zeroed bytes inside, a changed state) is caught too."""
     tr = Trainer(cfg_for(f"damaged_{damage.replace(' ', '_')}"), show_progress=False)
@@ -505,7 +527,7 @@ def test_a_torn_record_file_or_damaged_log_line_is_one_line(cfg_for, fake_reward
     assert len(err) == 1 and "validation.jsonl:2: not valid JSON" in err[0]
 
 
-def test_a_torn_run_config_is_recovered_from_the_checkpoint(cfg_for, baseline, capsys):
+def test_a_torn_run_config_is_recovered_from_the_checkpoint(cfg_for, baseline, fake_eval, capsys):
     """Issue 24: a config.yaml cut short (it said "at least one policy is required") is named as damaged,
     and resume takes the config every checkpoint saved; the run still equals the uninterrupted one."""
     tr = Trainer(cfg_for("torn_cfg"), show_progress=False)

@@ -59,6 +59,7 @@ def test_custom_resources_are_the_policys_total_split_over_its_ranks():
     )
 
 
+@pytest.mark.slow
 def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, capsys, tmp_path):
     """8 CPUs per rank on a 2-CPU Ray cluster: one line from `graft train`, no 600 s wait."""
     import yaml
@@ -86,6 +87,7 @@ def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, c
     assert err.count("\n") == 0 and "24 CPU" in err and "ray.num_cpus=0.6666" in err, err
 
 
+@pytest.mark.slow
 def test_error_inside_an_actor_is_one_line_naming_policy_and_rank(make_cfg, ray_local, tiny_pair):
     from graft_rl.distributed import ActorError
     from graft_rl.policy import PolicyError

@@ -62,6 +62,7 @@ def test_testbed_build_is_cached(testbed):
     assert (again.root / "testbed.json").stat().st_mtime == stamp
 
 
+@pytest.mark.slow
 def test_testbed_cache_from_other_settings_is_rebuilt(testbed, tmp_path):
     import shutil
 

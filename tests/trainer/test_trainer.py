@@ -41,7 +41,11 @@ METHODS = {
 }
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+#: the fast tier's smoke set: one of each method (the full suite runs every variant)
+SMOKE = ("grpo", "grpo_dynamic_sampling", "graft", "sgt", "luffy", "hacpo")
+
+
+@pytest.mark.parametrize("method", [m if m in SMOKE else pytest.param(m, marks=pytest.mark.slow) for m in METHODS])
 def test_every_method_runs_two_steps(method, make_cfg, fake_rewards):
     # dynamic sampling draws extra prompts from outside the batch: A has 3 mixed groups of 8, B 2
     cfg = make_cfg(METHODS[method], **({"prompt_batch": 2} if "dynamic" in method else {}))
@@ -252,6 +256,7 @@ def _strip(lines):
     return [{k: v for k, v in ln.items() if not k.startswith("time_")} for ln in lines]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kl_coef", [0.0, 0.5])
 def test_resume_reproduces_an_uninterrupted_run(make_cfg, fake_rewards, kl_coef):
     # with a KL term the resumed run must still compare against the *initial* weights, not the checkpoint's

@@ -105,7 +105,7 @@ class MethodConfig:
     # the chosen method's own keys (its Params, as a mapping), read as attributes
     params: dict = field(default_factory=dict)
     # keys of another method's Params that were given (an error unless a saved config is read)
-    _foreign: dict = field(default_factory=dict, repr=False, compare=False)
+    _foreign: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __init__(self, name: str = "graft", params: dict | None = None, **keys: Any):
         common = {f.name: f for f in dataclasses.fields(MethodConfig) if f.name not in ("params", "_foreign")}
