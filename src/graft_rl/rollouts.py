@@ -40,7 +40,7 @@ class Rollouts:
 
     # ------------------------------------------------------------------ rewards
     def _verify(self, groups: list[RolloutGroup]) -> dict:
-        return self.reward(groups)
+        return (self.reward or self.score_groups)(groups)
 
     def score_groups(self, groups: list[RolloutGroup]) -> dict:
         """The default reward: the run's verifier on every response (hard timeout per answer, a budget

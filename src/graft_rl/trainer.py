@@ -69,7 +69,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.show_progress = show_progress
-        self.reward = reward or self.score_groups
+        self.reward = reward  # None: score_groups (not stored bound: no reference cycle keeps Ray actors alive)
         self._start_workers = workers
         self.workers: dict[str, WorkerHandle] = {}
         self.lock = RunLock(self.run_dir)
