@@ -51,9 +51,9 @@ def sequential_updates(monkeypatch_target) -> None:
 
 
 def one_run(policies: list[str], steps: int, prompt_batch: int, method: str) -> dict:
-    from graft_rl.config import load_config
-    from graft_rl.testbed import shipped_testbed
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.config import load_config
+    from graft_rl.engine.testbed import shipped_testbed
+    from graft_rl.engine.trainer import Trainer
 
     base = shipped_testbed().train_config(run_dir=tempfile.mkdtemp() + "/run", method=method)
     base.update(
@@ -87,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     import ray
 
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     real = Trainer._train_receiver

@@ -87,9 +87,9 @@ def paper_mix(rows: int, seed: int = 0, scale: float = 1.0, cap: int = 4096) -> 
 
 
 def testbed_lengths() -> tuple[list[int], int]:
-    from graft_rl.config import load_config
     from graft_rl.data import load_dataset
-    from graft_rl.testbed import shipped_testbed
+    from graft_rl.engine.config import load_config
+    from graft_rl.engine.testbed import shipped_testbed
 
     cfg = load_config(shipped_testbed().train_config(run_dir=tempfile.mkdtemp()))
     pol = Policy(cfg.policies[0])
@@ -99,7 +99,7 @@ def testbed_lengths() -> tuple[list[int], int]:
 
 
 def measured(rule: str, repeats: int = 3) -> tuple[float, int]:
-    from graft_rl.preflight import build_toy_model
+    from graft_rl.commands.preflight import build_toy_model
 
     d = build_toy_model(Path(tempfile.mkdtemp()) / "toy", "llama", 0, seed=0)
     pol = Policy(PolicyConfig("A", str(d), lr=1e-5, micro_batch_tokens=4096, max_prompt_tokens=4096))

@@ -55,7 +55,7 @@ def main() -> int:
             out = Path(tmp) / "preflight.json"
             t0 = time.perf_counter()
             proc = subprocess.run(
-                [sys.executable, "-m", "graft_rl.cli", "preflight", str(PAPER / preset), "--json", str(out)],
+                [sys.executable, "-m", "graft_rl.commands.cli", "preflight", str(PAPER / preset), "--json", str(out)],
                 capture_output=True,
                 text=True,
             )

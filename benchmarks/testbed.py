@@ -1,6 +1,6 @@
 """GRAFT vs baselines on the CPU testbed: held-out pass@1, training-pool coverage, wall time, rollouts.
 
-Trains the testbed pair (graft_rl.testbed) on a fixed pool of prompts with each method for the
+Trains the testbed pair (graft_rl.engine.testbed) on a fixed pool of prompts with each method for the
 same number of steps and seeds, evaluates both models on held-out prompts (T=1, top-p 1,
 ``--eval-samples`` per prompt) before, during and after training, and writes:
 
@@ -61,8 +61,8 @@ def run_one(
         import torch
 
         torch.set_num_threads(threads)
-    from graft_rl.config import load_config
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.config import load_config
+    from graft_rl.engine.trainer import Trainer
 
     spec = METHODS[method]
     run_dir = out / "runs" / f"{method}_s{seed}"
@@ -107,8 +107,8 @@ def _logs(run_dir: Path, name: str) -> tuple[list[dict], list[dict], Path]:
 
 
 def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "", epoch_steps: int = 8) -> None:
-    from graft_rl.analyze import PHASES
-    from graft_rl.store import RecordStore
+    from graft_rl.commands.analyze import PHASES
+    from graft_rl.engine.store import RecordStore
 
     rows, curves = [], {}
     done_seeds = {m: [s for s in seeds if (out / "runs" / f"{m}_s{s}" / "done.json").is_file()] for m in methods}
@@ -178,8 +178,8 @@ def summarize(out: Path, methods: list[str], seeds: list[int], settings: str = "
 
 def compatibility_summary(out: Path, methods: list[str], done_seeds: dict) -> None:
     """Token-mean vs per-character compatibility over every grafted peer response (mean over seeds)."""
-    from graft_rl.analyze import compatibility_stats
-    from graft_rl.store import RecordStore
+    from graft_rl.commands.analyze import compatibility_stats
+    from graft_rl.engine.store import RecordStore
 
     lines = [
         "| method (gate uses) | direction | peer responses / seed | s_token median [p10, p90] | s_char median [p10, p90] | "
@@ -247,7 +247,7 @@ def _plot(out: Path, curves: dict, rows) -> None:
 
 def complementarity(tb, out: Path, eval_prompts: int, eval_samples: int) -> None:
     from graft_rl.data import load_jsonl
-    from graft_rl.evaluation import evaluate_policy
+    from graft_rl.engine.evaluation import evaluate_policy
     from graft_rl.policy import Policy, PolicyConfig
 
     held = load_jsonl(tb.eval_file)[:eval_prompts]
@@ -281,7 +281,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/testbed")
     ap.add_argument("--summarize-only", action="store_true")
     args = ap.parse_args()
-    from graft_rl.testbed import shipped_testbed
+    from graft_rl.engine.testbed import shipped_testbed
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

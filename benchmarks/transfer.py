@@ -1,6 +1,6 @@
 """Capability transfer on the constructed testbed pair: does a model learn the family it lacks?
 
-The transfer pair (``graft_rl.testbed``, ``PAIRS["transfer"]``) is *constructed to expose the
+The transfer pair (``graft_rl.engine.testbed``, ``PAIRS["transfer"]``) is *constructed to expose the
 mechanism*: A solves two-digit chains ``a+b-c`` (``add3_hi``) about half the time and almost never
 ``a*b+c`` with ``b`` in 6-9 (``muladd_hi``); B the other way round. On its missing family nearly all
 of a model's groups fail, so GRPO gets (almost) no gradient there, while the peer's groups are
@@ -43,7 +43,7 @@ def eval_by_family(tb, out: Path, samples: int, checkpoint: Path | None = None, 
 
         torch.set_num_threads(threads)
     from graft_rl.data import load_jsonl
-    from graft_rl.evaluation import evaluate_policy, pass1_by_family
+    from graft_rl.engine.evaluation import evaluate_policy, pass1_by_family
     from graft_rl.policy import Policy, PolicyConfig
 
     held = load_jsonl(tb.eval_file)
@@ -67,7 +67,7 @@ def one(tb, out: Path, method: str, seed: int, args, threads: int | None) -> Pat
 
 
 def summarize(tb, out: Path, methods: list[str], seeds: list[int], settings: str, eval_samples: int = 16) -> None:
-    from graft_rl.report import family_summary
+    from graft_rl.commands.report import family_summary
 
     start = json.loads((out / "start.json").read_text())
     fams = list(tb.families)
@@ -173,7 +173,7 @@ def main() -> None:
     args = ap.parse_args()
     from tqdm import tqdm
 
-    from graft_rl.testbed import shipped_testbed
+    from graft_rl.engine.testbed import shipped_testbed
 
     tb = shipped_testbed("transfer")
     out = Path(args.out)

@@ -25,7 +25,7 @@ def launch(run_dir: Path, env: dict) -> subprocess.Popen:
     args = [
         sys.executable,
         "-m",
-        "graft_rl.cli",
+        "graft_rl.commands.cli",
         "train",
         f"run_dir={run_dir}",
         f"steps={STEPS}",

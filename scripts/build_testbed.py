@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from graft_rl.testbed import PAIRS, Testbed, ensure_testbed, shipped_root  # noqa: E402
+from graft_rl.engine.testbed import PAIRS, Testbed, ensure_testbed, shipped_root  # noqa: E402
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 SAMPLE = 64  # held-out problems the shipped accuracy is measured on (greedy)
@@ -44,7 +44,7 @@ def greedy_heldout_accuracy(
 ) -> float | dict[str, float]:
     """Greedy (top-k 1) pass@1 of one shipped model on the first ``n`` held-out problems (per family: a dict)."""
     from graft_rl.data import load_jsonl
-    from graft_rl.evaluation import evaluate_policy, pass1_by_family
+    from graft_rl.engine.evaluation import evaluate_policy, pass1_by_family
     from graft_rl.policy import Policy, PolicyConfig
 
     pd = {p["name"]: p for p in tb.policy_dicts()}[which]

@@ -40,8 +40,8 @@ def fingerprint(config: Path, steps: int, work: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from graft_rl.config import load_config
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.config import load_config
+    from graft_rl.engine.trainer import Trainer
 
     run_dir = work / config.stem
     cfg = load_config(config, [f"run_dir={run_dir}", f"steps={steps}", *SMALL])

@@ -364,9 +364,9 @@ def row_fsdp(c: Check) -> dict:
 
 
 def row_trainer(c: Check) -> dict:
-    from graft_rl.config import load_config
+    from graft_rl.engine.config import load_config
+    from graft_rl.engine.trainer import Trainer  # needs pyarrow (graft_rl.engine.store)
     from graft_rl.policy.tiny import build_tiny_pair
-    from graft_rl.trainer import Trainer  # needs pyarrow (graft_rl.store)
 
     c.pol = None
     tmp = c.tmp / "trainer"

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-GRAFT = [sys.executable, "-m", "graft_rl.cli", "train"]
+GRAFT = [sys.executable, "-m", "graft_rl.commands.cli", "train"]
 SETTINGS = ["steps=8", "checkpoint_every=2", "validation.every=4", "validation.limit=32"]
 ROWS: list[tuple[str, bool, str]] = []
 
@@ -140,7 +140,9 @@ def main() -> int:
     with (d / "metrics.jsonl").open("a") as f:
         f.write('{"step": 9, "policy": "A", "rew')
     rc, _, err = finish(graft(d, "steps=9", resume=True))
-    rc_a = subprocess.run([sys.executable, "-m", "graft_rl.cli", "analyze", str(d)], capture_output=True).returncode
+    rc_a = subprocess.run(
+        [sys.executable, "-m", "graft_rl.commands.cli", "analyze", str(d)], capture_output=True
+    ).returncode
     row("torn last line of metrics.jsonl", rc == 0 and rc_a == 0, f"resume exit {rc}, analyze exit {rc_a}")
 
     # 7. damaged newest checkpoint
@@ -193,7 +195,7 @@ def main() -> int:
     p.kill()
     p.wait()
     rc, out, _ = finish(graft(d, "validation.every=4", resume=True))
-    from graft_rl.rundir import best_steps
+    from graft_rl.engine.rundir import best_steps
 
     logged = best_steps(lines(d / "validation.jsonl"))
     recorded = json.loads((d / "best" / "best.json").read_text())
@@ -204,7 +206,7 @@ def main() -> int:
     )
 
     # 7e. (issue 24) graft eval: counts of 0, Ctrl-C keeps what finished
-    ev = [sys.executable, "-m", "graft_rl.cli", "eval", str(ref)]
+    ev = [sys.executable, "-m", "graft_rl.commands.cli", "eval", str(ref)]
     res = subprocess.run([*ev, "--limit", "0"], capture_output=True, text=True)
     row(
         "graft eval --limit 0",
@@ -290,7 +292,11 @@ def main() -> int:
     d = root / "ray_driver"
     p = graft(d, "execution=ray", "steps=20")
     wait_for(lambda: len(lines(d / "metrics.jsonl")) >= 2, timeout=600)
-    ours = [c for c in psutil.Process(p.pid).children(recursive=True) if "graft_rl.reaper" not in " ".join(c.cmdline())]
+    ours = [
+        c
+        for c in psutil.Process(p.pid).children(recursive=True)
+        if "graft_rl.engine.reaper" not in " ".join(c.cmdline())
+    ]
     p.kill()
     p.wait()
     t0 = time.time()

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from graft_rl.config import ConfigError, load_config
 from graft_rl.data import DatasetError, check_answers, load_dataset
+from graft_rl.engine.config import ConfigError, load_config
 from graft_rl.rewards import verify_gsm8k
 
 
@@ -42,7 +42,7 @@ def test_empty_math_answers_are_refused(answer):
 
 
 def test_the_training_data_is_checked_before_anything_loads(tmp_path):
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     data = tmp_path / "gsm8k_bad.jsonl"
     data.write_text(
@@ -81,7 +81,7 @@ def test_a_limit_below_one_is_an_error_not_one_problem(limit):
 
 @pytest.mark.parametrize("flag", ["samples", "runs", "limit", "max_new_tokens"])
 def test_graft_eval_refuses_zero_counts(flag, capsys):
-    from graft_rl.cli import main
+    from graft_rl.commands.cli import main
 
     assert main(["eval", "zoo:testbed-a", "--benchmarks", "testbed_heldout", f"--{flag.replace('_', '-')}", "0"]) == 2
     err = capsys.readouterr().err.strip()
@@ -162,7 +162,7 @@ def test_a_prompt_longer_than_a_models_context_is_one_line_before_training(tmp_p
     context stops `graft train` before any step (it was an IndexError mid-run), naming the prompt."""
     import yaml
 
-    from graft_rl.cli import main
+    from graft_rl.commands.cli import main
 
     data = tmp_path / "long.jsonl"
     rows = [{"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i)} for i in range(8)]
@@ -190,7 +190,7 @@ def test_a_response_never_runs_past_a_learned_position_models_context(tmp_path, 
     IndexError mid-generation; now the policy samples what its context leaves, and `graft train` says so."""
     import yaml
 
-    from graft_rl.cli import main
+    from graft_rl.commands.cli import main
     from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model
 
     model = build_tiny_model(tmp_path / "gpt2_64", "gpt2", bpe_tokenizer(), max_positions=64)

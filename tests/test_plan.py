@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graft_rl.cli import main
-from graft_rl.config import ConfigError, load_config
-from graft_rl.plan import (
+from graft_rl.commands.cli import main
+from graft_rl.engine.config import ConfigError, load_config
+from graft_rl.engine.plan import (
     ALLOCATOR_MARGIN,
     KNOWN_SHAPES,
     RUNTIME_BYTES,
@@ -117,7 +117,7 @@ def test_eval_estimate_of_the_paper_protocol():
     """Issue 21: `graft plan` says how long the paper's eval protocol takes on the run's GPUs."""
     from pathlib import Path
 
-    from graft_rl.plan import eval_estimate
+    from graft_rl.engine.plan import eval_estimate
 
     ROOT = Path(__file__).resolve().parents[1]
     cfg = load_config(ROOT / "configs" / "paper" / "pair1" / "graft.yaml")

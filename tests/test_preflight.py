@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from graft_rl.cli import main
-from graft_rl.config import load_config
-from graft_rl.preflight import STAGES, pattern_rewards, run_preflight, toy_config
+from graft_rl.commands.cli import main
+from graft_rl.commands.preflight import STAGES, pattern_rewards, run_preflight, toy_config
+from graft_rl.engine.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "configs" / "paper" / "pair1"
@@ -67,7 +67,7 @@ def test_paper_preset_passes_every_stage(preset):
 
 
 def test_a_failing_stage_is_one_line_and_stops_the_rest(monkeypatch, capsys):
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     def broken(self, step):
         raise RuntimeError("the step broke\nsecond line")

@@ -52,7 +52,7 @@ def test_its_batches_are_own_groups_with_unnormalised_advantages():
 
 
 def test_it_trains_with_the_pattern_reward(tmp_path, tiny_pair):
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     from .test_registry import _cfg, pattern_reward
 

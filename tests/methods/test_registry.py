@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from graft_rl.config import ConfigError, load_config, to_dict
+from graft_rl.engine.config import ConfigError, load_config, to_dict
 from graft_rl.methods import (
     EXCHANGE_KEYS,
     Method,
@@ -62,18 +62,19 @@ def test_the_engine_names_no_method():
     appears in its own file only."""
     names = "|".join(method_names())
     for module in (
-        "trainer.py",
-        "worker.py",
-        "handles.py",
-        "checkpointing.py",
-        "validation.py",
+        "engine/trainer.py",
+        "engine/rollouts.py",
+        "engine/worker.py",
+        "engine/handles.py",
+        "engine/checkpointing.py",
+        "engine/validation.py",
         "methods/exchange.py",
         "methods/objectives.py",
         "methods/base.py",
     ):
         text = (SRC / module).read_text()
         assert not re.search(rf"""name\s*(==|!=|in)\s*[(\[{{]?["']({names})["']""", text), module
-    assert "execution ==" not in (SRC / "trainer.py").read_text()
+    assert "execution ==" not in (SRC / "engine" / "trainer.py").read_text()
     for path in SRC.rglob("*.py"):
         if path.name != "hacpo.py":
             assert '"hacpo"' not in path.read_text(), path
@@ -152,7 +153,7 @@ def pattern_reward(groups) -> dict:
 
 
 def test_a_method_registered_in_one_place_configures_and_trains(toy_method, tmp_path, tiny_pair):
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     with pytest.raises(ConfigError, match=r"method.half_scale must be in \(0, 1\), got 2"):
         _cfg(tmp_path, tiny_pair, {"name": "half_grpo", "half_scale": 2.0})
@@ -175,7 +176,7 @@ def test_a_method_registered_in_one_place_configures_and_trains(toy_method, tmp_
 
 
 def test_the_trainer_scores_with_the_reward_it_is_given(tmp_path, tiny_pair):
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     seen = []
 
@@ -205,7 +206,7 @@ def test_a_config_of_every_method_is_written_flat_and_reloads_identically(tmp_pa
 
 def test_methods_state_is_checkpointed_through_the_method(tmp_path, tiny_pair):
     """HACPO's capability window lives in the method; a checkpoint carries it and resume restores it."""
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     cfg = _cfg(tmp_path, tiny_pair, {"name": "hacpo"}, run="hacpo")
     tr = Trainer(cfg, show_progress=False, reward=pattern_reward)

@@ -66,7 +66,7 @@ def test_finished_rows_leave_the_decode_batch_without_changing_any_row(monkeypat
     """Compaction of finished rows (and their KV cache): greedy outputs equal the uncompacted ones,
     and sampled responses' generation log-probs equal a full forward pass's."""
     from graft_rl.data import load_dataset
-    from graft_rl.testbed import PLAIN_TEMPLATE
+    from graft_rl.engine.testbed import PLAIN_TEMPLATE
 
     pol = Policy(
         PolicyConfig("T", "zoo:transfer-a", prompt_format="plain", plain_template=PLAIN_TEMPLATE, prompt_suffix=None)
@@ -361,7 +361,7 @@ def test_stop_strings_end_responses_like_eos_and_peer_texts_with_them(tiny_pair)
 def test_a_stop_string_given_as_text_stays_whole():
     """YAML `stop: "\\n\\n"` or the override policies.0.stop=", " is one stop string, not a
     comma-split list of names (which would silently drop it); an empty string is an error."""
-    from graft_rl.config import ConfigError, load_config
+    from graft_rl.engine.config import ConfigError, load_config
 
     base = {"policies": [{"name": "A", "model": "x", "stop": "\n\n"}], "method": {"name": "grpo"}}
     assert load_config(base).policies[0].stop == ["\n\n"]

@@ -7,11 +7,11 @@ import statistics
 
 import pytest
 
-import graft_rl.evaluate_cli as ev
-from graft_rl.analyze import AnalysisError, analyze
-from graft_rl.cli import main
+import graft_rl.commands.evaluate_cli as ev
+from graft_rl.commands.analyze import AnalysisError, analyze
+from graft_rl.commands.cli import main
+from graft_rl.engine.trainer import Trainer
 from graft_rl.policy import RolloutGroup
-from graft_rl.trainer import Trainer
 
 
 class FakePolicy:
@@ -112,7 +112,7 @@ def test_analyze_bad_input_is_one_line(tmp_path, capsys):
 
 
 def test_compatibility_stats_compare_both_normalisations():
-    from graft_rl.analyze import compatibility_stats
+    from graft_rl.commands.analyze import compatibility_stats
 
     rows = [
         {"compat_token": 0.9, "compat_char": 0.7, "weight": 0.9, "reward": 1.0},
@@ -173,7 +173,7 @@ def test_eval_clamps_max_new_tokens_to_the_models_context(tmp_path, tiny_data, c
 def test_analyze_best_step_is_the_trainers(make_cfg, fake_rewards, tiny_data):
     """Issue 21: step 0 scored highest but `validation.select_initial` is off: analyze's best step (and
     so its seconds-to-best) is the trainer's selected checkpoint, not 0."""
-    from graft_rl.rundir import read_log, rewrite_log
+    from graft_rl.engine.rundir import read_log, rewrite_log
 
     tr = Trainer(
         make_cfg(
@@ -258,7 +258,7 @@ def test_eval_keeps_finished_policies_on_ctrl_c_and_checks_its_output_first(
 ):
     """Issue 24: each policy's results are written (atomically) as it finishes; Ctrl-C exits 130 in one
     line and keeps them; an unwritable --out fails before any evaluation."""
-    from graft_rl.cli import main
+    from graft_rl.commands.cli import main
 
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="ctrlc"), show_progress=False)
     tr.run()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graft_rl import algo
-from graft_rl.config import MethodConfig
+from graft_rl.engine.config import MethodConfig
 from graft_rl.methods import build_exchange
 from graft_rl.policy import RolloutGroup
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graft_rl.config import MethodConfig, load_config
+from graft_rl.engine.config import MethodConfig, load_config
 from graft_rl.methods import build_exchange, build_objective
 from graft_rl.methods.objectives import RowTensors
 from graft_rl.policy import RolloutGroup
@@ -49,8 +49,8 @@ def test_hacpo_peer_rollouts_still_have_a_gradient_late_in_training():
 
 
 def test_hacpo_update_index_restarts_every_step(make_cfg, fake_rewards, monkeypatch):
+    from graft_rl.engine.trainer import Trainer
     from graft_rl.methods.hacpo import HacpoObjective
-    from graft_rl.trainer import Trainer
 
     seen = []
     real = HacpoObjective.minibatch

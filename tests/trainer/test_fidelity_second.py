@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graft_rl.config import MethodConfig
+from graft_rl.engine.config import MethodConfig
 
 
 def _method(**kw) -> MethodConfig:
@@ -47,7 +47,7 @@ def test_the_trainer_counts_cut_peer_responses(make_cfg, fake_rewards):
     """``peer_cut`` in metrics: GRAFT's peer groups re-tokenised over the receiver's budget."""
     import json
 
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     tr = Trainer(make_cfg({"name": "graft", "gate": False}, steps=1, run="cut", max_new_tokens=6), show_progress=False)
     tr.run()
@@ -56,7 +56,7 @@ def test_the_trainer_counts_cut_peer_responses(make_cfg, fake_rewards):
     # A (one token per character) receives B's BPE responses of 6 tokens: most are longer here
     assert sum(ln["peer_cut"] for ln in lines if ln["policy"] == "A") > 0
     # and a cut response is left out of the loss (the exchange records say so)
-    from graft_rl.store import RecordStore
+    from graft_rl.engine.store import RecordStore
 
     rows = RecordStore(tr.run_dir).read_exchange("A")
     assert sum(not r["included"] for r in rows) == sum(ln["peer_cut"] for ln in lines if ln["policy"] == "A")
@@ -67,8 +67,8 @@ def test_the_trainer_counts_cut_peer_responses(make_cfg, fake_rewards):
 def test_validation_samples_default_to_the_papers_8_and_train_says_what_it_uses(
     make_cfg, tiny_data, fake_rewards, capsys
 ):
-    from graft_rl.config import ValidationConfig
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.config import ValidationConfig
+    from graft_rl.engine.trainer import Trainer
 
     assert ValidationConfig().samples == 8
     tr = Trainer(
@@ -84,7 +84,7 @@ def test_validation_samples_default_to_the_papers_8_and_train_says_what_it_uses(
 def test_dynamic_sampling_stops_loudly_past_max_num_gen_batches(make_cfg, fake_rewards, tmp_path):
     """DAPO's semantics (verl recipe/dapo, filter_groups.max_num_gen_batches): batches counted with
     the first; past the cap the run stops with one line, instead of training a short batch."""
-    from graft_rl.trainer import DynamicSamplingError, Trainer
+    from graft_rl.engine.trainer import DynamicSamplingError, Trainer
 
     # A has 3 prompts of 8 with mixed rewards: a batch of 4 can never fill
     cfg = make_cfg(
@@ -105,7 +105,7 @@ def test_dynamic_sampling_stops_loudly_past_max_num_gen_batches(make_cfg, fake_r
 
 @pytest.mark.slow
 def test_dynamic_sampling_without_a_cap_draws_until_the_batch_is_full(make_cfg, fake_rewards):
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     # A has 3 prompts with mixed rewards, B 2 (q1, q7): a batch of 2 fills for both, after a few draws
     cfg = make_cfg(
@@ -123,7 +123,7 @@ def test_dynamic_sampling_never_puts_a_prompt_in_a_step_twice(make_cfg, monkeypa
     recorded once per step): rewards that are mixed by chance, 6 of 8 prompts to fill."""
     import random
 
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     rng = random.Random(0)
 
@@ -140,7 +140,7 @@ def test_dynamic_sampling_never_puts_a_prompt_in_a_step_twice(make_cfg, monkeypa
     tr = Trainer(cfg, show_progress=False)
     lines = tr.run()
     assert max(ln["gen_batches"] for ln in lines) > 2  # more than one pass over the 8 prompts
-    from graft_rl.store import RecordStore
+    from graft_rl.engine.store import RecordStore
 
     for name in ("A", "B"):
         for step in (1,):
@@ -149,7 +149,7 @@ def test_dynamic_sampling_never_puts_a_prompt_in_a_step_twice(make_cfg, monkeypa
 
 
 def test_an_old_dynamic_max_rounds_key_is_named_and_a_saved_one_converted():
-    from graft_rl.config import ConfigError, load_config
+    from graft_rl.engine.config import ConfigError, load_config
 
     data = {
         "policies": [{"name": "A", "model": "x"}],
@@ -168,7 +168,7 @@ def test_hacpo_presets_take_the_recipes_four_updates_of_512_responses(pair, row)
     ppo_mini_batch_size 64 x n 8 = 512: 4 updates per step (ours had minibatch 64: 2)."""
     from pathlib import Path
 
-    from graft_rl.config import load_config
+    from graft_rl.engine.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "paper" / pair / f"{row}.yaml")
     assert cfg.prompt_batch // cfg.minibatch == 4 and cfg.prompt_batch % cfg.minibatch == 0
@@ -180,7 +180,7 @@ def test_hacpo_peer_bound_steps_through_0_8_to_0_875_in_a_step(make_cfg, fake_re
     """On a tiny pair at the presets' ratio (4 minibatches per step): the peer lower bound of the
     loss is 0.8, 0.825, 0.85, 0.875 in every step, for each receiver."""
     from graft_rl import algo
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     bounds = []
     real = algo.hacpo_policy_loss
@@ -216,8 +216,8 @@ def test_hacpo_omega_is_clipped_to_its_recipes_0_1_to_10():
 
 
 def test_hacpo_capability_floor_is_the_recipes_1e_8(make_cfg, fake_rewards):
+    from graft_rl.engine.trainer import Trainer
     from graft_rl.methods.hacpo import CAPABILITY_FLOOR
-    from graft_rl.trainer import Trainer
 
     assert CAPABILITY_FLOOR == 1e-8
     tr = Trainer(make_cfg({"name": "hacpo"}, steps=1, run="floor"), show_progress=False)
@@ -287,9 +287,9 @@ def test_hacpo_pops_a_final_eos_from_sequence_means(tiny_pair):
 
 @pytest.mark.slow
 def test_hacpo_training_masks_the_final_eos(make_cfg, fake_rewards, monkeypatch):
+    from graft_rl.engine.trainer import Trainer
+    from graft_rl.engine.worker import PolicyWorker
     from graft_rl.methods.hacpo import HacpoObjective
-    from graft_rl.trainer import Trainer
-    from graft_rl.worker import PolicyWorker
 
     seen = {}
     real_enc = PolicyWorker._encode
@@ -364,7 +364,7 @@ def test_graft_seeds_prints_table_4s_mean_and_sample_std_over_training_runs(tmp_
     import json
     import statistics
 
-    from graft_rl.cli import main
+    from graft_rl.commands.cli import main
 
     graft, grpo = [], []
     for s, (g, b) in enumerate([(0.40, 0.30), (0.44, 0.32), (0.42, 0.28)]):

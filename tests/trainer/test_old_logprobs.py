@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from graft_rl import algo
-from graft_rl.config import MethodConfig
+from graft_rl.engine.config import MethodConfig
+from graft_rl.engine.trainer import Trainer
 from graft_rl.methods import build_objective
 from graft_rl.methods.objectives import RowTensors
 from graft_rl.policy import Policy
-from graft_rl.trainer import Trainer
 
 
 def _rows(old, mask, current=None):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from graft_rl.config import load_config
+from graft_rl.engine.config import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
 

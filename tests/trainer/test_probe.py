@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from graft_rl.probe import ProbeError, format_probe, probe
-from graft_rl.trainer import Trainer
+from graft_rl.commands.probe import ProbeError, format_probe, probe
+from graft_rl.engine.trainer import Trainer
 
 
 @pytest.mark.slow
@@ -57,8 +57,8 @@ def test_probe_refuses_what_it_cannot_measure(make_cfg, tiny_pair, tmp_path):
 def test_graft_probe_command(make_cfg, fake_rewards, tmp_path, capsys):
     import yaml
 
-    from graft_rl.cli import main
-    from graft_rl.config import to_dict
+    from graft_rl.commands.cli import main
+    from graft_rl.engine.config import to_dict
 
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(to_dict(make_cfg(run="cli"))))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graft_rl.store import RecordStore
-from graft_rl.trainer import Trainer
+from graft_rl.engine.store import RecordStore
+from graft_rl.engine.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # Ray clusters, process groups, subprocesses: the full suite runs them
 
@@ -77,7 +77,7 @@ def test_ray_matches_in_process(make_cfg, ray_local, monkeypatch):
 
 
 def test_dead_actor_is_reported_with_its_policy_name(make_cfg, ray_local, monkeypatch):
-    from graft_rl.distributed import ActorDied
+    from graft_rl.engine.distributed import ActorDied
 
     from .conftest import fake_verify
 
@@ -93,7 +93,7 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
     """Issue 11: each policy a group of 2 Ray actors trained data-parallel with FSDP2 (gloo on CPU);
     GRAFT with real exchanges for 3 steps gives the in-process run's selections, weights, metrics
     and parameters."""
-    from graft_rl.distributed import ActorGroup, get
+    from graft_rl.engine.distributed import ActorGroup, get
     from graft_rl.policy import Policy, PolicyConfig
 
     from .conftest import fake_verify
@@ -194,7 +194,7 @@ def test_a_sigkilled_driver_leaves_none_of_its_local_ray_instance(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(
         "import os, sys, time, ray\n"
-        "from graft_rl.distributed import init_ray\n"
+        "from graft_rl.engine.distributed import init_ray\n"
         "init_ray(None, num_cpus=1)\n"
         "@ray.remote\n"
         "def f():\n    return os.getpid()\n"
@@ -223,7 +223,7 @@ def test_a_sigkilled_driver_leaves_none_of_its_local_ray_instance(tmp_path):
 def test_probe_under_ray_equals_the_in_process_probe(make_cfg, ray_local, monkeypatch, tmp_path):
     """`graft probe` on a Ray config: each policy samples and scores in its actor; the report equals
     the in-process one (issue 25)."""
-    from graft_rl.probe import probe
+    from graft_rl.commands.probe import probe
 
     from .conftest import fake_verify
 

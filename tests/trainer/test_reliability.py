@@ -12,14 +12,14 @@ import signal
 import pytest
 import torch
 
-from graft_rl import checkpointing as checkpointing_mod
-from graft_rl import validation as validation_mod
-from graft_rl.cli import main
-from graft_rl.config import ConfigError, to_dict
-from graft_rl.handles import Pending
-from graft_rl.rundir import RunDirError, read_log
-from graft_rl.store import RecordStore
-from graft_rl.trainer import CheckpointError, RunInterrupted, Trainer
+from graft_rl.commands.cli import main
+from graft_rl.engine import checkpointing as checkpointing_mod
+from graft_rl.engine import validation as validation_mod
+from graft_rl.engine.config import ConfigError, to_dict
+from graft_rl.engine.handles import Pending
+from graft_rl.engine.rundir import RunDirError, read_log
+from graft_rl.engine.store import RecordStore
+from graft_rl.engine.trainer import CheckpointError, RunInterrupted, Trainer
 
 
 def _patch_eval(monkeypatch) -> None:
@@ -209,7 +209,7 @@ def test_a_second_signal_stops_at_once_and_resume_still_equals_the_uninterrupted
 def test_sigterm_exits_143_from_the_command_line(cfg_for, fake_eval, monkeypatch, tmp_path):
     import yaml
 
-    from graft_rl.config import to_dict
+    from graft_rl.engine.config import to_dict
 
     cfg = cfg_for("cli_term")
     path = tmp_path / "cfg.yaml"
@@ -338,8 +338,8 @@ def test_when_every_checkpoint_is_damaged_resume_refuses_and_deletes_nothing(cfg
 
 
 def test_graft_eval_refuses_a_best_checkpoint_that_is_not_what_was_written(cfg_for, fake_eval):
+    from graft_rl.commands.evaluate_cli import resolve_targets
     from graft_rl.data import DatasetError
-    from graft_rl.evaluate_cli import resolve_targets
 
     tr = Trainer(cfg_for("best_damaged"), show_progress=False)
     tr.run()
@@ -358,7 +358,7 @@ def test_graft_eval_refuses_a_best_checkpoint_that_is_not_what_was_written(cfg_f
 
 
 def test_a_torn_last_metrics_line_neither_breaks_resume_nor_analysis(cfg_for, fake_rewards):
-    from graft_rl.report import run_summary
+    from graft_rl.commands.report import run_summary
 
     tr = Trainer(cfg_for("torn", validation={"data": []}), show_progress=False)
     tr.run(max_steps=2)
@@ -430,7 +430,7 @@ BAD = [
 def test_bad_input_is_one_line_and_writes_nothing(overrides, message, cfg_for, tmp_path, capsys):
     import yaml
 
-    from graft_rl.config import to_dict
+    from graft_rl.engine.config import to_dict
 
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(bytes(range(256)) * 4)
@@ -450,7 +450,7 @@ def test_disk_full_while_logging_is_one_line(cfg_for, fake_rewards, monkeypatch,
 
     import yaml
 
-    from graft_rl.config import to_dict
+    from graft_rl.engine.config import to_dict
 
     def enospc(self, lines):
         raise OSError(errno.ENOSPC, "No space left on device", str(self.run_dir / "metrics.jsonl"))

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from graft_rl.config import load_config
-from graft_rl.distributed import ResourceError, check_cluster, policy_bundles
+from graft_rl.engine.config import load_config
+from graft_rl.engine.distributed import ResourceError, check_cluster, policy_bundles
 
 
 def _cfg(num_cpus=8.0, num_gpus=1.0, world=2, resources=None, device="cuda"):
@@ -64,7 +64,7 @@ def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, c
     """8 CPUs per rank on a 2-CPU Ray cluster: one line from `graft train`, no 600 s wait."""
     import yaml
 
-    from graft_rl.cli import main
+    from graft_rl.commands.cli import main
 
     cfg = make_cfg(
         {"name": "graft"},
@@ -75,7 +75,7 @@ def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, c
             {"name": "B", "model": str(tiny_pair[1])},
         ],
     )
-    from graft_rl.config import to_dict
+    from graft_rl.engine.config import to_dict
 
     path = tmp_path / "misfit.yaml"
     path.write_text(yaml.safe_dump(to_dict(cfg)))
@@ -89,9 +89,9 @@ def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, c
 
 @pytest.mark.slow
 def test_error_inside_an_actor_is_one_line_naming_policy_and_rank(make_cfg, ray_local, tiny_pair):
-    from graft_rl.distributed import ActorError
+    from graft_rl.engine.distributed import ActorError
+    from graft_rl.engine.trainer import Trainer
     from graft_rl.policy import PolicyError
-    from graft_rl.trainer import Trainer
 
     # a rank whose model cannot be found: graft-rl's own error class, naming the policy
     bad = make_cfg(
@@ -138,7 +138,7 @@ def test_a_rank_joins_its_process_group_with_the_configured_collective_timeout(m
 
     import torch.distributed as dist
 
-    from graft_rl.distributed import RankWorker
+    from graft_rl.engine.distributed import RankWorker
     from graft_rl.policy import PolicyConfig
 
     seen = {}

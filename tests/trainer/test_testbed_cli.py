@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from graft_rl.cli import main
-from graft_rl.config import load_config
+from graft_rl.commands.cli import main
 from graft_rl.data import load_jsonl
-from graft_rl.evaluation import pass_at_k
+from graft_rl.engine.config import load_config
+from graft_rl.engine.evaluation import pass_at_k
+from graft_rl.engine.testbed import TASKS, TRANSFER_KINDS, ensure_testbed, make_problem, make_split
+from graft_rl.engine.trainer import Trainer
 from graft_rl.rewards import verify_gsm8k
-from graft_rl.testbed import TASKS, TRANSFER_KINDS, ensure_testbed, make_problem, make_split
-from graft_rl.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_a_typo_is_caught_before_anything_runs(tmp_path, monkeypatch, capsys):
 
 def test_testbed_presets_run_from_any_directory(tmp_path, monkeypatch):
     """configs/testbed name the shipped pair, not a cache path (README: `graft train configs/testbed/... n=16`)."""
-    from graft_rl.config import load_config
+    from graft_rl.engine.config import load_config
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
@@ -172,7 +172,7 @@ def test_testbed_presets_run_from_any_directory(tmp_path, monkeypatch):
 
 def test_run_summary_fits_an_80_column_terminal(testbed, tmp_path, capsys):
     """Issue 15: the end-of-run table neither wraps nor truncates at 80 columns."""
-    from graft_rl.report import print_run_summary
+    from graft_rl.commands.report import print_run_summary
 
     tr = Trainer(load_config(_small(testbed, tmp_path, steps=2)), show_progress=False)
     tr.run()
@@ -188,7 +188,7 @@ def test_per_family_counts_and_validation_add_up(testbed, tmp_path, capsys):
     """Issue 13: per prompt family (the problems' ``subject``), the metrics count own groups, all-fail
     groups, grafted groups and admitted peer responses, and validation scores each family; they add
     up to the run-level numbers, and the summary prints one row per policy and family in 80 columns."""
-    from graft_rl.report import family_summary, print_run_summary
+    from graft_rl.commands.report import family_summary, print_run_summary
 
     tr = Trainer(load_config(_small(testbed, tmp_path, steps=2, n=4)), show_progress=False)
     tr.run()
@@ -216,7 +216,7 @@ def test_per_family_counts_and_validation_add_up(testbed, tmp_path, capsys):
 
 def test_families_are_reported_only_for_a_few_named_ones():
     from graft_rl.data import Problem
-    from graft_rl.evaluation import families
+    from graft_rl.engine.evaluation import families
 
     two = [Problem(f"p{i}", "1+1=?", "2", subject=("x" if i % 2 else "y")) for i in range(6)]
     assert families(two) == {f"p{i}": ("x" if i % 2 else "y") for i in range(6)}

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from graft_rl import algo
-from graft_rl.config import ConfigError, load_config
-from graft_rl.rundir import read_log
-from graft_rl.store import RecordError, RecordStore
-from graft_rl.trainer import Trainer
+from graft_rl.engine.config import ConfigError, load_config
+from graft_rl.engine.rundir import read_log
+from graft_rl.engine.store import RecordError, RecordStore
+from graft_rl.engine.trainer import Trainer
 
 from .conftest import EXPECTED_A_TO_B, EXPECTED_B_TO_A, K
 
@@ -322,7 +322,7 @@ def test_config_errors_are_one_clear_line(make_cfg, tiny_pair, tmp_path):
 
 def test_overrides_and_resolved_config(make_cfg, fake_rewards):
     cfg = make_cfg({"name": "graft"}, steps=1, run="ov")
-    from graft_rl.config import apply_overrides, to_dict
+    from graft_rl.engine.config import apply_overrides, to_dict
 
     data = apply_overrides(to_dict(cfg), ["method.delta=0.9", "policies.1.lr=5e-4", "n=2"])
     cfg2 = load_config(data)
@@ -342,7 +342,7 @@ def test_validation_verifies_within_the_steps_budget_and_reports_what_it_skipped
 ):
     """Issue 24: validation shares data.verify_budget with the training step (slow references cannot
     stall it), per chunk of problems, and its line says how many answers the budget left unchecked."""
-    from graft_rl import evaluation
+    from graft_rl.engine import evaluation
     from graft_rl.rewards.pool import VerifyStats
 
     seen = []

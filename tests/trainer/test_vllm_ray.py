@@ -23,14 +23,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
 
-from graft_rl.store import RecordStore  # noqa: E402
-from graft_rl.trainer import Trainer  # noqa: E402
+from graft_rl.engine.store import RecordStore  # noqa: E402
+from graft_rl.engine.trainer import Trainer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def vllm_pair(tmp_path_factory):
     """Two toy models vLLM's CPU attention accepts (head size 64): Llama + byte-level tokenizer, Qwen3 + BPE."""
-    from graft_rl.preflight import build_toy_model
+    from graft_rl.commands.preflight import build_toy_model
 
     root = tmp_path_factory.mktemp("vllm_pair")
     return build_toy_model(root / "a", "llama", 0, seed=0), build_toy_model(root / "b", "qwen3", 1, seed=1)
@@ -43,8 +43,8 @@ def _strip(lines):
 def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(
     make_cfg, vllm_pair, tiny_data, monkeypatch
 ):
-    from graft_rl.analyze import analyze
-    from graft_rl.evaluate_cli import run_eval
+    from graft_rl.commands.analyze import analyze
+    from graft_rl.commands.evaluate_cli import run_eval
     from graft_rl.policy import Policy, PolicyConfig
 
     from .conftest import fake_verify
@@ -117,7 +117,7 @@ def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(
                 assert diffs["initial"] > 100 * diffs["previous"], (name, step, diffs)
 
         # 3. graft eval over the run's devices (2 vLLM replicas per policy); analyze's best = the trainer's
-        from graft_rl.evaluate_cli import default_replicas
+        from graft_rl.commands.evaluate_cli import default_replicas
 
         assert default_replicas(str(run), None) == 4  # by default eval spreads over all 4 of the run's devices
         res = run_eval(str(run), samples=1, runs=1, limit=2, show=False, replicas=2, policy="B")  # B: Qwen3 + BPE

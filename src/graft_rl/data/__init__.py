@@ -51,7 +51,7 @@ BUILTIN: dict[str, tuple[str, str]] = {
 }
 
 #: The CPU testbed pairs' shipped prompt pools and held-out sets (built by scripts/build_testbed.py,
-#: procedural arithmetic; see graft_rl.testbed): name -> (file under graft_rl/testbed_files, verifier)
+#: procedural arithmetic; see graft_rl.engine.testbed): name -> (file under graft_rl/testbed_files, verifier)
 TESTBED_DATA: dict[str, tuple[str, str]] = {
     "testbed_train": ("natural/train.jsonl", "gsm8k"),
     "testbed_heldout": ("natural/heldout.jsonl", "gsm8k"),

@@ -1,7 +1,7 @@
 """One interface to a policy's worker, wherever it runs (docs/design.md, "Engine").
 
 The trainer, validation, checkpointing and ``graft probe`` call a policy's
-:class:`~graft_rl.worker.PolicyWorker` through a :class:`WorkerHandle`: ``submit(method, *args)``
+:class:`~graft_rl.engine.worker.PolicyWorker` through a :class:`WorkerHandle`: ``submit(method, *args)``
 starts a call and returns a pending result, ``result(pending)`` waits for it. In-process
 (:class:`LocalHandle`) the call runs at submit; under Ray (:class:`RayHandle`) it runs in the
 policy's actor, or on every rank of its actor group, while the driver goes on, so the policies'
@@ -58,7 +58,7 @@ class WorkerHandle:
 
 
 class LocalHandle(WorkerHandle):
-    """A :class:`~graft_rl.worker.PolicyWorker` in this process: a call runs when it is submitted."""
+    """A :class:`~graft_rl.engine.worker.PolicyWorker` in this process: a call runs when it is submitted."""
 
     def __init__(self, worker):
         super().__init__(worker.policy.name, worker.policy)
@@ -72,7 +72,7 @@ class LocalHandle(WorkerHandle):
 
 
 class RayHandle(WorkerHandle):
-    """A policy's Ray actor (``world_size`` 1) or :class:`~graft_rl.distributed.ActorGroup`."""
+    """A policy's Ray actor (``world_size`` 1) or :class:`~graft_rl.engine.distributed.ActorGroup`."""
 
     concurrent = True
 
@@ -84,14 +84,14 @@ class RayHandle(WorkerHandle):
         return getattr(self.actor, method).remote(*args)
 
     def result(self, ref: Any) -> Any:
-        from graft_rl.distributed import get
+        from graft_rl.engine.distributed import get
 
         return get(ref)
 
     def close(self) -> None:
         import ray
 
-        from graft_rl.distributed import ActorGroup
+        from graft_rl.engine.distributed import ActorGroup
 
         if isinstance(self.actor, ActorGroup):
             self.actor.shutdown()
@@ -104,7 +104,7 @@ def completion_order(pending: dict[str, Pending]) -> Iterator[str]:
     remote = {name: p.ref for name, p in pending.items() if p.handle.concurrent}
     yield from (name for name in pending if name not in remote)
     if remote:
-        from graft_rl.distributed import completion_order as ray_order
+        from graft_rl.engine.distributed import completion_order as ray_order
 
         yield from ray_order(remote)
 
@@ -112,12 +112,12 @@ def completion_order(pending: dict[str, Pending]) -> Iterator[str]:
 def start_workers(cfg, policy_configs) -> dict[str, WorkerHandle]:
     """A handle per policy: in this process (``execution: local``) or in Ray actors (``execution: ray``)."""
     if cfg.execution == "ray":
-        from graft_rl.distributed import start_actors
+        from graft_rl.engine.distributed import start_actors
 
         actors = start_actors(cfg, policy_configs)
         return {pc.name: RayHandle(pc.name, pc, actors[pc.name]) for pc in policy_configs}
+    from graft_rl.engine.worker import PolicyWorker
     from graft_rl.policy import Policy
-    from graft_rl.worker import PolicyWorker
 
     handles: dict[str, WorkerHandle] = {}
     for pc in policy_configs:

@@ -1,7 +1,7 @@
 """Validation during training and the best checkpoint (paper Section 5.1, App. B: checkpoint
 selection on held-out data; docs/design.md, layer 5).
 
-:class:`Validation` is a part of :class:`~graft_rl.trainer.Trainer`: every ``validation.every``
+:class:`Validation` is a part of :class:`~graft_rl.engine.trainer.Trainer`: every ``validation.every``
 steps each policy is scored on every validation set (pass@1 over ``validation.samples`` samples,
 per prompt family too when the data names a few), ``validation.jsonl`` gets one line per policy,
 and a policy whose mean score beats its best so far is saved to ``best/<policy>`` (under a
@@ -18,8 +18,8 @@ import statistics
 from pathlib import Path
 
 from graft_rl.data import verifier_for
-from graft_rl.evaluation import pass1_by_family
-from graft_rl.rundir import best_steps, finite_json, read_log, replace_dir, write_manifest, write_text_atomic
+from graft_rl.engine.evaluation import pass1_by_family
+from graft_rl.engine.rundir import best_steps, finite_json, read_log, replace_dir, write_manifest, write_text_atomic
 from graft_rl.seeding import derive_seed
 
 __all__ = ["Validation", "pass1_variance"]
@@ -92,7 +92,7 @@ class Validation:
                     replace_dir(tmp[name], self.run_dir / "best" / name)
                 write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
             except (OSError, RuntimeError) as exc:  # a full disk: one line (resume redoes this validation)
-                from graft_rl.checkpointing import CheckpointError, is_write_error, write_error_text
+                from graft_rl.engine.checkpointing import CheckpointError, is_write_error, write_error_text
 
                 if isinstance(exc, RuntimeError) and not is_write_error(exc):
                     raise

@@ -1,6 +1,6 @@
 """``execution: ray``: each policy a Ray actor, or a group of actors (docs/design.md, layer 5).
 
-A policy with ``world_size: 1`` is one actor holding a :class:`~graft_rl.worker.PolicyWorker`
+A policy with ``world_size: 1`` is one actor holding a :class:`~graft_rl.engine.worker.PolicyWorker`
 (model, optimiser, rollout backend) on its own resources (``ray.num_cpus``/``num_gpus``, plus
 per-policy options such as custom node resources). A policy with ``world_size: W > 1`` is an
 :class:`ActorGroup`: ``W`` actors in a placement group (one bundle per rank, packed onto as few
@@ -156,7 +156,7 @@ _NAMES: dict = {}
 
 def init_ray(address: str | None, **kw) -> None:
     """``ray.init`` (no dashboard); a local instance this process starts (``address`` None) is
-    watched by :mod:`graft_rl.reaper`, so a SIGKILL of this process leaves none of its processes."""
+    watched by :mod:`graft_rl.engine.reaper`, so a SIGKILL of this process leaves none of its processes."""
     import ray
 
     if ray.is_initialized():
@@ -164,7 +164,7 @@ def init_ray(address: str | None, **kw) -> None:
     kw = {"include_dashboard": False, "log_to_driver": False, "ignore_reinit_error": True, **kw}
     ray.init(address=address, **kw)
     if address is None:
-        from graft_rl import reaper
+        from graft_rl.engine import reaper
 
         reaper.watch()
 
@@ -173,7 +173,7 @@ def start_actors(cfg, policy_configs) -> dict:
     """Start every policy's actor (``world_size`` 1) or actor group, after :func:`check_cluster`."""
     import ray
 
-    from graft_rl.worker import PolicyWorker
+    from graft_rl.engine.worker import PolicyWorker
 
     init_ray(cfg.ray.address, log_to_driver=True)
     check_cluster(cfg, policy_configs)
@@ -212,8 +212,8 @@ def start_replicas(cfg, pc, replicas: int) -> list:
 
     import ray
 
+    from graft_rl.engine.worker import PolicyWorker
     from graft_rl.methods import MethodConfig
-    from graft_rl.worker import PolicyWorker
 
     init_ray(cfg.ray.address)
     spread = replace(pc, world_size=replicas)
@@ -269,7 +269,7 @@ class RankWorker:
         import torch
         import torch.distributed as dist
 
-        from graft_rl.worker import PolicyWorker
+        from graft_rl.engine.worker import PolicyWorker
 
         pc = worker_args[0]
         if pc.device.startswith("cuda"):
@@ -449,7 +449,7 @@ def _cause_from_text(text: str) -> BaseException:
 
 
 def _one_line(who: str, rank, cause: BaseException) -> BaseException:
-    from graft_rl.config import ConfigError
+    from graft_rl.engine.config import ConfigError
     from graft_rl.policy import PolicyError
 
     text = str(cause).strip().splitlines()

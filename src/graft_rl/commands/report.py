@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from graft_rl.rundir import read_log
+from graft_rl.engine.rundir import read_log
 
 __all__ = ["read_metrics", "run_summary", "family_summary", "print_run_summary"]
 

@@ -1,6 +1,6 @@
 """A training step's rollout phase (paper Section 4, step 1-2; Section 6.2 for stored peers).
 
-:class:`Rollouts` is a part of :class:`~graft_rl.trainer.Trainer`: which prompts a step draws, every
+:class:`Rollouts` is a part of :class:`~graft_rl.engine.trainer.Trainer`: which prompts a step draws, every
 policy's generation (started on its worker, so under Ray the policies sample at once), the reward
 (the run's verifier, or the scorer the trainer was given), the method's rollout filter with its
 refills (DAPO's dynamic sampling), and the replay of stored peers' groups. Every draw derives from

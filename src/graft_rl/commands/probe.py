@@ -13,7 +13,7 @@ step phases run up to (not including) the update:
 - :meth:`PolicyWorker.score_peers` — the receiver's compatibility scores and gate weights from the
   code :meth:`PolicyWorker.train` uses, on the grafted groups (what a step would train on) and, to
   measure more responses, on every complementary candidate (the same build with balancing off);
-- :func:`graft_rl.analyze.complementarity` and :func:`~graft_rl.analyze.compatibility_stats` — the
+- :func:`graft_rl.commands.analyze.complementarity` and :func:`~graft_rl.commands.analyze.compatibility_stats` — the
   diagnostics ``graft analyze`` computes from a run's records.
 
 Nothing is trained and nothing is written but the report (``probe.json``, ``probe.png``).
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from graft_rl.analyze import compatibility_stats, complementarity, plot_compatibility
-from graft_rl.config import TrainConfig
+from graft_rl.commands.analyze import compatibility_stats, complementarity, plot_compatibility
+from graft_rl.engine.config import TrainConfig
+from graft_rl.engine.rundir import write_text_atomic
 from graft_rl.methods import MethodConfig, build_exchange
-from graft_rl.rundir import write_text_atomic
 from graft_rl.seeding import derive_seed
 
 __all__ = ["probe", "format_probe", "plot_probe", "ProbeError"]
@@ -76,7 +76,7 @@ def probe(cfg: TrainConfig, limit: int | None = None, out_dir: str | Path | None
     training step would; return the per-direction diagnostics and write ``probe.json``/``probe.png``."""
     from tqdm.auto import tqdm
 
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     limit = cfg.prompt_batch if limit is None else limit
     if limit < 1:

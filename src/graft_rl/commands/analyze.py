@@ -20,9 +20,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from graft_rl.report import read_metrics, read_validation
-from graft_rl.rundir import best_steps
-from graft_rl.store import RecordStore
+from graft_rl.commands.report import read_metrics, read_validation
+from graft_rl.engine.rundir import best_steps
+from graft_rl.engine.store import RecordStore
 
 __all__ = [
     "Analysis",

@@ -1,6 +1,6 @@
 """Checkpoints and exact resume (docs/design.md, layer 5; docs/reliability.md).
 
-:class:`Checkpointing` is a part of :class:`~graft_rl.trainer.Trainer`: ``checkpoints/step_N``
+:class:`Checkpointing` is a part of :class:`~graft_rl.engine.trainer.Trainer`: ``checkpoints/step_N``
 holds every policy's weights (``save_pretrained``), optimiser and RNG state and the trainer's own
 state (step, success history, the config), written under a temporary name and renamed; resume
 takes the newest complete checkpoint (skipping damaged ones, saying so), refuses a config change
@@ -15,8 +15,8 @@ import os
 import shutil
 from pathlib import Path
 
-from graft_rl.config import ConfigError, load_config, to_dict
-from graft_rl.rundir import (
+from graft_rl.engine.config import ConfigError, load_config, to_dict
+from graft_rl.engine.rundir import (
     HARMLESS_KEYS,
     checkpoint_problem,
     config_changes,

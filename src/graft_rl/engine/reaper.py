@@ -36,7 +36,7 @@ def watch() -> subprocess.Popen | None:
     except ImportError:
         return None
     _WATCHER = subprocess.Popen(
-        [sys.executable, "-m", "graft_rl.reaper", str(os.getpid())],
+        [sys.executable, "-m", "graft_rl.engine.reaper", str(os.getpid())],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -31,20 +31,20 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from graft_rl.checkpointing import CheckpointError, Checkpointing
-from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.data import Problem, check_answers, load_dataset, verifier_for
-from graft_rl.evaluation import families
-from graft_rl.handles import Pending, WorkerHandle, completion_order, start_workers
+from graft_rl.engine.checkpointing import CheckpointError, Checkpointing
+from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
+from graft_rl.engine.evaluation import families
+from graft_rl.engine.handles import Pending, WorkerHandle, completion_order, start_workers
+from graft_rl.engine.plan import check_resources
+from graft_rl.engine.rollouts import DynamicSamplingError, Rollouts
+from graft_rl.engine.rundir import RunLock, clean_stale, finite_json, write_text_atomic
+from graft_rl.engine.store import RecordStore
+from graft_rl.engine.validation import Validation
 from graft_rl.methods import build_method
 from graft_rl.methods.exchange import ReceiverBatch
-from graft_rl.plan import check_resources
 from graft_rl.policy import PolicyConfig, RolloutGroup, SamplingParams
-from graft_rl.rollouts import DynamicSamplingError, Rollouts
-from graft_rl.rundir import RunLock, clean_stale, finite_json, write_text_atomic
 from graft_rl.seeding import derive_seed
-from graft_rl.store import RecordStore
-from graft_rl.validation import Validation
 
 __all__ = ["Trainer", "RunInterrupted", "CheckpointError", "DynamicSamplingError", "derive_seed"]
 
@@ -63,7 +63,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
     ):
         """``reward``: scores a step's groups in place (sets each group's ``rewards``) and returns its
         counts (``verify_timeouts``, ...); default: the run's verifier (:meth:`score_groups`).
-        ``workers``: builds each policy's :class:`~graft_rl.handles.WorkerHandle` from the config and
+        ``workers``: builds each policy's :class:`~graft_rl.engine.handles.WorkerHandle` from the config and
         the policies' configs; default: in-process or Ray actors, as ``execution`` says."""
         check_resources(cfg)  # one line, before any model or data is touched, if e.g. no GPU is there
         self.cfg = cfg
@@ -338,7 +338,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
 
     @classmethod
     def resume(cls, run_dir: str | Path, show_progress: bool = True, overrides: list[str] | None = None) -> Trainer:
-        """Continue a run; ``overrides`` may change only :data:`~graft_rl.rundir.HARMLESS_KEYS` (e.g. ``steps=200``)."""
+        """Continue a run; ``overrides`` may change only :data:`~graft_rl.engine.rundir.HARMLESS_KEYS` (e.g. ``steps=200``)."""
         cfg_path = Path(run_dir) / "config.yaml"
         if not cfg_path.is_file():
             raise ConfigError(f"{run_dir}: not a run directory (no config.yaml)")

@@ -45,7 +45,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from graft_rl.config import ConfigError, TrainConfig
+from graft_rl.engine.config import ConfigError, TrainConfig
 from graft_rl.policy import PolicyConfig
 from graft_rl.policy.policy import auto_micro_batch_tokens, uses_fused_head
 

@@ -37,9 +37,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from graft_rl.config import ConfigError, TrainConfig, load_config, to_dict
+from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
+from graft_rl.engine.plan import KNOWN_SHAPES, eval_estimate, format_plan, model_shape, plan
 from graft_rl.methods import method_class
-from graft_rl.plan import KNOWN_SHAPES, eval_estimate, format_plan, model_shape, plan
 from graft_rl.policy.policy import uses_fused_head
 
 __all__ = ["Stage", "toy_config", "run_preflight", "format_checklist", "STAGES", "ARCHITECTURES"]
@@ -316,7 +316,7 @@ def pattern_rewards(position: int, policy_index: int, n: int) -> list[float]:
 
 
 def _pattern_trainer(names_seen: dict):
-    from graft_rl.trainer import Trainer
+    from graft_rl.engine.trainer import Trainer
 
     class PreflightTrainer(Trainer):
         """Runs the config's verifier on every response (counted), then trains on :func:`pattern_rewards`."""
@@ -560,7 +560,7 @@ def _stages_after_training(r: _Run) -> None:
     cl, toy, run = r.cl, r.toy, r.run
     with cl.stage("checkpoint") as st:
         if st is not None:
-            from graft_rl.rundir import checkpoint_problem
+            from graft_rl.engine.rundir import checkpoint_problem
 
             ckpt = run / "checkpoints" / "step_000002"
             problem = checkpoint_problem(ckpt, list(r.trainer.policies))
@@ -579,7 +579,7 @@ def _stages_after_training(r: _Run) -> None:
             st.detail = f"from checkpoint step 2 to step {rest[-1]['step']}"
     with cl.stage("graft eval") as st:
         if st is not None:
-            from graft_rl.evaluate_cli import run_eval
+            from graft_rl.commands.evaluate_cli import run_eval
 
             benches = toy.cfg.validation.data or None
             res = run_eval(
@@ -597,7 +597,7 @@ def _stages_after_training(r: _Run) -> None:
             )
     with cl.stage("graft analyze") as st:
         if st is not None:
-            from graft_rl.analyze import analyze
+            from graft_rl.commands.analyze import analyze
 
             summary = analyze(run)
             pngs = sorted(p.name for p in (run / "analysis").glob("*.png"))
@@ -617,7 +617,7 @@ def _placement(toy: Toy) -> str:
         return "execution local: one process"
     import ray
 
-    from graft_rl.distributed import check_cluster, init_ray, policy_bundles
+    from graft_rl.engine.distributed import check_cluster, init_ray, policy_bundles
 
     if not ray.is_initialized():
         kw = {"resources": toy.ray_resources} if toy.ray_resources and cfg.ray.address is None else {}

@@ -14,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from graft_rl.data import BENCHMARKS, BUILTIN, TESTBED_DATA, DatasetError, check_answers, load_dataset, verifier_for
-from graft_rl.evaluation import EVAL_CHUNK, evaluate_policy, pass_at_k
+from graft_rl.engine.evaluation import EVAL_CHUNK, evaluate_policy, pass_at_k
+from graft_rl.engine.rundir import manifest_problem
 from graft_rl.policy import Policy, PolicyConfig, saved_policy_config
-from graft_rl.rundir import manifest_problem
 
 __all__ = ["resolve_targets", "run_eval", "eval_defaults", "default_replicas", "PAPER"]
 
@@ -41,7 +41,7 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
     path = Path(target).expanduser()
     one = {"gguf_file": None, "tokenizer": None, "world_size": 1, "reference_model": None, "reference_gguf_file": None}
     if (path / "config.yaml").is_file():
-        from graft_rl.config import load_config
+        from graft_rl.engine.config import load_config
 
         cfg = load_config(path / "config.yaml", [f"run_dir={path}"], saved=True)
         ckpts = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file())
@@ -72,7 +72,7 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
     owner = _run_dir_of(path) if path.is_dir() else None
     if owner is not None:  # a checkpoint saved before graft_policy.json existed: its run's config
         run, name = owner
-        from graft_rl.config import load_config
+        from graft_rl.engine.config import load_config
 
         pcs = [
             pc for pc in load_config(run / "config.yaml", [f"run_dir={run}"], saved=True).policies if pc.name == name
@@ -88,7 +88,7 @@ def default_replicas(target: str, policy: PolicyConfig) -> int:
     cfg_file = Path(target).expanduser() / "config.yaml"
     if not cfg_file.is_file():
         return 1
-    from graft_rl.config import load_config
+    from graft_rl.engine.config import load_config
 
     cfg = load_config(cfg_file, [f"run_dir={target}"], saved=True)
     return cfg.devices
@@ -123,7 +123,7 @@ def eval_defaults(target: str) -> tuple[dict, str]:
     cfg_file = Path(target).expanduser() / "config.yaml"
     if not cfg_file.is_file():
         return dict(PAPER), "the paper's protocol"
-    from graft_rl.config import load_config
+    from graft_rl.engine.config import load_config
 
     v = load_config(cfg_file, [f"run_dir={Path(target)}"], saved=True).validation
     out = dict(PAPER)
@@ -142,7 +142,7 @@ class _Local:
         return evaluate_policy(self.policy, *args, **kwargs)
 
     def prompt_budget(self, problems, max_new_tokens):
-        from graft_rl.worker import prompt_budget
+        from graft_rl.engine.worker import prompt_budget
 
         return prompt_budget(self.policy, problems, max_new_tokens)
 
@@ -152,7 +152,7 @@ def _ray_config(target: str, pc: PolicyConfig, replicas: int):
     ``target`` is a run directory, else a local Ray; on a CPU the replicas share the machine's cores."""
     from dataclasses import replace as dc_replace
 
-    from graft_rl.config import RayConfig, load_config
+    from graft_rl.engine.config import RayConfig, load_config
 
     cfg_file = Path(target).expanduser() / "config.yaml"
     cfg = load_config(cfg_file, [f"run_dir={target}"], saved=True) if cfg_file.is_file() else None
@@ -162,7 +162,7 @@ def _ray_config(target: str, pc: PolicyConfig, replicas: int):
     else:
         import ray
 
-        from graft_rl.distributed import init_ray
+        from graft_rl.engine.distributed import init_ray
 
         init_ray(ray_cfg.address)
         ray_cfg.num_gpus = 0.0
@@ -200,7 +200,7 @@ def run_eval(
     context is clamped to what its longest prompt leaves, with one line saying so. ``replicas``
     (default: the devices the run trained on, :func:`default_replicas`) spreads the work
     over that many Ray actors, each a whole model with its own rollout engine (one GPU each): the
-    problems go out in chunks of :data:`~graft_rl.evaluation.EVAL_CHUNK`, each sampled with the seed
+    problems go out in chunks of :data:`~graft_rl.engine.evaluation.EVAL_CHUNK`, each sampled with the seed
     one process would give it, so the scores do not depend on how many replicas ran them.
     """
     from tqdm.auto import tqdm
@@ -290,7 +290,7 @@ def _check_writable(out: Path) -> None:
 
 def _write_results(out: Path, results: dict, labels: list[str]) -> None:
     """eval.json and eval.md, each whole or not at all (written after every finished policy)."""
-    from graft_rl.rundir import write_text_atomic
+    from graft_rl.engine.rundir import write_text_atomic
 
     write_text_atomic(out / "eval.json", json.dumps(results, indent=1))
     write_text_atomic(out / "eval.md", _markdown(results, labels))
@@ -338,13 +338,13 @@ def _start(target: str, pc: PolicyConfig, replicas: int) -> tuple[list, bool]:
             f"spreading {pc.name} over {replicas} devices needs Ray (pip install 'graft-rl[ray]'); "
             f"--world-size 1 evaluates in this process"
         )
-    from graft_rl.distributed import start_replicas
+    from graft_rl.engine.distributed import start_replicas
 
     return start_replicas(_ray_config(target, pc, replicas), pc, replicas), True
 
 
 def _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm) -> dict:
-    from graft_rl.distributed import get
+    from graft_rl.engine.distributed import get
 
     def call(worker, method, *args):
         return getattr(worker, method).remote(*args) if actors else getattr(worker, method)(*args)

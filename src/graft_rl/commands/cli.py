@@ -130,12 +130,12 @@ def _add_preflight_analyze(sub) -> None:
 
 
 def _train(ns) -> int:
-    from graft_rl.config import ConfigError, load_config
     from graft_rl.data import DatasetError
+    from graft_rl.engine.config import ConfigError, load_config
+    from graft_rl.engine.rundir import RunDirError
+    from graft_rl.engine.store import RecordError
+    from graft_rl.engine.trainer import DynamicSamplingError, Trainer
     from graft_rl.policy import PolicyError
-    from graft_rl.rundir import RunDirError
-    from graft_rl.store import RecordError
-    from graft_rl.trainer import DynamicSamplingError, Trainer
 
     overrides = list(ns.overrides)
     config = ns.config
@@ -150,7 +150,7 @@ def _train(ns) -> int:
             trainer = Trainer.resume(ns.resume, show_progress=not ns.no_progress, overrides=overrides)
         else:
             if config is None:
-                from graft_rl.defaults import default_config
+                from graft_rl.commands.defaults import default_config
 
                 cfg = default_config(overrides)
             else:
@@ -176,7 +176,7 @@ def _train(ns) -> int:
         )
         return 2
     except RuntimeError as exc:
-        from graft_rl.distributed import ActorError, ResourceError
+        from graft_rl.engine.distributed import ActorError, ResourceError
 
         if not isinstance(exc, ActorError):
             raise
@@ -187,15 +187,15 @@ def _train(ns) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-    from graft_rl.report import print_run_summary
+    from graft_rl.commands.report import print_run_summary
 
     print_run_summary(trainer.run_dir)
     return 0
 
 
 def _eval(ns) -> int:
+    from graft_rl.commands.evaluate_cli import run_eval
     from graft_rl.data import DatasetError
-    from graft_rl.evaluate_cli import run_eval
     from graft_rl.policy import PolicyError
 
     overrides = {
@@ -231,7 +231,7 @@ def _eval(ns) -> int:
         print(f"\ngraft eval: {exc or 'interrupted'}", file=sys.stderr)
         return 130
     except RuntimeError as exc:
-        from graft_rl.distributed import ActorError
+        from graft_rl.engine.distributed import ActorError
 
         if not isinstance(exc, ActorError):
             raise
@@ -241,10 +241,10 @@ def _eval(ns) -> int:
 
 
 def _probe(ns) -> int:
-    from graft_rl.config import ConfigError, load_config
+    from graft_rl.commands.probe import ProbeError, format_probe, probe
     from graft_rl.data import DatasetError
+    from graft_rl.engine.config import ConfigError, load_config
     from graft_rl.policy import PolicyError
-    from graft_rl.probe import ProbeError, format_probe, probe
 
     overrides, config = list(ns.overrides), ns.config
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
@@ -252,7 +252,7 @@ def _probe(ns) -> int:
         config = None
     try:
         if config is None:
-            from graft_rl.defaults import default_config
+            from graft_rl.commands.defaults import default_config
 
             cfg = default_config(overrides)
         else:
@@ -273,8 +273,8 @@ def _preflight(ns) -> int:
     import json
     from pathlib import Path
 
-    from graft_rl.config import ConfigError
-    from graft_rl.preflight import format_checklist, run_preflight
+    from graft_rl.commands.preflight import format_checklist, run_preflight
+    from graft_rl.engine.config import ConfigError
 
     try:
         result = run_preflight(ns.config, ns.overrides, ns.run_dir, gpu_memory=ns.gpu_memory)
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         import json
         from pathlib import Path
 
-        from graft_rl.evaluate_cli import across_runs, print_across_runs
+        from graft_rl.commands.evaluate_cli import across_runs, print_across_runs
 
         try:
             res = across_runs(ns.runs, ns.baseline)
@@ -330,13 +330,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print_across_runs(res)
         if ns.json:
-            from graft_rl.rundir import write_text_atomic
+            from graft_rl.engine.rundir import write_text_atomic
 
             write_text_atomic(Path(ns.json), json.dumps(res, indent=1))
         return 0
     if ns.command == "plan":
-        from graft_rl.config import ConfigError, load_config
-        from graft_rl.plan import eval_estimate, format_plan, plan
+        from graft_rl.engine.config import ConfigError, load_config
+        from graft_rl.engine.plan import eval_estimate, format_plan, plan
 
         try:
             cfg = load_config(ns.config, ns.overrides)
@@ -351,9 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "preflight":
         return _preflight(ns)
     if ns.command == "analyze":
-        from graft_rl.analyze import AnalysisError, analyze, print_summary
-        from graft_rl.rundir import RunDirError
-        from graft_rl.store import RecordError
+        from graft_rl.commands.analyze import AnalysisError, analyze, print_summary
+        from graft_rl.engine.rundir import RunDirError
+        from graft_rl.engine.store import RecordError
 
         try:
             print_summary(analyze(ns.run_dir, ns.compare, ns.out, ns.cases))

@@ -106,8 +106,8 @@ class PolicyWorker:
         timeout: float = 5.0,
         budget: float | None = None,
     ) -> dict:
-        """:func:`~graft_rl.evaluation.evaluate_policy`, with ``seconds``: its wall time here, where it runs."""
-        from graft_rl.evaluation import evaluate_policy
+        """:func:`~graft_rl.engine.evaluation.evaluate_policy`, with ``seconds``: its wall time here, where it runs."""
+        from graft_rl.engine.evaluation import evaluate_policy
 
         t0 = time.perf_counter()
         res = evaluate_policy(
