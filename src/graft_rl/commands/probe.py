@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from graft_rl import algo
 from graft_rl.commands.analyze import compatibility_stats, complementarity, plot_compatibility
 from graft_rl.engine.config import TrainConfig
 from graft_rl.engine.rundir import write_text_atomic
@@ -44,6 +45,18 @@ __all__ = ["probe", "format_probe", "plot_probe", "ProbeError"]
 
 class ProbeError(ValueError):
     """A config the probe cannot measure (one line)."""
+
+
+def _complementary(receiver_groups: list, source_by_prompt: dict) -> list:
+    """The receiver's groups that are complementary candidates from the source (Section 4.1,
+    :func:`graft_rl.algo.complementary_mask`: the receiver's group all fails, the source's is mixed)."""
+    paired = [(g, source_by_prompt[g.prompt_id]) for g in receiver_groups if g.prompt_id in source_by_prompt]
+    if not paired:
+        return []
+    k_src = torch.tensor([s.k for _, s in paired])
+    k_recv = torch.tensor([g.k for g, _ in paired])
+    mask = algo.complementary_mask(k_src, k_recv, paired[0][1].n).tolist()
+    return [g for (g, _), m in zip(paired, mask, strict=True) if m]
 
 
 def _probe_config(cfg: TrainConfig, limit: int) -> tuple[TrainConfig, MethodConfig]:
@@ -163,7 +176,7 @@ def _summarise(cfg, pcfg, method, limit, names, groups_all, scored, cand_rows, p
                 continue
             k_src = {g.prompt_id: g for g in groups_all[src]}
             fails = [g for g in groups_all[recv] if g.k == 0]
-            cands = [g for g in fails if g.prompt_id in k_src and 0 < k_src[g.prompt_id].k < k_src[g.prompt_id].n]
+            cands = _complementary(groups_all[recv], k_src)
             many = len(groups_all) > 2
             grafted = sum(s.get(f"exchanged_from/{src}", s["grafted"] if not many else 0.0) for s in steps)
             d = {

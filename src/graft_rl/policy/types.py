@@ -84,10 +84,6 @@ class RolloutGroup:
     def truncated(self) -> list[bool]:
         return [f == "length" for f in self.finish_reasons]
 
-    def gen_mean_logprobs(self) -> list[float]:
-        """The source's length-normalised generation log-likelihood per response (Section 4.2)."""
-        return [sum(lp) / len(lp) if lp else float("nan") for lp in self.gen_logprobs]
-
 
 @dataclass
 class TokenBatch:
