@@ -201,14 +201,19 @@ def test_hacpo_omega_is_clipped_to_its_recipes_0_1_to_10():
     """omega = P_self / P_src, clipped to [0.1, 10] (recipe: 1 / CapabilityTracker.ratio, ratio in [0.1, 10])."""
     from graft_rl import algo
 
+    # the upper clip: P_self / P_src = 20, clipped to 10. With one success in 8 own and 12 peer
+    # responses the clipped baseline is (1 + 10 x 1) / 20 = 0.55; unclipped, (1 + 20 x 1) / 20 = 1.05
+    # would exceed 1 and fall back to the own mean 1/8, so the two differ
+    own8, peer12 = torch.zeros(1, 8), torch.zeros(1, 12)
+    own8[0, 0], peer12[0, 0] = 1.0, 1.0
+    a_own, a_peer = algo.hacpo_advantages(own8, peer12, 0.5, 0.025)
+    pooled20 = torch.cat([own8, peer12], dim=1)[0]
+    scale = pooled20.std() + 1e-6
+    assert torch.allclose(a_own[0], ((own8[0] - 0.55) / scale).to(a_own.dtype))
+    assert not torch.allclose(a_own[0], ((own8[0] - 1 / 8) / scale).to(a_own.dtype))  # what no clip would give
+    assert torch.allclose(a_peer[0], ((peer12[0] - 0.55) / scale).to(a_peer.dtype))
     own, peer = torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 1.0]])
-    # P_self 0.5, P_src 1e-8: unclipped omega 5e7 would put the baseline above 1 (-> own mean 0.5)
-    a_own, _ = algo.hacpo_advantages(own, peer, 0.5, 1e-8)
     pooled = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    baseline = (1.0 + 0.0 + 10 * 1.0 + 10 * 1.0) / 4  # > 1: the guard falls back to the own mean
-    assert baseline > 1
-    expected = (pooled[:2] - 0.5) / (pooled.std() + 1e-6)
-    assert torch.allclose(a_own[0], expected.to(a_own.dtype))
     # P_self 1e-8, P_src 0.5: omega 2e-8 unclipped, 0.1 clipped
     a_own, a_peer = algo.hacpo_advantages(own, peer, 1e-8, 0.5)
     b = (1.0 + 0.0 + 0.1 + 0.1) / 4
