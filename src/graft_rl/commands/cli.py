@@ -28,6 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_probe_seeds_plan(sub)
     _add_preflight_analyze(sub)
+    c = sub.add_parser("config", help="list every config key with its default and meaning")
+    c.add_argument("action", choices=["show"])
+    c.add_argument(
+        "what",
+        nargs="?",
+        default=None,
+        help="a section (run, data, validation, ray, method, policies, peers) or a method name",
+    )
     return parser
 
 
@@ -311,58 +319,79 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command is None:
         ns = parser.parse_args(["train", *(argv or [])])
-    if ns.command == "train":
-        return _train(ns)
-    if ns.command == "eval":
-        return _eval(ns)
-    if ns.command == "probe":
-        return _probe(ns)
-    if ns.command == "seeds":
-        import json
-        from pathlib import Path
+    commands = {
+        "train": _train,
+        "eval": _eval,
+        "probe": _probe,
+        "seeds": _seeds,
+        "plan": _plan,
+        "preflight": _preflight,
+        "config": _config,
+        "analyze": _analyze,
+    }
+    if ns.command not in commands:
+        parser.error(f"unknown command {ns.command!r}")
+    return commands[ns.command](ns)
 
-        from graft_rl.commands.evaluate_cli import across_runs, print_across_runs
 
-        try:
-            res = across_runs(ns.runs, ns.baseline)
-        except ValueError as exc:
-            print(f"graft seeds: {exc}", file=sys.stderr)
-            return 2
-        print_across_runs(res)
-        if ns.json:
-            from graft_rl.engine.rundir import write_text_atomic
+def _seeds(ns) -> int:
+    import json
+    from pathlib import Path
 
-            write_text_atomic(Path(ns.json), json.dumps(res, indent=1))
-        return 0
-    if ns.command == "plan":
-        from graft_rl.engine.config import ConfigError, load_config
-        from graft_rl.engine.plan import eval_estimate, format_plan, plan
+    from graft_rl.commands.evaluate_cli import across_runs, print_across_runs
 
-        try:
-            cfg = load_config(ns.config, ns.overrides)
-            print(format_plan(plan(cfg), ns.gpu_memory, shared=cfg.execution == "local"))
-            line = eval_estimate(cfg)
-            if line:
-                print("\n" + line)
-        except ConfigError as exc:
-            print(f"graft plan: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    if ns.command == "preflight":
-        return _preflight(ns)
-    if ns.command == "analyze":
-        from graft_rl.commands.analyze import AnalysisError, analyze, print_summary
-        from graft_rl.engine.rundir import RunDirError
-        from graft_rl.engine.store import RecordError
+    try:
+        res = across_runs(ns.runs, ns.baseline)
+    except ValueError as exc:
+        print(f"graft seeds: {exc}", file=sys.stderr)
+        return 2
+    print_across_runs(res)
+    if ns.json:
+        from graft_rl.engine.rundir import write_text_atomic
 
-        try:
-            print_summary(analyze(ns.run_dir, ns.compare, ns.out, ns.cases))
-        except (AnalysisError, RunDirError, RecordError) as exc:  # e.g. a damaged log line or record file
-            print(f"graft analyze: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    parser.error(f"unknown command {ns.command!r}")
-    return 2
+        write_text_atomic(Path(ns.json), json.dumps(res, indent=1))
+    return 0
+
+
+def _plan(ns) -> int:
+    from graft_rl.engine.config import ConfigError, load_config
+    from graft_rl.engine.plan import eval_estimate, format_plan, plan
+
+    try:
+        cfg = load_config(ns.config, ns.overrides)
+        print(format_plan(plan(cfg), ns.gpu_memory, shared=cfg.execution == "local"))
+        line = eval_estimate(cfg)
+        if line:
+            print("\n" + line)
+    except ConfigError as exc:
+        print(f"graft plan: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _config(ns) -> int:
+    from graft_rl.commands.keys import show
+    from graft_rl.errors import ConfigError
+
+    try:
+        print(show(ns.what))
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    return 0
+
+
+def _analyze(ns) -> int:
+    from graft_rl.commands.analyze import AnalysisError, analyze, print_summary
+    from graft_rl.engine.rundir import RunDirError
+    from graft_rl.engine.store import RecordError
+
+    try:
+        print_summary(analyze(ns.run_dir, ns.compare, ns.out, ns.cases))
+    except (AnalysisError, RunDirError, RecordError) as exc:  # e.g. a damaged log line or record file
+        print(f"graft analyze: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -54,14 +54,14 @@ class ValidationConfig:
     """
 
     data: list[str] = field(default_factory=list)  # dataset names/paths; e.g. [math500, aime24, aime25, amc23, minerva]
-    every: int = 5
+    every: int = 5  # validate every N steps (and before the first and after the last)
     # responses per problem (pass@1 = mean correctness); 8 as the paper's checkpoint selection uses
     # (Appendix B; one sample's noise would pick checkpoints by luck). `graft train` prints what it uses.
     samples: int = 8
     limit: int | None = None  # first N problems of each dataset
-    temperature: float = 0.6
-    top_p: float = 0.95
-    max_new_tokens: int = 4096
+    temperature: float = 0.6  # sampling temperature of validation responses (the paper: 0.6)
+    top_p: float = 0.95  # nucleus sampling of validation responses (the paper: 0.95)
+    max_new_tokens: int = 4096  # new tokens per validation response (clamped to each model's context)
     at_start: bool = True  # validate the initial weights too (a baseline in validation.jsonl)
     # step 0 (the initial weights) as a best-checkpoint candidate: off, so "best" is always a trained
     # checkpoint; each validation line also carries val/score_se, the sampling standard error of the
@@ -101,20 +101,20 @@ class PeerRecords:
 
 @dataclass
 class TrainConfig:
-    run_dir: str = "runs/graft"
-    seed: int = 0
+    run_dir: str = "runs/graft"  # where the run writes: config, metrics, records, checkpoints, best/
+    seed: int = 0  # every random draw of the run derives from it (resume reproduces the run)
     steps: int | None = None  # optimisation steps; default: `epochs` passes over the data
     epochs: int = 3  # Table 3
-    prompt_batch: int = 128
+    prompt_batch: int = 128  # prompts per step (Table 3)
     minibatch: int = 32  # prompts per minibatch
     n: int = 8  # rollouts per prompt per model
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 4096
+    temperature: float = 1.0  # rollout sampling temperature; log-probs are computed at it too
+    top_p: float = 1.0  # rollout nucleus sampling
+    max_new_tokens: int = 4096  # new tokens per rollout response (clamped to each model's context)
     checkpoint_every: int = 50  # steps; a checkpoint is also written at the end and on Ctrl-C
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
     nonfinite_loss: str = "skip"  # skip (log, keep going) | stop
-    tensorboard: bool = False
+    tensorboard: bool = False  # also write metrics to RUN_DIR/tensorboard
     # torch CPU threads of this process (in-process policies); null = torch's default, the cores it may use.
     # Two runs sharing cores: give each half (`torch_threads=1` on 2 cores). Ray actors: ray.torch_threads.
     torch_threads: int | None = None

@@ -80,7 +80,7 @@ class MethodConfig:
     ``hacpo`` with ``selection: graft`` is "HACPO + GRAFT which".
     """
 
-    name: str = "graft"
+    name: str = "graft"  # the method: any registered name (graft config show METHOD lists its own keys)
     # --- which peer groups (Section 4.1, Appendix G)
     # auto = the method's own rule (graft/luffy: complementary, sgt: sgt, hacpo: all);
     # complementary (= graft) | random (count-matched) | sgt (k_recv=0, k_peer>=1) | all
@@ -90,15 +90,15 @@ class MethodConfig:
     gate: bool = True  # compatibility weighting at all ("w/o compatibility gate": false, w = 1)
     floor: bool = True  # the delta threshold ("no floor": false, w = min(s, 1))
     admission: str = "gate"  # gate | random (count-matched random admission)
-    delta: float = 0.8
+    delta: float = 0.8  # the gate's threshold: a peer response is admitted iff s > delta (Section 4.2)
     ratio: str = "token"  # token | sequence ("token ratio" ablation)
     position: str = "last"  # peer minibatch position: last | first | uniform
     pooled: bool = False  # pooled-group advantages instead of source-computed ones
     success_only: bool = False  # only successful peer responses (Appendix G)
     compatibility: str = "token_mean"  # token_mean (paper) | per_char (tokenisation-invariant, beyond the paper)
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    adv_eps: float = 1e-6
+    eps_low: float = 0.2  # token ratio clipped below at 1 - eps_low (Section 4.2)
+    eps_high: float = 0.28  # ... and above at 1 + eps_high (clip-higher, as DAPO)
+    adv_eps: float = 1e-6  # GRPO's advantage divides by std + adv_eps
     # KL penalty to the initial policy (k3, token mean; 0 = off as in the paper's GRPO/GRAFT;
     # HACPO's recipe uses 1e-3). Keeps a frozen copy of each model in memory.
     kl_coef: float = 0.0

@@ -157,7 +157,7 @@ class HACPO(Method):
     @dataclass
     class Params:
         hacpo_self_clip_low: float = 3e-4  # own responses' sequence-ratio clip: [1 - low, 1 + high]
-        hacpo_self_clip_high: float = 4e-4
+        hacpo_self_clip_high: float = 4e-4  # upper side of the own-response clip
         hacpo_peer_clip_start: float = 0.8  # peer responses' lower clip bound at the step's first update
         hacpo_peer_clip_increment: float = 0.025  # ... raised by this per update of the step
         hacpo_capability_window: int = 5  # steps in each policy's capability (mean success rate)

@@ -70,7 +70,7 @@ class PromptTooLongError(PolicyError):
 class PolicyConfig:
     """Everything that defines one policy. Optimiser defaults are the paper's Table 3."""
 
-    name: str
+    name: str  # the policy's name in metrics, records and checkpoints (unique in a run)
     model: str  # a save_pretrained directory, or a GGUF file / directory with gguf_file
     gguf_file: str | None = None  # GGUF file name inside `model` (or None)
     tokenizer: str | None = None  # tokenizer directory if not beside the model
@@ -86,20 +86,21 @@ class PolicyConfig:
     gradient_checkpointing: bool = False
     # GPUs (ranks) this policy is sharded over with FSDP2 (execution: ray); 1 = one process
     world_size: int = 1
-    device: str = "cpu"
+    device: str = "cpu"  # cpu | cuda (a rank of a sharded policy takes the GPU Ray gives it)
     prompt_format: str = "auto"  # auto (chat if the tokenizer has a template) | chat | plain
     plain_template: str = "{prompt}\n"  # used by `plain`; {prompt} is the problem + suffix
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # a system message before the problem (chat format only)
+    # appended to every problem (the paper's "Let's think step by step and output ... \boxed{}.")
     prompt_suffix: str | None = PROMPT_SUFFIX
     # strings that end a response as EOS does (kept in it): "\n\n" for a base model under a few-shot
     # prompt, which would otherwise write the next example's question and answer, whose \boxed{} the
     # verifier would read as the response's last. Matched in the decoded text, however it is tokenised
     stop: list[str] = field(default_factory=list)
-    max_prompt_tokens: int = 2048
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
+    max_prompt_tokens: int = 2048  # a longer prompt stops the run before step 1, naming it
+    lr: float = 1e-6  # AdamW learning rate (Table 3)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    weight_decay: float = 0.01  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient norm clip per update
     # padded (sequences x length) tokens per forward pass; None = from the vocabulary size, so the
     # logits of one pass stay near LOGITS_BUDGET_BYTES (16384 for small vocabularies, ~1k for Gemma's 262k)
     micro_batch_tokens: int | None = None
@@ -115,9 +116,9 @@ class PolicyConfig:
     # the KL reference (method.kl_coef > 0): None = the weights this policy starts from; a resumed
     # run points it at the original model so the reference stays the initial policy
     reference_model: str | None = None
-    reference_gguf_file: str | None = None
+    reference_gguf_file: str | None = None  # GGUF file name inside reference_model
     backend: str = "hf"  # hf | vllm
-    vllm_kwargs: dict = field(default_factory=dict)
+    vllm_kwargs: dict = field(default_factory=dict)  # extra vllm.LLM(...) arguments (backend: vllm)
     # world_size > 1: every rank samples its share of the prompts (rows rank, rank + W, ...) with a
     # seed of its own (default). True: rank 0 samples the whole batch with the run's seed, as one
     # process does (a sharded run then equals a one-process run: for checking sharding; slower)

@@ -1,0 +1,131 @@
+"""``graft config show [WHAT]``: every config key with its default and a one-line meaning.
+
+The meanings are the config classes' own comments (each field is documented once, in its
+dataclass: the comment on its line, else the comment lines just above it), so this listing cannot
+drift from the code. ``WHAT`` is a section (``run``, ``data``, ``validation``, ``ray``, ``method``,
+``policies``, ``peers``) or a method's name (its own keys); nothing lists every section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import textwrap
+
+from graft_rl.engine.config import DataConfig, PeerRecords, RayConfig, TrainConfig, ValidationConfig
+from graft_rl.errors import ConfigError
+from graft_rl.methods import MethodConfig, method_class, method_names
+from graft_rl.policy import PolicyConfig
+
+__all__ = ["SECTIONS", "describe", "field_comments", "show"]
+
+#: section name -> (the YAML key it lives under, its dataclass)
+SECTIONS: dict[str, tuple[str, type]] = {
+    "run": ("", TrainConfig),
+    "data": ("data", DataConfig),
+    "validation": ("validation", ValidationConfig),
+    "ray": ("ray", RayConfig),
+    "method": ("method", MethodConfig),
+    "policies": ("policies.N", PolicyConfig),
+    "peers": ("peers.N", PeerRecords),
+}
+_FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=#]+?(?:=\s*(?P<default>[^#]*?))?\s*(?:#\s*(?P<comment>.*))?$")
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in ``cls``'s source: the one on its line, else the comment block above it."""
+    out: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            text = stripped.lstrip("#").strip()
+            if not text.startswith("---"):  # a divider naming a group of fields, not one field
+                above.append(text)
+            continue
+        m = _FIELD.match(line)
+        if m and not stripped.startswith(("def ", "@", '"""')):
+            out.setdefault(m.group(1), (m.group("comment") or " ".join(above)).strip())
+        above = []
+    return out
+
+
+def _one_line(text: str, width: int = 100) -> str:
+    """``text`` if it fits ``width``, else up to its last sentence end before ``width``, else cut."""
+    if len(text) <= width:
+        return text
+    end = text.rfind(". ", 40, width)
+    return text[: end + 1] if end > 0 else text[: width - 1].rstrip() + "…"
+
+
+def describe(cls: type, keys: list[str] | None = None) -> list[tuple[str, str, str]]:
+    """``(key, default, meaning)`` for the fields of a config dataclass (``keys``: only these)."""
+    comments = field_comments(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_") or f.name == "params" or (keys is not None and f.name not in keys):
+            continue
+        if dataclasses.is_dataclass(f.type) or f.name in ("data", "validation", "ray", "method", "policies", "peers"):
+            continue  # a section of its own
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "(required)"
+        rows.append((f.name, default, _one_line(comments.get(f.name, ""))))
+    return rows
+
+
+def _table(title: str, rows: list[tuple[str, str, str]]) -> str:
+    width = max([len(k) for k, _, _ in rows] + [8])
+    dwidth = min(max([len(d) for _, d, _ in rows] + [7]), 24)
+    lines = [title]
+    for key, default, meaning in rows:
+        d = default if len(default) <= dwidth else default[: dwidth - 1] + "…"
+        wrapped = textwrap.wrap(meaning, 100 - width - dwidth - 6) or [""]
+        lines.append(f"  {key:<{width}}  {d:<{dwidth}}  {wrapped[0]}")
+        lines += [" " * (width + dwidth + 6) + w for w in wrapped[1:]]
+    return "\n".join(lines)
+
+
+def show(what: str | None = None) -> str:
+    """The listing of one section, of one method's own keys, or (``None``) of every section."""
+    if what is None:
+        parts = [show(name) for name in SECTIONS]
+        return (
+            "\n\n".join(parts) + "\n\nmethods: " + ", ".join(method_names()) + " (graft config show NAME: its own keys)"
+        )
+    if what in SECTIONS:
+        prefix, cls = SECTIONS[what]
+        where = f"{prefix}." if prefix else ""
+        out = _table(f"{what} ({where}KEY)", describe(cls))
+        if what == "method":
+            own = {
+                name: [f.name for f in dataclasses.fields(method_class(name).Params or object)]
+                if method_class(name).Params
+                else []
+                for name in method_names()
+            }
+            listing = "; ".join(f"{n}: {', '.join(k) or '-'}" for n, k in own.items())
+            out += "\n" + textwrap.fill(
+                f"a method's own keys, flat beside these: {listing}", 98, initial_indent="  ", subsequent_indent="    "
+            )
+        return out
+    if what in method_names():
+        cls = method_class(what)
+        doc = (inspect.getdoc(inspect.getmodule(cls)) or "").split("\n\n")[0].replace("\n", " ")
+        head = textwrap.fill(f"method {what}: {_one_line(doc, 160)}", 100, subsequent_indent="  ")
+        peers = (
+            "reads the exchange switches (graft config show method)"
+            if cls.uses_peers
+            else "trains on its own groups only"
+        )
+        if cls.Params is None:
+            return f"{head}\n  no keys of its own; {peers}"
+        return _table(f"{head}\n  {peers}; its own keys (method.KEY):", describe(cls.Params))
+    raise ConfigError(
+        f"graft config show: {what!r} is neither a section ({', '.join(SECTIONS)}) nor a method "
+        f"({', '.join(method_names())})"
+    )

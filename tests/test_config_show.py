@@ -1,0 +1,45 @@
+"""`graft config show`: every config key, its default and a one-line meaning from the config
+classes' own comments, per section and per method."""
+
+from __future__ import annotations
+
+import pytest
+
+from graft_rl.commands.cli import main
+from graft_rl.commands.keys import SECTIONS, describe, show
+from graft_rl.methods import method_class, method_names
+
+
+def test_every_key_of_every_section_and_method_has_a_default_and_a_meaning():
+    for name, (_, cls) in SECTIONS.items():
+        rows = describe(cls)
+        assert rows, name
+        assert all(meaning for _, _, meaning in rows), [(name, k) for k, _, m in rows if not m]
+    for name in method_names():
+        params = method_class(name).Params
+        if params is not None:
+            assert all(meaning for _, _, meaning in describe(params)), name
+
+
+def test_a_section_lists_its_keys_with_defaults():
+    text = show("method")
+    assert text.startswith("method (method.KEY)")
+    assert "delta" in text and "0.8" in text and "s > delta" in text
+    assert "hacpo: hacpo_self_clip_low" in text  # the methods' own keys are named
+    hacpo = show("hacpo")
+    assert "hacpo_capability_window" in hacpo and "5" in hacpo
+    assert "no keys of its own" in show("graft")
+
+
+def test_the_command_prints_and_refuses_what_it_does_not_know(capsys):
+    assert main(["config", "show", "data"]) == 0
+    out = capsys.readouterr().out
+    assert "verify_timeout" in out and "5.0" in out
+    assert main(["config", "show", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'nope' is neither a section" in err[0]
+
+
+@pytest.mark.parametrize("what", [None, *SECTIONS])
+def test_every_listing_fits_100_columns(what):
+    assert all(len(line) <= 100 for line in show(what).splitlines() if not line.startswith("methods:"))
