@@ -7,7 +7,7 @@ of the exchange records, and of both policies' final weights, plus two readable 
 loss and A's grafted groups). Run it on two checkouts and compare the tables: identical digests
 mean identical numbers to the last bit on this CPU.
 
-Reproduce (about 2 minutes on 2 cores):
+Reproduce (about 6 minutes on 2 cores of an Intel Xeon, alone on the machine):
     python scripts/fingerprint.py [--steps 3] [--only graft hacpo] [--json out.json]
     PYTHONPATH=/path/to/other/checkout/src python scripts/fingerprint.py   # the other side
 """
