@@ -53,7 +53,7 @@ def test_the_training_data_is_checked_before_anything_loads(tmp_path):
     cfg = load_config(
         {
             "run_dir": str(tmp_path / "run"),
-            "data": {"train": str(data)},
+            "data": {"train": str(data), "reward": "gsm8k"},
             "prompt_batch": 4,
             "method": {"name": "grpo"},
             "policies": [{"name": "A", "model": str(tmp_path / "none")}],

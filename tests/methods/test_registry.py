@@ -166,7 +166,7 @@ def test_a_method_registered_in_one_place_configures_and_trains(toy_method, tmp_
             _cfg(tmp_path, tiny_pair, {"name": "half_grpo", key: "random"})
     cfg = _cfg(tmp_path, tiny_pair, {"name": "half_grpo", "half_scale": 0.25})
     assert to_dict(cfg)["method"]["half_scale"] == 0.25
-    tr = Trainer(cfg, show_progress=False, reward=pattern_reward)
+    tr = Trainer(cfg, show_progress=False, scorer=pattern_reward)
     try:
         lines = tr.run()
     finally:
@@ -186,7 +186,7 @@ def test_the_trainer_scores_with_the_reward_it_is_given(tmp_path, tiny_pair):
             g.rewards = [0.25] * g.n
         return {}
 
-    tr = Trainer(_cfg(tmp_path, tiny_pair, {"name": "grpo"}), show_progress=False, reward=constant)
+    tr = Trainer(_cfg(tmp_path, tiny_pair, {"name": "grpo"}), show_progress=False, scorer=constant)
     try:
         lines = tr.run(max_steps=1)
     finally:
@@ -209,7 +209,7 @@ def test_methods_state_is_checkpointed_through_the_method(tmp_path, tiny_pair):
     from graft_rl.engine.trainer import Trainer
 
     cfg = _cfg(tmp_path, tiny_pair, {"name": "hacpo"}, run="hacpo")
-    tr = Trainer(cfg, show_progress=False, reward=pattern_reward)
+    tr = Trainer(cfg, show_progress=False, scorer=pattern_reward)
     try:
         tr.run()
         history = {k: list(v) for k, v in tr.method.success_history.items()}

@@ -342,7 +342,7 @@ def test_validation_verifies_within_the_steps_budget_and_reports_what_it_skipped
 ):
     """Issue 24: validation shares data.verify_budget with the training step (slow references cannot
     stall it), per chunk of problems, and its line says how many answers the budget left unchecked."""
-    from graft_rl.engine import evaluation
+    from graft_rl.rewards import functions
     from graft_rl.rewards.pool import VerifyStats
 
     seen = []
@@ -351,7 +351,7 @@ def test_validation_verifies_within_the_steps_budget_and_reports_what_it_skipped
         seen.append(budget)
         return [0.0] * len(responses), VerifyStats(total=len(responses), budget=len(responses))
 
-    monkeypatch.setattr(evaluation, "score_responses", fake_score)
+    monkeypatch.setattr(functions, "score_responses", fake_score)  # the built-in verifiers' entry
     val = {"data": [str(tiny_data)], "every": 1, "samples": 2, "max_new_tokens": 4, "limit": 3}
     tr = Trainer(
         make_cfg({"name": "graft"}, steps=1, validation=val, data={"train": str(tiny_data), "verify_budget": 7.5}),

@@ -51,7 +51,15 @@ def _add_eval(sub) -> None:
         "target", help="a run directory (its best checkpoints) or a model (directory, GGUF, zoo:NAME, hub id)"
     )
     e.add_argument(
-        "--benchmarks", default=None, help="comma-separated built-in names or .jsonl paths (default: see above)"
+        "--benchmarks",
+        default=None,
+        help="comma-separated built-in names, data files, hf:ORG/NAME or reasoning_gym:NAME (default: see above)",
+    )
+    e.add_argument(
+        "--reward",
+        default=None,
+        help="scores benchmarks that name no reward: NAME or module:function (default: a built-in set's own "
+        "verifier, else the run's data.reward)",
     )
     e.add_argument("--samples", type=int, default=None, help="responses per problem (default: 8)")
     e.add_argument("--runs", type=int, default=None, help="independent runs with different seeds (default: 5)")
@@ -231,6 +239,7 @@ def _eval(ns) -> int:
             ns.out,
             overrides,
             replicas=ns.world_size,
+            reward=ns.reward,
         )
     except (DatasetError, PolicyError, ValueError) as exc:
         print(f"graft eval: {exc}", file=sys.stderr)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from graft_rl.data import BENCHMARKS, BUILTIN, TESTBED_DATA, DatasetError, check_answers, load_dataset, verifier_for
+from graft_rl.data import BENCHMARKS, BUILTIN, TESTBED_DATA, DatasetError, check_answers, default_reward, load_dataset
 from graft_rl.engine.evaluation import EVAL_CHUNK, evaluate_policy, pass_at_k
 from graft_rl.engine.rundir import manifest_problem
 from graft_rl.policy import Policy, PolicyConfig, saved_policy_config
+from graft_rl.rewards import Reward, resolve_reward
 
 __all__ = ["resolve_targets", "run_eval", "eval_defaults", "default_replicas", "PAPER"]
 
@@ -94,15 +95,45 @@ def default_replicas(target: str, policy: PolicyConfig) -> int:
     return cfg.devices
 
 
-def _benchmarks(names: list[str]) -> dict[str, str]:
-    out = {}
+def _benchmarks(items: list, target: str, reward=None) -> dict[str, dict]:
+    """Each benchmark as ``label -> {data, reward, columns}``. Items: built-in names, paths,
+    ``hf:``/``reasoning_gym:`` specs, or a run's validation sets (mappings). A set's reward: its own,
+    else ``reward`` (given to ``run_eval``/``--reward``), else its dataset's verifier, else the run's
+    ``data.reward`` (``target`` a run directory), else math."""
+    from graft_rl.engine.config import ValidationConfig, load_config
+
+    cfg_file = Path(target).expanduser() / "config.yaml"
+    run = load_config(cfg_file, [f"run_dir={Path(target)}"], saved=True).data if cfg_file.is_file() else None
     named = {**BUILTIN, **TESTBED_DATA}
-    for name in names:
-        if name in named or Path(name).expanduser().suffix == ".jsonl" or name.startswith("reasoning_gym:"):
-            out[Path(name).stem if name not in named else name] = name
-        else:
-            raise DatasetError(f"unknown benchmark {name!r}; available: {', '.join(named)}, or a path to a .jsonl file")
+    out: dict[str, dict] = {}
+    for vs in ValidationConfig(data=list(items)).sets():
+        name = vs["data"]
+        local = Path(name).expanduser()
+        if not (name in named or name.startswith(("reasoning_gym:", "hf:")) or local.suffix or local.is_dir()):
+            raise DatasetError(
+                f"unknown benchmark {name!r}; available: {', '.join(named)}, or a path to a data file, hf:ORG/NAME, "
+                "or reasoning_gym:NAME"
+            )
+        spec = vs["reward"] or reward or default_reward(name)
+        if spec is None and run is not None and run.reward != "auto":
+            spec = run.reward
+        if isinstance(spec, str) and spec.startswith("python:"):
+            raise DatasetError(
+                f"{target}: its reward {spec} was a Python function; evaluate from Python with run_eval(..., reward=FUNCTION)"
+            )
+        threshold = run.success_threshold if run is not None else 1.0
+        out[vs["name"]] = {"data": name, "reward": resolve_reward(spec or "math", threshold), "columns": vs["columns"]}
     return out
+
+
+def _load_benchmarks(items, target, reward, limit) -> tuple[dict, dict]:
+    """The benchmarks (:func:`_benchmarks`) and their problems, each checked against its reward."""
+    bench = _benchmarks(items, target, reward)
+    data = {label: load_dataset(b["data"], limit, b["columns"]) for label, b in bench.items()}
+    for label, b in bench.items():
+        if b["reward"].builtin:
+            check_answers(data[label], b["reward"].target, b["data"])
+    return bench, data
 
 
 #: The paper's evaluation protocol (Section 5.1 / Appendix B): what `graft eval MODEL` uses.
@@ -193,8 +224,13 @@ def run_eval(
     policy_overrides: dict | None = None,
     show: bool = True,
     replicas: int | None = None,
+    reward: str | Callable | Reward | None = None,
 ) -> dict:
     """Evaluate every target policy; write ``eval.json`` and ``eval.md``; return the results.
+
+    ``reward``: how responses are scored where a benchmark names no reward of its own (a name,
+    ``module:function``, or a Python function ``(responses, problems) -> list[float]``; docs/tasks.md);
+    default: a built-in set's own verifier, else the run's ``data.reward``.
 
     Settings left ``None`` come from :func:`eval_defaults`. A ``max_new_tokens`` beyond a model's
     context is clamped to what its longest prompt leaves, with one line saying so. ``replicas``
@@ -220,10 +256,7 @@ def run_eval(
             + (f", first {limit} problems" if limit else "")
             + f" (defaults: {source})"
         )
-    bench = _benchmarks(benchmarks)
-    data = {label: load_dataset(name, limit) for label, name in bench.items()}
-    for label, name in bench.items():
-        check_answers(data[label], verifier_for(name, data[label][0]), name)
+    bench, data = _load_benchmarks(benchmarks, target, reward, limit)
     targets = resolve_targets(target, policy, **(policy_overrides or {}))
     out = (
         Path(out_dir)
@@ -358,7 +391,7 @@ def _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_
         budget, note = result(call(workers[0], "prompt_budget", problems, max_new_tokens))
         if note and show:
             print(f"graft eval: {note} on {label}")
-        verifier = verifier_for(bench[label], problems[0])
+        verifier = bench[label]["reward"]
         for r in range(runs):
             for s in range(0, len(problems), EVAL_CHUNK):
                 w = workers[len(jobs) % len(workers)]

@@ -319,7 +319,7 @@ def _pattern_trainer(names_seen: dict):
     from graft_rl.engine.trainer import Trainer
 
     class PreflightTrainer(Trainer):
-        """Runs the config's verifier on every response (counted), then trains on :func:`pattern_rewards`."""
+        """Runs the config's reward on every response (counted), then trains on :func:`pattern_rewards`."""
 
         def _verify(self, groups):
             st = super()._verify(groups)
@@ -329,6 +329,7 @@ def _pattern_trainer(names_seen: dict):
                 names_seen[key] = names_seen.get(key, 0) + int(st.get(key, 0) or 0)
             for i, g in enumerate(groups):
                 g.rewards = pattern_rewards(i, self.names.index(g.policy), g.n)
+                g.success = [r >= self.cfg.data.success_threshold for r in g.rewards]
             return st
 
     return PreflightTrainer
@@ -510,7 +511,7 @@ def _stages_training(r: _Run) -> None:
     with cl.stage("verify") as st:
         if st is not None:
             st.detail = (
-                f"{cfg.data.verifier if cfg.data.verifier != 'auto' else r.trainer.verifier} verifier on "
+                f"{r.trainer.reward.name} reward on "
                 f"{names_seen.get('responses', 0)} responses ({names_seen.get('correct', 0)} correct, "
                 f"{names_seen.get('verify_timeouts', 0)} timeouts); training uses the preflight reward pattern"
             )
@@ -549,8 +550,9 @@ def _stages_training(r: _Run) -> None:
                 st.status, st.detail = "n/a", "no validation data in the config"
             else:
                 best = json.loads((r.run / "best" / "best.json").read_text())
-                st.detail = f"{', '.join(toy.cfg.validation.data)} at steps 0 and 2; best/ holds " + ", ".join(
-                    f"{k}@{v['step']}" for k, v in best.items()
+                st.detail = (
+                    f"{', '.join(vs['name'] for vs in toy.cfg.validation.sets())} at steps 0 and 2; best/ holds "
+                    + ", ".join(f"{k}@{v['step']}" for k, v in best.items())
                 )
                 _check(set(best) == set(r.trainer.policies), "best/ lacks a policy")
 

@@ -84,9 +84,12 @@ def _probe_config(cfg: TrainConfig, limit: int) -> tuple[TrainConfig, MethodConf
     return pcfg, method
 
 
-def probe(cfg: TrainConfig, limit: int | None = None, out_dir: str | Path | None = None, show: bool = True) -> dict:
+def probe(
+    cfg: TrainConfig, limit: int | None = None, out_dir: str | Path | None = None, show: bool = True, reward=None
+) -> dict:
     """Sample, verify, select and score ``limit`` prompts (default: one ``prompt_batch``) as a
-    training step would; return the per-direction diagnostics and write ``probe.json``/``probe.png``."""
+    training step would; return the per-direction diagnostics and write ``probe.json``/``probe.png``.
+    ``reward``: the run's reward in place of ``data.reward`` (a name, ``module:function`` or a Python function)."""
     from tqdm.auto import tqdm
 
     from graft_rl.engine.trainer import Trainer
@@ -100,7 +103,7 @@ def probe(cfg: TrainConfig, limit: int | None = None, out_dir: str | Path | None
     unbalanced = build_exchange(dataclasses.replace(method, balance=False))  # every candidate, to score more responses
     tmp = Path(tempfile.mkdtemp(prefix="graft_probe_"))
     try:
-        tr = Trainer(dataclasses.replace(pcfg, run_dir=str(tmp / "run")), show_progress=False)
+        tr = Trainer(dataclasses.replace(pcfg, run_dir=str(tmp / "run")), show_progress=False, reward=reward)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -147,6 +150,7 @@ def probe(cfg: TrainConfig, limit: int | None = None, out_dir: str | Path | None
         tr.close()
         shutil.rmtree(tmp, ignore_errors=True)
     res = _summarise(cfg, pcfg, method, limit, names, groups_all, scored, cand_rows, per_step, comp, tr._family)
+    res["reward"], res["success_threshold"] = tr.reward.name, cfg.data.success_threshold
     write_text_atomic(out / "probe.json", json.dumps(res, indent=1))
     plot_probe(res, scored, cand_rows, out / "probe.png")
     res["written"] = [str(out / "probe.json"), str(out / "probe.png")]

@@ -1,18 +1,26 @@
-"""Prompt datasets (docs/design.md, layer 2): JSONL problems, the paper's benchmarks, procedural tasks.
+"""Prompt datasets (docs/design.md, layer 2): JSONL problems, the paper's benchmarks, procedural tasks,
+and any table ``datasets`` reads (docs/tasks.md).
 
 Every dataset is a list of :class:`Problem` rows with the schema of the shipped files
 (``files/PROVENANCE.md``): ``id``, ``problem``, ``answer`` and optional ``solution``,
-``level``, ``subject``, ``source``. Built-in names: ``math_train`` (the default training
+``level``, ``subject``, ``source``; any other column is kept in :attr:`Problem.extra` for a reward
+function. Built-in names: ``math_train`` (the default training
 set, 7,500 less the 2 with an empty reference: ``BUILTIN_LEFT_OUT``), the five benchmarks ``math500``, ``aime24``, ``aime25``, ``amc23``,
-``minerva``, and ``gsm8k_train`` / ``gsm8k_test``. Any JSONL file with the schema can be
-loaded by path; ``reasoning_gym:NAME`` builds a procedural task (:class:`ReasoningGymTask`).
+``minerva``, and ``gsm8k_train`` / ``gsm8k_test``. A JSONL file is loaded by path;
+``reasoning_gym:NAME`` builds a procedural task (:class:`ReasoningGymTask`); ``hf:ORG/NAME[:CONFIG][:SPLIT]``,
+a parquet / CSV / JSON file or a ``save_to_disk`` folder load through ``datasets``
+(:mod:`graft_rl.data.sources`). ``columns`` maps a file's own column names to ``id``/``problem``/``answer``;
+a row without an id gets one from its content; a problem given as a list of chat messages is kept as one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import hashlib
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = [
@@ -27,7 +35,11 @@ __all__ = [
     "load_jsonl",
     "load_dataset",
     "make_prompt",
+    "prompt_messages",
+    "prompt_chat",
+    "problems_from_rows",
     "verifier_for",
+    "default_reward",
     "check_answers",
     "ReasoningGymTask",
     "files_dir",
@@ -81,9 +93,19 @@ class Problem:
     level: int | None = None
     subject: str | None = None
     source: str | None = None
+    #: the row's other columns (JSON values), passed to a reward function with the fields above
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
+
+    def row(self) -> dict:
+        """Every column of the problem's row, as a reward function gets it (a chat prompt as its messages)."""
+        out = {**self.extra, **self.to_dict()}
+        messages = prompt_messages(self.problem)
+        if messages is not None:
+            out["problem"] = messages
+        return out
 
 
 def files_dir() -> Path:
@@ -91,38 +113,113 @@ def files_dir() -> Path:
     return _FILES
 
 
-_TYPES = {"id": str, "problem": str, "answer": str}
+_TYPES = {"problem": str, "answer": str, "id": str}  # in the order a missing one is named
 _OPTIONAL = {"solution": (str,), "level": (int,), "subject": (str,), "source": (str,)}
 
 
-def _row(obj: object, where: str) -> Problem:
+_FIELDS = ("id", "problem", "answer", "solution", "level", "subject", "source")
+
+
+def content_id(problem: str) -> str:
+    """A stable id for a row that has none: a hash of its problem text (duplicates get ``-2``, ``-3``, ...)."""
+    return "h" + hashlib.sha1(problem.encode()).hexdigest()[:12]
+
+
+def _mapped(obj: dict, columns: Mapping[str, str] | None, where: str) -> dict:
+    """The row with the user's column names mapped to ours (``columns``: our name -> theirs)."""
+    if not columns:
+        return obj
+    obj = dict(obj)
+    for ours, theirs in columns.items():
+        if theirs not in obj:
+            raise DatasetError(f"{where}: row has no {theirs!r} column (data.columns maps {ours} to it)")
+        if ours != theirs:
+            obj[ours] = obj.pop(theirs)
+    return obj
+
+
+def _chat(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+    )
+
+
+def _row(obj: object, where: str, columns: Mapping[str, str] | None = None) -> tuple[Problem, bool]:
+    """The row as a problem, and whether its id was generated (it had none)."""
     if not isinstance(obj, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    obj = _mapped(obj, columns, where)
+    if _chat(obj.get("problem")):  # a chat prompt: kept as its messages (prompt_messages reads them back)
+        obj = {**obj, "problem": json.dumps([{"role": m["role"], "content": m["content"]} for m in obj["problem"]])}
+    generated = "id" not in obj and isinstance(obj.get("problem"), str)
+    if generated:
+        obj = {**obj, "id": content_id(obj["problem"])}
     for key, typ in _TYPES.items():
         if key not in obj:
             raise DatasetError(f"{where}: row has no '{key}' field")
         val = obj[key]
-        if key == "answer" and isinstance(val, (int, float)) and not isinstance(val, bool):
-            val = obj[key] = str(val)  # numeric answers are common in third-party files
+        if key in ("answer", "id") and isinstance(val, (int, float)) and not isinstance(val, bool):
+            val = obj[key] = str(val)  # numeric answers (and ids) are common in third-party files
         if not isinstance(val, typ):
             raise DatasetError(f"{where}: field '{key}' must be a string, got {type(val).__name__}")
     for key, types in _OPTIONAL.items():
         val = obj.get(key)
         if val is not None and not isinstance(val, types):
             raise DatasetError(f"{where}: field '{key}' must be {types[0].__name__} or null, got {type(val).__name__}")
-    return Problem(**{k: obj.get(k) for k in ("id", "problem", "answer", "solution", "level", "subject", "source")})
+    extra = {k: v for k, v in obj.items() if k not in _FIELDS}
+    return Problem(**{k: obj.get(k) for k in _FIELDS}, extra=extra), generated
 
 
-def load_jsonl(path: str | Path, limit: int | None = None) -> list[Problem]:
+class _Rows:
+    """Collects rows, keeping ids unique: a generated id seen before gets ``-2``, ``-3``, ...; a given one is refused."""
+
+    def __init__(self, limit: int | None):
+        self.rows: list[Problem] = []
+        self.seen: dict[str, str] = {}
+        self.limit = limit
+
+    def add(self, row: Problem, generated: bool, where: str, first: str) -> bool:
+        """Add a row; False once ``limit`` rows are in."""
+        if generated and row.id in self.seen:
+            n = 2
+            while f"{row.id}-{n}" in self.seen:
+                n += 1
+            row = dataclasses.replace(row, id=f"{row.id}-{n}")
+        if row.id in self.seen:
+            raise DatasetError(f"{where}: duplicate id {row.id!r} (first {self.seen[row.id]})")
+        self.seen[row.id] = first
+        self.rows.append(row)
+        return self.limit is None or len(self.rows) < self.limit
+
+
+def problems_from_rows(
+    rows, name: str, columns: Mapping[str, str] | None = None, limit: int | None = None
+) -> list[Problem]:
+    """Rows (dicts) as problems: columns mapped, ids generated where absent, duplicate ids refused."""
+    out = _Rows(limit)
+    for i, obj in enumerate(rows):
+        row, generated = _row(obj, f"{name}: row {i}", columns)
+        if not out.add(row, generated, f"{name}: row {i}", f"in row {i}"):
+            break
+    if not out.rows:
+        raise DatasetError(f"{name}: no rows")
+    return out.rows
+
+
+def load_jsonl(path: str | Path, limit: int | None = None, columns: Mapping[str, str] | None = None) -> list[Problem]:
     """Read a JSONL problem file (``.jsonl`` or gzipped ``.jsonl.gz``); a malformed row raises one
-    :class:`DatasetError` naming file and line."""
+    :class:`DatasetError` naming file and line. ``columns``: our field name -> the file's column."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
-            return _read_rows(f, path, limit)
+            return _read_rows(f, path, limit, columns)
     except UnicodeDecodeError as exc:
         raise DatasetError(
             f"{path}: not UTF-8 text (byte {exc.start} of a line); a dataset is JSONL, one object per line"
@@ -131,9 +228,8 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Problem]:
         raise DatasetError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
 
 
-def _read_rows(f, path: Path, limit: int | None) -> list[Problem]:
-    rows: list[Problem] = []
-    seen: dict[str, int] = {}
+def _read_rows(f, path: Path, limit: int | None, columns: Mapping[str, str] | None) -> list[Problem]:
+    out = _Rows(limit)
     for lineno, line in enumerate(f, 1):
         if not line.strip():
             continue
@@ -142,16 +238,12 @@ def _read_rows(f, path: Path, limit: int | None) -> list[Problem]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
-        row = _row(obj, where)
-        if row.id in seen:
-            raise DatasetError(f"{where}: duplicate id {row.id!r} (first on line {seen[row.id]})")
-        seen[row.id] = lineno
-        rows.append(row)
-        if limit is not None and len(rows) >= limit:
+        row, generated = _row(obj, where, columns)
+        if not out.add(row, generated, where, f"on line {lineno}"):
             break
-    if not rows:
+    if not out.rows:
         raise DatasetError(f"{path}: no rows")
-    return rows
+    return out.rows
 
 
 #: Built-in problems left out at load, with the reason (files/PROVENANCE.md, "Known issues"): their
@@ -160,9 +252,15 @@ def _read_rows(f, path: Path, limit: int | None) -> list[Problem]:
 BUILTIN_LEFT_OUT = {"math_train": ("train/number_theory/7115.json", "train/number_theory/7117.json")}
 
 
-def load_dataset(name_or_path: str, limit: int | None = None) -> list[Problem]:
-    """A built-in dataset by name, ``reasoning_gym:NAME[:SIZE[:SEED]]``, or a JSONL file by path;
-    ``limit``: its first N problems (>= 1; None for all)."""
+def load_dataset(
+    name_or_path: str, limit: int | None = None, columns: Mapping[str, str] | None = None
+) -> list[Problem]:
+    """A built-in dataset by name, ``reasoning_gym:NAME[:SIZE[:SEED]]``, ``hf:ORG/NAME[:CONFIG][:SPLIT]``,
+    or a JSONL / parquet / CSV / JSON file or ``save_to_disk`` folder by path; ``limit``: its first N
+    problems (>= 1; None for all); ``columns``: our field (``id``, ``problem``, ``answer``, ...) -> the
+    data's column, for data whose columns are named otherwise."""
+    from graft_rl.data import sources
+
     if limit is not None and limit < 1:
         raise DatasetError(f"{name_or_path}: limit must be >= 1 (or null for every problem), got {limit}")
     if name_or_path in BUILTIN:
@@ -172,22 +270,56 @@ def load_dataset(name_or_path: str, limit: int | None = None) -> list[Problem]:
     if name_or_path in TESTBED_DATA:
         return load_jsonl(TESTBED_FILES / TESTBED_DATA[name_or_path][0], limit)
     if name_or_path.startswith("reasoning_gym:"):
-        parts = name_or_path.split(":")
-        size = int(parts[2]) if len(parts) > 2 else 1000
-        seed = int(parts[3]) if len(parts) > 3 else 0
-        rows = ReasoningGymTask(parts[1], size=size, seed=seed).problems()
+        rows = _reasoning_gym(name_or_path)
         return rows[:limit] if limit is not None else rows
+    if name_or_path.startswith("hf:"):
+        return problems_from_rows(sources.read_hub(name_or_path), name_or_path, columns, limit)
     path = Path(name_or_path).expanduser()
-    if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz") or path.exists():
-        return load_jsonl(path, limit)
+    if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
+        return load_jsonl(path, limit, columns)
+    if sources.is_table(path):
+        return problems_from_rows(sources.read_table(path), str(path), columns, limit)
+    if path.is_file():
+        return load_jsonl(path, limit, columns)
     raise DatasetError(
-        f"unknown dataset {name_or_path!r}; built-in: {', '.join([*BUILTIN, *TESTBED_DATA])}; "
-        "or a path to a .jsonl(.gz) file, or reasoning_gym:NAME[:SIZE[:SEED]]"
+        f"unknown dataset {name_or_path!r}; built-in: {', '.join([*BUILTIN, *TESTBED_DATA])}; or a path to a "
+        ".jsonl(.gz) / .parquet / .csv / .json file or a save_to_disk folder, hf:ORG/NAME[:CONFIG][:SPLIT], "
+        "or reasoning_gym:NAME[:SIZE[:SEED]]"
     )
 
 
-def verifier_for(name_or_path: str, problem: Problem | None = None) -> str:
-    """Which verifier scores this dataset: ``math``, ``gsm8k`` or ``gym``."""
+def _reasoning_gym(spec: str) -> list[Problem]:
+    parts = spec.split(":")
+    try:
+        size = int(parts[2]) if len(parts) > 2 else 1000
+        seed = int(parts[3]) if len(parts) > 3 else 0
+    except ValueError:
+        raise DatasetError(f"{spec}: expected reasoning_gym:NAME[:SIZE[:SEED]] with whole numbers") from None
+    return ReasoningGymTask(parts[1], size=size, seed=seed).problems()
+
+
+def prompt_messages(problem: str) -> list[dict] | None:
+    """The chat messages of a problem given as a list of messages (as :func:`load_dataset` keeps it), else None."""
+    if not problem.startswith('[{"role"'):
+        return None
+    try:
+        value = json.loads(problem)
+    except json.JSONDecodeError:
+        return None
+    return value if _chat(value) else None
+
+
+def prompt_chat(problem: str, suffix: str | None = PROMPT_SUFFIX) -> list[dict]:
+    """The messages a model is prompted with: the problem as the user turn (or a chat prompt's own
+    turns), with ``suffix`` appended to the last user turn (:func:`make_prompt`)."""
+    chat = prompt_messages(problem) or [{"role": "user", "content": problem}]
+    last_user = max((i for i, m in enumerate(chat) if m["role"] == "user"), default=len(chat) - 1)
+    return [{**m, "content": make_prompt(m["content"], suffix)} if i == last_user else m for i, m in enumerate(chat)]
+
+
+def default_reward(name_or_path: str, problem: Problem | None = None) -> str | None:
+    """The reward a dataset names itself: a built-in set's verifier, ``gym`` for reasoning-gym rows;
+    None for a user's file (its reward is the run's ``data.reward``)."""
     if problem is not None and problem.source and problem.source.startswith("reasoning_gym:"):
         return "gym"
     if name_or_path in BUILTIN:
@@ -196,7 +328,13 @@ def verifier_for(name_or_path: str, problem: Problem | None = None) -> str:
         return TESTBED_DATA[name_or_path][1]
     if name_or_path.startswith("reasoning_gym:"):
         return "gym"
-    return "gsm8k" if "gsm8k" in Path(name_or_path).name else "math"
+    return None
+
+
+def verifier_for(name_or_path: str, problem: Problem | None = None) -> str:
+    """Which built-in verifier scores this dataset when nothing names one: its own
+    (:func:`default_reward`), else ``math``."""
+    return default_reward(name_or_path, problem) or "math"
 
 
 def check_answers(problems: list[Problem], verifier: str, name: str) -> None:

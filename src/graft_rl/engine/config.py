@@ -35,13 +35,30 @@ __all__ = [
 
 @dataclass
 class DataConfig:
-    train: str = "math_train"  # built-in name, JSONL path, or reasoning_gym:NAME[:SIZE[:SEED]]
-    verifier: str = "auto"  # auto | math | gsm8k | gym
+    """The training data and its reward (docs/tasks.md)."""
+
+    # built-in name, JSONL / parquet / CSV / JSON path, save_to_disk folder, hf:ORG/NAME[:CONFIG][:SPLIT],
+    # or reasoning_gym:NAME[:SIZE[:SEED]]
+    train: str = "math_train"
+    # our field -> the data's column, e.g. {problem: question, answer: label}; other columns go to the reward
+    columns: dict = field(default_factory=dict)
+    # the reward: math | gsm8k | gym | a registered name | module:function | path/to/file.py:function;
+    # auto: the dataset's own verifier (gsm8k for gsm8k_*, gym for reasoning_gym:*), math for a user's file
+    reward: str = "auto"
+    # a response succeeds (what GRAFT's all-fail / mixed selection counts) when its reward >= this
+    success_threshold: float = 1.0
     limit: int | None = None  # use only the first N problems (a fixed pool)
     verify_timeout: float = 5.0  # seconds per answer, hard (worker killed after)
     # seconds for one step's verification batch in all; answers still unchecked then score 0 and are
     # counted (metrics: verify_over_budget), so pathological answers cannot stall a step for hours
     verify_budget: float = 300.0
+
+
+#: the fields data.columns may map (our name -> the data's column)
+COLUMN_FIELDS = ("id", "problem", "answer", "solution", "level", "subject", "source")
+
+#: the keys a validation set may have when given as a mapping
+VALIDATION_SET_KEYS = ("data", "name", "reward", "columns")
 
 
 @dataclass
@@ -53,7 +70,10 @@ class ValidationConfig:
     pass@1, and the best-scoring checkpoint of each policy is kept in ``RUN_DIR/best/``.
     """
 
-    data: list[str] = field(default_factory=list)  # dataset names/paths; e.g. [math500, aime24, aime25, amc23, minerva]
+    # datasets: names/paths (e.g. [math500, aime24, aime25, amc23, minerva]) or mappings
+    # {data: PATH, name: LABEL, reward: REWARD, columns: {...}}; a set's reward: its own, else its
+    # dataset's verifier (math500 -> math, gsm8k_test -> gsm8k), else data.reward
+    data: list = field(default_factory=list)
     every: int = 5  # validate every N steps (and before the first and after the last)
     # responses per problem (pass@1 = mean correctness); 8 as the paper's checkpoint selection uses
     # (Appendix B; one sample's noise would pick checkpoints by luck). `graft train` prints what it uses.
@@ -67,6 +87,29 @@ class ValidationConfig:
     # checkpoint; each validation line also carries val/score_se, the sampling standard error of the
     # selection score, to show how much of a difference between checkpoints is noise
     select_initial: bool = False
+
+    def sets(self) -> list[dict]:
+        """Every validation set as ``{data, name, reward, columns}`` (name: the label in the metrics)."""
+        out = []
+        for item in self.data:
+            d = {"data": item} if isinstance(item, str) else dict(item)
+            out.append(
+                {
+                    "data": d["data"],
+                    "name": d.get("name") or dataset_label(d["data"]),
+                    "reward": d.get("reward"),
+                    "columns": d.get("columns") or {},
+                }
+            )
+        return out
+
+
+def dataset_label(data: str) -> str:
+    """A dataset's short name in metrics: ``math500``; a file's stem; ``hf:org/name:cfg:test`` -> ``name_test``."""
+    if data.startswith("hf:"):
+        parts = data[3:].split(":")
+        return Path(parts[0]).name + (f"_{parts[2]}" if len(parts) > 2 and parts[2] else "")
+    return Path(data).name.removesuffix(".gz").rsplit(".", 1)[0] if "." in Path(data).name else Path(data).name
 
 
 @dataclass
@@ -175,6 +218,7 @@ class TrainConfig:
             raise ConfigError(f"nonfinite_loss: must be skip or stop, got {self.nonfinite_loss!r}")
 
     def _validate_data_and_validation(self) -> None:
+        self._validate_reward()
         if self.data.limit is not None and self.data.limit < 1:
             raise ConfigError(f"data.limit must be >= 1 (or null for every problem), got {self.data.limit}")
         if self.validation.limit is not None and self.validation.limit < 1:
@@ -190,6 +234,45 @@ class TrainConfig:
         if not self.data.verify_timeout > 0 or not self.data.verify_budget > 0:
             raise ConfigError(
                 f"data.verify_timeout and data.verify_budget must be > 0, got {self.data.verify_timeout}, {self.data.verify_budget}"
+            )
+
+    def _validate_reward(self) -> None:
+        d = self.data
+        if not isinstance(d.reward, str) or not d.reward.strip():
+            raise ConfigError(f"data.reward: expected a name or module:function, got {d.reward!r}")
+        if not isinstance(d.success_threshold, float) or d.success_threshold != d.success_threshold:
+            raise ConfigError(f"data.success_threshold must be a number, got {d.success_threshold!r}")
+        for where, cols in [("data.columns", d.columns)] + [
+            (f"validation.data.{i}.columns", x.get("columns") or {})
+            for i, x in enumerate(self.validation.data)
+            if isinstance(x, dict)
+        ]:
+            bad = [k for k, v in cols.items() if k not in COLUMN_FIELDS or not isinstance(v, str)]
+            if bad:
+                raise ConfigError(
+                    f"{where}: maps our fields ({', '.join(COLUMN_FIELDS)}) to the data's column names; "
+                    f"{bad[0]!r}: {cols[bad[0]]!r} is not that"
+                )
+        if isinstance(self.validation.data, str):
+            self.validation.data = [x.strip() for x in self.validation.data.split(",") if x.strip()]
+        if not isinstance(self.validation.data, list):
+            raise ConfigError(
+                f"validation.data: expected a list of datasets, got {type(self.validation.data).__name__}"
+            )
+        for i, item in enumerate(self.validation.data):
+            if isinstance(item, dict):
+                unknown = [k for k in item if k not in VALIDATION_SET_KEYS]
+                if unknown or not isinstance(item.get("data"), str):
+                    what = f"unknown key {unknown[0]!r}" if unknown else "no data: DATASET"
+                    raise ConfigError(
+                        f"validation.data.{i}: {what}; a set is a dataset or {{{', '.join(VALIDATION_SET_KEYS)}}}"
+                    )
+            elif not isinstance(item, str):
+                raise ConfigError(f"validation.data.{i}: expected a dataset name or path, got {item!r}")
+        labels = [s["name"] for s in self.validation.sets()]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(
+                f"validation.data: two sets are both named {next(x for x in labels if labels.count(x) > 1)!r}; give one a name"
             )
 
     def _validate_execution(self) -> None:
@@ -358,6 +441,18 @@ def _read_yaml(p: Path, depth: int = 0) -> dict:
     return data
 
 
+def _renamed_verifier(data: dict) -> None:
+    """``data.verifier`` (the key's old name, in every config written before rewards were plugins) is ``data.reward``."""
+    d = data.get("data")
+    if isinstance(d, dict) and "verifier" in d:
+        d = data["data"] = dict(d)
+        old = d.pop("verifier")
+        if d.get("reward", "auto") not in ("auto", old) and old != "auto":
+            raise ConfigError(f"data.verifier ({old!r}) is the old name of data.reward ({d['reward']!r}); give one")
+        if old != "auto":
+            d["reward"] = old
+
+
 def load_config(path: str | Path | dict | None, overrides: list[str] | None = None, saved: bool = False) -> TrainConfig:
     """A validated :class:`TrainConfig` from a YAML file (or dict) plus overrides. ``saved``: a run
     directory's own ``config.yaml`` (resume, eval, analyze), where a method key the method does not
@@ -369,6 +464,7 @@ def load_config(path: str | Path | dict | None, overrides: list[str] | None = No
     else:
         data = _read_yaml(Path(path))
     data = apply_overrides(data, overrides or [])
+    _renamed_verifier(data)
     method = data.get("method")
     if isinstance(method, dict) and "dynamic_max_rounds" in method:  # the key's old name
         if not saved:

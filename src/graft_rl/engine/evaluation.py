@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from graft_rl.data import Problem
 from graft_rl.policy import Policy, SamplingParams
-from graft_rl.rewards import score_responses
+from graft_rl.rewards import Reward, resolve_reward
 
 __all__ = ["pass_at_k", "evaluate_policy", "families", "pass1_by_family", "MAX_FAMILIES", "EVAL_CHUNK"]
 
@@ -43,7 +43,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate_policy(
     policy: Policy,
     problems: Sequence[Problem],
-    verifier: str = "math",
+    reward: str | Reward = "math",
     samples: int = 8,
     temperature: float = 0.6,
     top_p: float = 0.95,
@@ -54,33 +54,30 @@ def evaluate_policy(
     top_k: int = 0,
     budget: float | None = None,
 ) -> dict:
-    """Sample ``samples`` responses per problem and verify them.
+    """Sample ``samples`` responses per problem and score them with ``reward`` (a built-in verifier's
+    name, or a :class:`~graft_rl.rewards.Reward`); a response is correct when its reward reaches the
+    reward's success threshold.
 
     ``budget``: seconds of verification per chunk of ``batch_prompts`` problems, as a training step's
     ``data.verify_budget`` bounds its batch; answers still unchecked then score 0 and are counted.
     Returns ``{"pass@1", "pass@k": {k: value}, "correct": [c per problem], "samples", "n_problems",
-    "truncated_frac", "verify_over_budget"}``; pass@k for every power of two up to ``samples`` and
+    "truncated_frac", "verify_over_budget", "reward_mean"}``; pass@k for every power of two up to ``samples`` and
     ``samples`` itself.
     """
     sp = SamplingParams(samples, temperature, top_p, top_k, max_new_tokens)  # top_k 1: greedy
+    reward = resolve_reward(reward)
     correct: list[int] = []
     truncated = total = over_budget = 0
+    reward_sum = 0.0
     for s in range(0, len(problems), batch_prompts):
         chunk = list(problems[s : s + batch_prompts])
         groups = policy.generate([(p.id, p.problem) for p in chunk], sp, seed=seed + s)
         flat = [(p, t) for p, g in zip(chunk, groups, strict=True) for t in g.texts]
-        scores, st = score_responses(
-            [t for _, t in flat],
-            [p.answer for p, _ in flat],
-            verifier,
-            [p.source for p, _ in flat],
-            [p.id for p, _ in flat],
-            timeout,
-            budget,
-        )
+        scores, st = reward.score([t for _, t in flat], [p.row() for p, _ in flat], timeout, budget)
+        reward_sum += sum(scores)
         over_budget += st.budget
         for i in range(len(chunk)):
-            correct.append(int(sum(scores[i * samples : (i + 1) * samples])))
+            correct.append(sum(reward.successes(scores[i * samples : (i + 1) * samples])))
         truncated += sum(f == "length" for g in groups for f in g.finish_reasons)
         total += sum(g.n for g in groups)
     ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, samples) if k <= samples})
@@ -92,6 +89,7 @@ def evaluate_policy(
         "n_problems": len(problems),
         "truncated_frac": truncated / max(total, 1),
         "verify_over_budget": over_budget,
+        "reward_mean": reward_sum / max(total, 1),
     }
 
 

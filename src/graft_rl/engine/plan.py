@@ -328,7 +328,7 @@ def eval_estimate(
     if not cfg.validation.data or not any(pc.device.startswith("cuda") for pc in cfg.policies):
         return None
     try:
-        problems = sum(len(load_dataset(name)) for name in cfg.validation.data)
+        problems = sum(len(load_dataset(vs["data"], None, vs["columns"])) for vs in cfg.validation.sets())
     except DatasetError:
         return None
     gpus = cfg.devices

@@ -2,7 +2,7 @@
 
 :class:`Rollouts` is a part of :class:`~graft_rl.engine.trainer.Trainer`: which prompts a step draws, every
 policy's generation (started on its worker, so under Ray the policies sample at once), the reward
-(the run's verifier, or the scorer the trainer was given), the method's rollout filter with its
+(the run's reward, or the scorer the trainer was given; success is ``reward >= data.success_threshold``), the method's rollout filter with its
 refills (DAPO's dynamic sampling), and the replay of stored peers' groups. Every draw derives from
 ``(seed, step, policy)``, so a resumed run samples what an uninterrupted one would.
 """
@@ -13,8 +13,9 @@ import time
 
 import torch
 
+from graft_rl.data import check_answers, default_reward
 from graft_rl.policy import RolloutGroup
-from graft_rl.rewards import score_responses
+from graft_rl.rewards import Reward, resolve_reward
 from graft_rl.seeding import derive_seed
 
 __all__ = ["DynamicSamplingError", "Rollouts"]
@@ -25,8 +26,8 @@ class DynamicSamplingError(RuntimeError):
 
 
 class Rollouts:
-    """The rollout phase; mixed into the trainer, whose ``cfg``, ``data``, ``_by_id``, ``verifier``,
-    ``names``, ``policies``, ``peers``, ``samplings``, ``method``, ``reward``, ``_prefetched`` and
+    """The rollout phase; mixed into the trainer, whose ``cfg``, ``data``, ``_rows``, ``reward``,
+    ``names``, ``policies``, ``peers``, ``samplings``, ``method``, ``scorer``, ``_prefetched`` and
     ``_submit``/``_result``/``_call`` it uses."""
 
     # ------------------------------------------------------------------ data order
@@ -39,20 +40,39 @@ class Rollouts:
         return [(self.data[i].id, self.data[i].problem) for i in idx]
 
     # ------------------------------------------------------------------ rewards
+    def _run_reward(self, cfg, given) -> Reward:
+        """The run's reward: the one given to the trainer (recorded in the config), else ``data.reward``
+        (``auto``: the training set's own verifier, math for a user's file). Checked before training: a
+        built-in's references must be matchable; a user's function runs once on a reference answer, so an
+        import error or a broken contract is one line now."""
+        if given is not None:
+            reward = resolve_reward(given, cfg.data.success_threshold)
+            cfg.data.reward = reward.name if reward.payload is None else f"python:{reward.name}"
+        else:
+            spec = cfg.data.reward if cfg.data.reward != "auto" else default_reward(cfg.data.train, self.data[0])
+            reward = resolve_reward(spec or "math", cfg.data.success_threshold)
+        if reward.builtin:
+            check_answers(self.data, reward.target, cfg.data.train)
+        else:
+            reward.check(self.data[0].row(), cfg.data.verify_timeout)
+        return reward
+
     def _verify(self, groups: list[RolloutGroup]) -> dict:
-        return (self.reward or self.score_groups)(groups)
+        """Score the groups (the run's reward, or the scorer the trainer was given) and mark each
+        response's success: ``reward >= data.success_threshold``."""
+        stats = (self.scorer or self.score_groups)(groups)
+        threshold = self.cfg.data.success_threshold
+        for g in groups:
+            g.success = [r >= threshold for r in g.rewards]
+        return stats
 
     def score_groups(self, groups: list[RolloutGroup]) -> dict:
-        """The default reward: the run's verifier on every response (hard timeout per answer, a budget
+        """The default scorer: the run's reward on every response (hard timeout per answer, a budget
         per call), setting each group's ``rewards``; returns the verification counts."""
         rows = [(g, i) for g in groups for i in range(g.n)]
-        probs = [self._by_id[g.prompt_id] for g, _ in rows]
-        scores, st = score_responses(
+        scores, st = self.reward.score(
             [g.texts[i] for g, i in rows],
-            [p.answer for p in probs],
-            self.verifier,
-            [p.source for p in probs],
-            [p.id for p in probs],
+            [self._rows[g.prompt_id] for g, _ in rows],
             self.cfg.data.verify_timeout,
             self.cfg.data.verify_budget,
         )

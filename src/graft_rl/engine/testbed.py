@@ -490,7 +490,7 @@ class Testbed:
             "n": 8,
             "max_new_tokens": 40,
             "checkpoint_every": 30,
-            "data": {"train": self.refs()["train"], "verifier": "gsm8k"},
+            "data": {"train": self.refs()["train"], "reward": "gsm8k"},
             "validation": {
                 "data": self.refs()["heldout"],
                 "every": 30,

@@ -31,7 +31,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from graft_rl.data import Problem, check_answers, load_dataset, verifier_for
+from graft_rl.data import Problem, load_dataset
 from graft_rl.engine.checkpointing import CheckpointError, Checkpointing
 from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.engine.evaluation import families
@@ -44,6 +44,7 @@ from graft_rl.engine.validation import Validation
 from graft_rl.methods import build_method
 from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.policy import PolicyConfig, RolloutGroup, SamplingParams
+from graft_rl.rewards import Reward
 from graft_rl.seeding import derive_seed
 
 __all__ = ["Trainer", "RunInterrupted", "CheckpointError", "DynamicSamplingError", "derive_seed"]
@@ -58,18 +59,22 @@ class Trainer(Rollouts, Checkpointing, Validation):
         resume: bool = False,
         show_progress: bool = True,
         *,
-        reward: Callable[[list[RolloutGroup]], dict] | None = None,
+        reward: str | Callable | Reward | None = None,
+        scorer: Callable[[list[RolloutGroup]], dict] | None = None,
         workers: Callable[[TrainConfig, list[PolicyConfig]], dict[str, WorkerHandle]] = start_workers,
     ):
-        """``reward``: scores a step's groups in place (sets each group's ``rewards``) and returns its
-        counts (``verify_timeouts``, ...); default: the run's verifier (:meth:`score_groups`).
+        """``reward``: the run's reward in place of ``data.reward`` -- a name, ``module:function``, or a
+        Python function ``(responses, problems) -> list[float]`` (docs/tasks.md); it scores training,
+        validation sets without a reward of their own, and is recorded in ``config.yaml``.
+        ``scorer``: scores a step's groups in place (sets each group's ``rewards``) and returns its
+        counts (``verify_timeouts``, ...), bypassing the reward (tests, preflight); default :meth:`score_groups`.
         ``workers``: builds each policy's :class:`~graft_rl.engine.handles.WorkerHandle` from the config and
         the policies' configs; default: in-process or Ray actors, as ``execution`` says."""
         check_resources(cfg)  # one line, before any model or data is touched, if e.g. no GPU is there
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.show_progress = show_progress
-        self.reward = reward  # None: score_groups (not stored bound: no reference cycle keeps Ray actors alive)
+        self.scorer, self._reward_arg = scorer, reward  # no bound method stored: no cycle keeps Ray actors alive
         self._start_workers = workers
         self.workers: dict[str, WorkerHandle] = {}
         self.lock = RunLock(self.run_dir)
@@ -92,15 +97,14 @@ class Trainer(Rollouts, Checkpointing, Validation):
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.store = RecordStore(self.run_dir)
-        self.data: list[Problem] = load_dataset(cfg.data.train, cfg.data.limit)
+        self.data: list[Problem] = load_dataset(cfg.data.train, cfg.data.limit, cfg.data.columns)
         if len(self.data) < cfg.prompt_batch:
             raise ConfigError(
                 f"data.train {cfg.data.train!r} has {len(self.data)} problems, fewer than prompt_batch={cfg.prompt_batch}"
             )
-        self._by_id = {p.id: p for p in self.data}
+        self._rows = {p.id: p.row() for p in self.data}  # what the reward gets for a prompt: every column
         self._family = families(self.data)  # prompt id -> family, when the data names a few (testbed kinds)
-        self.verifier = cfg.data.verifier if cfg.data.verifier != "auto" else verifier_for(cfg.data.train, self.data[0])
-        check_answers(self.data, self.verifier, cfg.data.train)  # a reference no response could match: one line
+        self.reward = self._run_reward(cfg, self._reward_arg)
         self.steps_per_epoch = len(self.data) // cfg.prompt_batch
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
         self.method = build_method(cfg.method)  # the driver's side of it: exchange, per-step state, filter
@@ -141,9 +145,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         if ckpt is not None:
             self._restore(ckpt)
         self._tb = self._tensorboard() if cfg.tensorboard else None
-        self.val_sets = {name: load_dataset(name, cfg.validation.limit) for name in cfg.validation.data}
-        for name, problems in self.val_sets.items():
-            check_answers(problems, verifier_for(name, problems[0]), name)
+        self._load_validation(cfg)
         # every prompt fits every policy's context (and max_prompt_tokens): one line now, not a crash mid-run
         # and a response never runs past it: a policy whose context cannot hold the longest prompt plus
         # max_new_tokens samples at most what it leaves, and says so (a learned-position model would crash)
@@ -264,7 +266,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         self._prefetch_until = end
         if self.val_sets:
             v = self.cfg.validation
-            sizes = ", ".join(f"{Path(ds).stem} {len(ps)}" for ds, ps in self.val_sets.items())
+            sizes = ", ".join(f"{ds} {len(ps)}" for ds, ps in self.val_sets.items())
             print(
                 textwrap.fill(
                     f"graft train: validation every {v.every} steps: {v.samples} samples per problem at "

@@ -15,11 +15,11 @@ import json
 import math
 import shutil
 import statistics
-from pathlib import Path
 
-from graft_rl.data import verifier_for
+from graft_rl.data import check_answers, default_reward, load_dataset
 from graft_rl.engine.evaluation import pass1_by_family
 from graft_rl.engine.rundir import best_steps, finite_json, read_log, replace_dir, write_manifest, write_text_atomic
+from graft_rl.rewards import Reward, resolve_reward
 from graft_rl.seeding import derive_seed
 
 __all__ = ["Validation", "pass1_variance"]
@@ -27,8 +27,24 @@ __all__ = ["Validation", "pass1_variance"]
 
 class Validation:
     """Validation and best-checkpoint keeping; mixed into the trainer, whose ``cfg``, ``run_dir``,
-    ``policies``, ``names``, ``val_sets``, ``_val_family``, ``best`` and ``_submit``/``_result``/``_call``
+    ``policies``, ``names``, ``val_sets`` (label -> problems), ``val_rewards``, ``_val_family``, ``best`` and ``_submit``/``_result``/``_call``
     it uses."""
+
+    def _load_validation(self, cfg) -> None:
+        """Each validation set (label -> problems) and its reward: its own, else its dataset's verifier,
+        else the run's reward."""
+        self.val_sets: dict[str, list] = {}
+        self.val_rewards: dict[str, Reward] = {}
+        for vs in cfg.validation.sets():
+            problems = load_dataset(vs["data"], cfg.validation.limit, vs["columns"])
+            label = vs["name"]
+            self.val_sets[label] = problems
+            own = vs["reward"] or default_reward(vs["data"], problems[0])
+            self.val_rewards[label] = resolve_reward(own, cfg.data.success_threshold) if own else self.reward
+            if self.val_rewards[label].builtin:
+                check_answers(problems, self.val_rewards[label].target, vs["data"])
+            elif self.val_rewards[label] is not self.reward:
+                self.val_rewards[label].check(problems[0].row(), cfg.data.verify_timeout)
 
     def validate(self, step: int) -> list[dict]:
         """Evaluate every policy on the validation sets; keep each policy's best checkpoint."""
@@ -41,7 +57,7 @@ class Validation:
                 name,
                 "evaluate",
                 problems,
-                verifier_for(ds, problems[0]),
+                self.val_rewards[ds],
                 v.samples,
                 v.temperature,
                 v.top_p,
@@ -59,10 +75,10 @@ class Validation:
             scores, variances, seconds, over = [], [], 0.0, 0
             for ds, problems in self.val_sets.items():
                 res = self._result(pending[(name, ds)])
-                line[f"val/{Path(ds).stem}"] = res["pass@1"]
+                line[f"val/{ds}"] = res["pass@1"]
                 if self._val_family[ds] and res.get("correct") is not None:
                     for fam, score in pass1_by_family(problems, res["correct"], v.samples).items():
-                        line[f"val/{Path(ds).stem}/{fam}"] = score
+                        line[f"val/{ds}/{fam}"] = score
                 scores.append(res["pass@1"])
                 variances.append(pass1_variance(res.get("correct"), v.samples))
                 seconds += res.get("seconds", 0.0)

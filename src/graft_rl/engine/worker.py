@@ -97,7 +97,7 @@ class PolicyWorker:
     def evaluate(
         self,
         problems,
-        verifier: str,
+        reward,
         samples: int,
         temperature: float,
         top_p: float,
@@ -113,7 +113,7 @@ class PolicyWorker:
         res = evaluate_policy(
             self.policy,
             problems,
-            verifier,
+            reward,
             samples,
             temperature,
             top_p,

@@ -42,6 +42,7 @@ __all__ = [
     "group_rewards",
     "rows_of",
     "success_counts",
+    "successes",
 ]
 
 
@@ -62,6 +63,7 @@ class Row:
     src_logprob_sum: float  # sum of the source's generation log-probs
     src_mean_logprob: float  # mean of the same (paper's l-bar)
     index: int = 0  # position in the source's group
+    success: bool = False  # reward >= data.success_threshold
     is_aux: bool = False  # SGT auxiliary NLL target, not in the policy-gradient term
     include: bool = True  # False: removed from numerator and denominator (success-only)
     weight: float = 1.0  # compatibility weight, set by the weighting after scoring
@@ -88,12 +90,20 @@ def success_counts(groups: list[RolloutGroup]) -> torch.Tensor:
     return torch.tensor([g.k for g in groups], dtype=torch.long)
 
 
+def successes(group: RolloutGroup) -> list[float]:
+    """1.0 per successful response (``reward >= data.success_threshold``, as the trainer marked it), else 0.0."""
+    if len(group.success) == group.n:
+        return [float(x) for x in group.success]
+    return [float(r > 0) for r in group.rewards]
+
+
 def group_rewards(groups: list[RolloutGroup]) -> torch.Tensor:
     return torch.tensor([g.rewards for g in groups], dtype=torch.float64)
 
 
 def rows_of(group: RolloutGroup, gi: int, is_peer: bool, adv: list[float]) -> list[Row]:
     rows = []
+    ok = successes(group)
     for i in range(group.n):
         lps = group.gen_logprobs[i]
         s = float(sum(lps))
@@ -112,6 +122,7 @@ def rows_of(group: RolloutGroup, gi: int, is_peer: bool, adv: list[float]) -> li
                 src_logprob_sum=s,
                 src_mean_logprob=s / len(lps) if lps else math.nan,
                 index=i,
+                success=ok[i] > 0,
             )
         )
     return rows
@@ -275,7 +286,7 @@ class Exchange:
         if self.cfg.success_only:  # Appendix G: unsuccessful peer responses leave the loss
             keep = algo.success_only_mask(
                 torch.ones(len(rows), 1),
-                torch.tensor([r.reward for r in rows]),
+                torch.tensor([float(r.success) for r in rows]),  # success: reward >= data.success_threshold
                 torch.ones(len(rows), dtype=torch.bool),
             )
             for r, k in zip(rows, keep[:, 0].tolist(), strict=True):

@@ -11,7 +11,7 @@ import torch
 
 from graft_rl import algo
 from graft_rl.methods.base import Method, check_range, register_method
-from graft_rl.methods.exchange import Exchange, rows_of
+from graft_rl.methods.exchange import Exchange, rows_of, successes
 from graft_rl.methods.objectives import Minibatch, Objective, RowTensors
 
 __all__ = ["SGT", "SGTExchange", "SGTObjective"]
@@ -27,7 +27,7 @@ class SGTExchange(Exchange):
             yield own_rows, False
             return
         pg = groups[peer][q]
-        idx = int(algo.sgt_select(torch.tensor([pg.rewards]), torch.tensor([True]), gen)[0])
+        idx = int(algo.sgt_select(torch.tensor([successes(pg)]), torch.tensor([True]), gen)[0])  # a correct one
         if idx < 0:
             yield own_rows, False
             return

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from graft_rl.data import PROMPT_SUFFIX, make_prompt
+from graft_rl.data import PROMPT_SUFFIX, prompt_chat
 from graft_rl.policy import zoo
 from graft_rl.policy.rollout import make_backend, shield_from_vllm_patches
 from graft_rl.policy.scoring import PASS_OVERHEAD, PolicyScoring, length_micro_batches, token_logprobs_from_logits
@@ -386,13 +386,13 @@ class Policy(PolicyScoring, PolicyTraining):
     # ------------------------------------------------------------------ prompts
     def format_prompt(self, problem: str) -> str:
         """The full text this model is conditioned on: chat template or plain template."""
-        user = make_prompt(problem, self.config.prompt_suffix)
+        chat = prompt_chat(problem, self.config.prompt_suffix)
         if self.use_chat:
-            msgs = ([{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []) + [
-                {"role": "user", "content": user}
-            ]
-            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return self.config.plain_template.replace("{prompt}", user)
+            if self.config.system_prompt and chat[0]["role"] != "system":
+                chat = [{"role": "system", "content": self.config.system_prompt}, *chat]
+            return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        # plain format (no system prompt, as before): a chat prompt's turns, one paragraph each
+        return self.config.plain_template.replace("{prompt}", "\n\n".join(m["content"] for m in chat))
 
     def context_length(self) -> int | None:
         """The model's context in tokens (``max_position_embeddings`` / ``n_positions``), if it states one."""

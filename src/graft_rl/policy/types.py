@@ -58,6 +58,8 @@ class RolloutGroup:
     gen_logprobs: list[list[float]]
     finish_reasons: list[str]
     rewards: list[float] = field(default_factory=list)
+    # per response: reward >= data.success_threshold (set by the trainer's scoring); empty: reward > 0
+    success: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.texts)
@@ -77,7 +79,10 @@ class RolloutGroup:
 
     @property
     def k(self) -> int:
-        """Number of successful responses (rewards must be set)."""
+        """Number of successful responses: ``success`` where the trainer set it, else ``reward > 0``
+        (rewards must be set)."""
+        if len(self.success) == len(self.rewards):
+            return sum(self.success)
         return int(sum(1 for r in self.rewards if r > 0))
 
     @property
