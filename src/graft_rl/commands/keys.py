@@ -2,7 +2,7 @@
 
 The meanings are the config classes' own comments (each field is documented once, in its
 dataclass: the comment on its line, else the comment lines just above it), so this listing cannot
-drift from the code. ``WHAT`` is a section (``run``, ``data``, ``validation``, ``ray``, ``method``,
+drift from the code. ``WHAT`` is a section (``run``, ``data``, ``validation``, ``ray``, ``tracking``, ``method``,
 ``policies``, ``peers``) or a method's name (its own keys); nothing lists every section.
 """
 
@@ -13,7 +13,7 @@ import inspect
 import re
 import textwrap
 
-from graft_rl.engine.config import DataConfig, PeerRecords, RayConfig, TrainConfig, ValidationConfig
+from graft_rl.engine.config import DataConfig, PeerRecords, RayConfig, TrackingConfig, TrainConfig, ValidationConfig
 from graft_rl.errors import ConfigError
 from graft_rl.methods import MethodConfig, method_class, method_names
 from graft_rl.policy import PolicyConfig
@@ -26,6 +26,7 @@ SECTIONS: dict[str, tuple[str, type]] = {
     "data": ("data", DataConfig),
     "validation": ("validation", ValidationConfig),
     "ray": ("ray", RayConfig),
+    "tracking": ("tracking", TrackingConfig),
     "method": ("method", MethodConfig),
     "policies": ("policies.N", PolicyConfig),
     "peers": ("peers.N", PeerRecords),
@@ -66,7 +67,7 @@ def describe(cls: type, keys: list[str] | None = None) -> list[tuple[str, str, s
     for f in dataclasses.fields(cls):
         if f.name.startswith("_") or f.name == "params" or (keys is not None and f.name not in keys):
             continue
-        if f.name in ("data", "validation", "ray", "method", "policies", "peers"):
+        if f.name in ("data", "validation", "ray", "tracking", "method", "policies", "peers"):
             continue  # a section of its own (field types are strings here: name them)
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)

@@ -103,7 +103,8 @@ def probe(
     unbalanced = build_exchange(dataclasses.replace(method, balance=False))  # every candidate, to score more responses
     tmp = Path(tempfile.mkdtemp(prefix="graft_probe_"))
     try:
-        tr = Trainer(dataclasses.replace(pcfg, run_dir=str(tmp / "run")), show_progress=False, reward=reward)
+        quiet = dataclasses.replace(pcfg, run_dir=str(tmp / "run"), report_to=[], tensorboard=False)  # no tracker runs
+        tr = Trainer(quiet, show_progress=False, reward=reward)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

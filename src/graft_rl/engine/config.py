@@ -25,6 +25,7 @@ __all__ = [
     "DataConfig",
     "MethodConfig",
     "PeerRecords",
+    "TrackingConfig",
     "TrainConfig",
     "ValidationConfig",
     "load_config",
@@ -37,15 +38,15 @@ __all__ = [
 class DataConfig:
     """The training data and its reward (docs/tasks.md)."""
 
-    # built-in name, JSONL / parquet / CSV / JSON path, save_to_disk folder, hf:ORG/NAME[:CONFIG][:SPLIT],
-    # or reasoning_gym:NAME[:SIZE[:SEED]]
+    # the training problems: a built-in name, a JSONL / parquet / CSV / JSON file or save_to_disk folder,
+    # hf:ORG/NAME[:CONFIG][:SPLIT] (from the local cache offline), or reasoning_gym:NAME[:SIZE[:SEED]]
     train: str = "math_train"
-    # our field -> the data's column, e.g. {problem: question, answer: label}; other columns go to the reward
+    # the data's column names, ours -> theirs: {problem: question, answer: label}. Other columns reach the reward
     columns: dict = field(default_factory=dict)
-    # the reward: math | gsm8k | gym | a registered name | module:function | path/to/file.py:function;
+    # how responses are scored: math, gsm8k, gym, a registered name, module:function or file.py:function.
     # auto: the dataset's own verifier (gsm8k for gsm8k_*, gym for reasoning_gym:*), math for a user's file
     reward: str = "auto"
-    # a response succeeds (what GRAFT's all-fail / mixed selection counts) when its reward >= this
+    # a response succeeds when its reward >= this. GRAFT's all-fail / mixed selection counts successes
     success_threshold: float = 1.0
     limit: int | None = None  # use only the first N problems (a fixed pool)
     verify_timeout: float = 5.0  # seconds per answer, hard (worker killed after)
@@ -134,6 +135,19 @@ class RayConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Where ``report_to``'s trackers log (docs/tasks.md, "Trackers"); metrics.jsonl is written regardless."""
+
+    project: str = "graft-rl"  # W&B project, MLflow experiment, trackio project
+    name: str | None = None  # the tracker run's name (default: the run directory's name)
+    completions_every: int = 10  # steps between tables of sampled completions (grafted responses first)
+    completions_rows: int = 16  # rows per receiver in a table
+    # online | offline; default: WANDB_MODE, else online with an API key and offline without one
+    wandb_mode: str | None = None
+    mlflow_uri: str | None = None  # tracking URI (default: MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns)
+
+
+@dataclass
 class PeerRecords:
     """A peer replayed from a finished run's trajectory records (Section 6.2): never loaded as a model."""
 
@@ -157,7 +171,10 @@ class TrainConfig:
     checkpoint_every: int = 50  # steps; a checkpoint is also written at the end and on Ctrl-C
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
     nonfinite_loss: str = "skip"  # skip (log, keep going) | stop
-    tensorboard: bool = False  # also write metrics to RUN_DIR/tensorboard
+    tensorboard: bool = False  # also write metrics to RUN_DIR/tensorboard (the same as report_to: [tensorboard])
+    # experiment trackers that also get the metrics, validation and completions: tensorboard, wandb, mlflow, trackio
+    report_to: list[str] = field(default_factory=list)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # torch CPU threads of this process (in-process policies); null = torch's default, the cores it may use.
     # Two runs sharing cores: give each half (`torch_threads=1` on 2 cores). Ray actors: ray.torch_threads.
     torch_threads: int | None = None
@@ -187,6 +204,7 @@ class TrainConfig:
         if self.peers:
             method.with_stored_peers(self.method)
         self._validate_sizes()
+        self._validate_tracking()
         self._validate_data_and_validation()
         self._validate_execution()
 
@@ -274,6 +292,25 @@ class TrainConfig:
             raise ConfigError(
                 f"validation.data: two sets are both named {next(x for x in labels if labels.count(x) > 1)!r}; give one a name"
             )
+
+    def _validate_tracking(self) -> None:
+        from graft_rl.engine.trackers import TRACKERS
+
+        bad = [t for t in self.report_to if t not in TRACKERS]
+        if bad:
+            raise ConfigError(f"report_to: unknown tracker {bad[0]!r}; choose from {', '.join(TRACKERS)}")
+        t = self.tracking
+        if t.completions_every < 1 or t.completions_rows < 1:
+            raise ConfigError(
+                f"tracking.completions_every and tracking.completions_rows must be >= 1, got {t.completions_every}, {t.completions_rows}"
+            )
+        if t.wandb_mode not in (None, "online", "offline", "disabled"):
+            raise ConfigError(f"tracking.wandb_mode: online, offline or disabled, got {t.wandb_mode!r}")
+
+    @property
+    def trackers(self) -> list[str]:
+        """``report_to``, with ``tensorboard: true`` (the older key) as ``tensorboard``."""
+        return list(dict.fromkeys([*(["tensorboard"] if self.tensorboard else []), *self.report_to]))
 
     def _validate_execution(self) -> None:
         if not self.ray.collective_timeout > 0:

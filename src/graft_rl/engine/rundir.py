@@ -227,6 +227,8 @@ HARMLESS_KEYS = (
     "checkpoint_every",
     "keep_checkpoints",
     "tensorboard",
+    "report_to",
+    "tracking",
     "execution",
     "ray",
     "validation.every",

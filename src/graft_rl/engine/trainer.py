@@ -40,6 +40,7 @@ from graft_rl.engine.plan import check_resources
 from graft_rl.engine.rollouts import DynamicSamplingError, Rollouts
 from graft_rl.engine.rundir import RunLock, clean_stale, finite_json, write_text_atomic
 from graft_rl.engine.store import RecordStore
+from graft_rl.engine.trackers import Trackers, completion_rows
 from graft_rl.engine.validation import Validation
 from graft_rl.methods import build_method
 from graft_rl.methods.exchange import ReceiverBatch
@@ -144,7 +145,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         self.names = [p.name for p in cfg.policies] + list(self.peers)
         if ckpt is not None:
             self._restore(ckpt)
-        self._tb = self._tensorboard() if cfg.tensorboard else None
+        self.trackers = Trackers(cfg.trackers, self.run_dir, to_dict(cfg), cfg.tracking)
         self._load_validation(cfg)
         # every prompt fits every policy's context (and max_prompt_tokens): one line now, not a crash mid-run
         # and a response never runs past it: a policy whose context cannot hold the longest prompt plus
@@ -195,6 +196,11 @@ class Trainer(Rollouts, Checkpointing, Validation):
         for r, w, inc in zip(batch.rows, upd.weights, upd.included, strict=True):
             r.weight, r.include = w, inc
         self.store.write_exchange(step, name, upd.exchange_rows)
+        if self.trackers.wants_completions(step):
+            rows = completion_rows(
+                step, name, batch.rows, upd.weights, upd.exchange_rows, self.cfg.tracking.completions_rows
+            )
+            self.trackers.add_completions(step, rows)
         stats = upd.stats
         if stats.pop("nonfinite_stop", False):
             raise FloatingPointError(f"step {step}, policy {name!r}: non-finite loss or gradient (nonfinite_loss=stop)")
@@ -314,7 +320,9 @@ class Trainer(Rollouts, Checkpointing, Validation):
         return all_lines
 
     def close(self) -> None:
-        """Release the run-directory lock and any Ray actors and placement groups."""
+        """Release the run-directory lock, the trackers, and any Ray actors and placement groups."""
+        if hasattr(self, "trackers"):
+            self.trackers.finish()
         self.lock.release()
         for handle in self.workers.values():
             handle.close()
@@ -324,19 +332,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             for line in lines:
                 f.write(json.dumps(finite_json(line), default=_json_default) + "\n")
-        if self._tb is not None:
-            for line in lines:
-                for k, v in line.items():
-                    if isinstance(v, (int, float)) and k not in ("step",) and v is not None:
-                        self._tb.add_scalar(f"{line['policy']}/{k}", v, line["step"])
-
-    def _tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            print("graft train: tensorboard is not installed; metrics go to metrics.jsonl only")
-            return None
-        return SummaryWriter(self.run_dir / "tensorboard")
+        self.trackers.log(lines)
 
     @classmethod
     def resume(cls, run_dir: str | Path, show_progress: bool = True, overrides: list[str] | None = None) -> Trainer:

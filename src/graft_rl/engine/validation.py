@@ -118,6 +118,7 @@ class Validation:
         with (self.run_dir / "validation.jsonl").open("a") as f:
             for line in lines:
                 f.write(json.dumps(finite_json(line)) + "\n")
+        self.trackers.log(lines)
         return lines
 
     def _best_from_log(self) -> dict[str, dict]:
