@@ -1,5 +1,6 @@
 """The issue-14 probe, as a user would run it: real ``graft train`` processes on the CPU testbed,
-signals, a concurrent run, a partial directory, an edited config, a torn log, and bad input.
+signals, a concurrent run, a partial directory, an edited config, a torn log, bad input, and (issue
+31) a user's reward function that hangs, raises, breaks its contract, or starts failing mid-run.
 
     python scripts/reliability_probe.py            # ~5 minutes on 2 cores (testbed cached)
 
@@ -311,8 +312,80 @@ def main() -> int:
         if not left
         else f"left: {[' '.join(c.cmdline())[:40] for c in left]}",
     )
+    user_rewards(root, ref_metrics)
     shutil.rmtree(root, ignore_errors=True)
     return 0 if all(ok for _, ok, _ in ROWS) else 1
+
+
+USER_REWARD = """
+import os, time
+from graft_rl.rewards import verify_gsm8k
+
+def same(responses, problems):  # the built-in gsm8k verifier, as a user's function
+    if os.path.exists(os.path.join(os.path.dirname(__file__), "BROKEN")):
+        raise RuntimeError("the user's scorer lost its lookup table")
+    return verify_gsm8k(responses, [p["answer"] for p in problems])
+
+def forever(responses, problems):
+    time.sleep(10**6)
+
+def raises(responses, problems):
+    raise ValueError("unexpected answer format")
+
+def wrong_length(responses, problems):
+    return [1.0, 0.0]
+
+def sometimes_forever(responses, problems):  # hangs on a third of the generated responses
+    if responses[0] != problems[0]["answer"] and len(responses[0]) % 3 == 0:
+        time.sleep(10**6)
+    return verify_gsm8k(responses, [p["answer"] for p in problems])
+"""
+
+
+def user_rewards(root: Path, ref_metrics: list[dict]) -> None:
+    """Issue 31: a user's reward that hangs, raises, or breaks its contract: one line each, no hang, no loss."""
+    (root / "user_reward.py").write_text(USER_REWARD)
+    fn = f"data.reward={root / 'user_reward.py'}"
+    for name, expect in [
+        ("forever", "did not return within 1s"),
+        ("raises", "raised ValueError: unexpected answer format"),
+        ("wrong_length", "reward contract: returned 2 scores for 1 response"),
+    ]:
+        d = root / f"reward_{name}"
+        t0 = time.time()
+        rc, _, err = finish(graft(d, f"{fn}:{name}", "data.verify_timeout=1"), timeout=300)
+        msg = err.strip().splitlines()
+        row(
+            f"data.reward that {name.replace('_', ' ')}s"
+            if name != "wrong_length"
+            else "data.reward of the wrong length",
+            rc == 2 and len(msg) == 1 and expect in msg[0] and not (d / "metrics.jsonl").exists(),
+            f"exit {rc} after {time.time() - t0:.0f} s: {msg[-1] if msg else '(no message)'}",
+        )
+    d = root / "reward_sometimes"
+    rc, _, err = finish(graft(d, f"{fn}:sometimes_forever", "data.verify_timeout=1", "steps=2"), timeout=600)
+    hung = sum(r.get("verify_timeouts", 0) for r in lines(d / "metrics.jsonl"))
+    row(
+        "data.reward that hangs on some responses",
+        rc == 0 and hung > 0,
+        f"exit {rc}; {hung} responses timed out, scored 0, counted",
+    )
+    d = root / "reward_breaks_midrun"
+    p = graft(d, f"{fn}:same")
+    wait_for(lambda: len(lines(d / "metrics.jsonl")) >= 6 or p.poll() is not None)  # step 3 written
+    (root / "BROKEN").write_text("")  # from the next scoring on, every call raises
+    rc1, _, err = finish(p)
+    kept = len(lines(d / "metrics.jsonl"))
+    (root / "BROKEN").unlink()
+    rc2, _, _ = finish(graft(d, resume=True))
+    same = strip(lines(d / "metrics.jsonl")) == ref_metrics
+    msg = err.strip().splitlines()
+    row(
+        "data.reward that starts failing mid-run, fixed, --resume",
+        rc1 == 2 and len(msg) == 1 and "failed on every response" in msg[0] and rc2 == 0 and same,
+        f"exit {rc1} with {kept} metric lines kept ({msg[-1][:80] if msg else '-'}...), then {rc2}; identical to "
+        f"the built-in verifier's uninterrupted run: {same}",
+    )
 
 
 if __name__ == "__main__":

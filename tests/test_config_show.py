@@ -43,3 +43,21 @@ def test_the_command_prints_and_refuses_what_it_does_not_know(capsys):
 @pytest.mark.parametrize("what", [None, *SECTIONS])
 def test_every_listing_fits_100_columns(what):
     assert all(len(line) <= 100 for line in show(what).splitlines() if not line.startswith("methods:"))
+
+
+def test_config_init_writes_a_commented_starter_that_loads(tmp_path, capsys, tiny_pair):
+    from graft_rl.engine.config import load_config
+
+    path = tmp_path / "my_task.yaml"
+    assert main(["config", "init", str(path)]) == 0
+    text = path.read_text()
+    assert "# your reward: path/to/file.py:function" in text and "success_threshold: 1.0" in text
+    cfg = load_config(path)
+    assert cfg.data.reward == "my_reward.py:reward" and cfg.run_dir == "runs/my_task" and len(cfg.policies) == 2
+    assert main(["config", "init", str(path)]) == 2  # never replaced without --force
+    assert "exists; give another path or --force" in capsys.readouterr().err
+    args = ["--data", "d.parquet", "--reward", "r.py:f", "--models", str(tiny_pair[0]), str(tiny_pair[1]), "--force"]
+    assert main(["config", "init", str(path), *args]) == 0
+    cfg = load_config(path)
+    assert (cfg.data.train, cfg.data.reward) == ("d.parquet", "r.py:f")
+    assert [p.model for p in cfg.policies] == [str(tiny_pair[0]), str(tiny_pair[1])]

@@ -21,8 +21,11 @@ def _check(problems, n=6):
     assert len(problems) == n
     assert [p.problem for p in problems] == [r["question"] for r in ROWS[:n]]
     assert [p.answer for p in problems] == [str(r["label"]) for r in ROWS[:n]]  # numbers become text
-    assert problems[4].extra == {"difficulty": "hard"}  # kept for the reward
-    assert problems[4].row()["difficulty"] == "hard" and problems[4].row()["answer"] == "8"
+    assert problems[4].extra["difficulty"] == "hard"  # kept for the reward, with the mapped columns' own names
+    row = problems[4].row()
+    assert (
+        row["difficulty"] == "hard" and row["answer"] == "8" and row["label"] == 8 and row["question"] == row["problem"]
+    )
     assert len({p.id for p in problems}) == n
 
 

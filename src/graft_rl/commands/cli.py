@@ -28,14 +28,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_probe_seeds_plan(sub)
     _add_preflight_analyze(sub)
-    c = sub.add_parser("config", help="list every config key with its default and meaning")
-    c.add_argument("action", choices=["show"])
+    c = sub.add_parser(
+        "config",
+        help="show: every config key with its default and meaning; init: a commented starter config for your task",
+    )
+    c.add_argument("action", choices=["show", "init"])
     c.add_argument(
         "what",
         nargs="?",
         default=None,
-        help="a section (run, data, validation, ray, method, policies, peers) or a method name",
+        help="show: a section (run, data, validation, ray, tracking, method, policies, peers) or a method name; "
+        "init: the file to write (default graft.yaml)",
     )
+    c.add_argument("--data", default=None, help="init: your training data (file, folder or hf:ORG/NAME)")
+    c.add_argument("--reward", default=None, help="init: your reward, path/to/file.py:function or module:function")
+    c.add_argument("--models", nargs=2, default=None, metavar=("A", "B"), help="init: the two models")
+    c.add_argument("--force", action="store_true", help="init: replace an existing file")
     return parser
 
 
@@ -152,6 +160,7 @@ def _train(ns) -> int:
     from graft_rl.engine.store import RecordError
     from graft_rl.engine.trainer import DynamicSamplingError, Trainer
     from graft_rl.policy import PolicyError
+    from graft_rl.rewards import RewardError
 
     overrides = list(ns.overrides)
     config = ns.config
@@ -181,6 +190,7 @@ def _train(ns) -> int:
         RunDirError,
         FloatingPointError,
         DynamicSamplingError,
+        RewardError,
     ) as exc:
         print(f"graft train: {exc}", file=sys.stderr)
         return 2
@@ -262,6 +272,7 @@ def _probe(ns) -> int:
     from graft_rl.data import DatasetError
     from graft_rl.engine.config import ConfigError, load_config
     from graft_rl.policy import PolicyError
+    from graft_rl.rewards import RewardError
 
     overrides, config = list(ns.overrides), ns.config
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
@@ -275,7 +286,7 @@ def _probe(ns) -> int:
         else:
             cfg = load_config(config, overrides)
         res = probe(cfg, ns.limit, ns.out, show=not ns.no_progress)
-    except (ConfigError, DatasetError, PolicyError, ProbeError) as exc:
+    except (ConfigError, DatasetError, PolicyError, ProbeError, RewardError) as exc:
         print(f"graft probe: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -383,7 +394,13 @@ def _config(ns) -> int:
     from graft_rl.errors import ConfigError
 
     try:
-        print(show(ns.what))
+        if ns.action == "init":
+            from graft_rl.commands.starter import write_starter
+
+            out = write_starter(ns.what or "graft.yaml", ns.data, ns.reward, ns.models, ns.force)
+            print(f"graft config init: wrote {out}; edit it, then: graft probe {out}")
+        else:
+            print(show(ns.what))
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2

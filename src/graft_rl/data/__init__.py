@@ -126,15 +126,15 @@ def content_id(problem: str) -> str:
 
 
 def _mapped(obj: dict, columns: Mapping[str, str] | None, where: str) -> dict:
-    """The row with the user's column names mapped to ours (``columns``: our name -> theirs)."""
+    """The row with the user's columns also under our names (``columns``: our name -> theirs); the
+    originals stay, so a reward function reads the row by the names its author gave them."""
     if not columns:
         return obj
     obj = dict(obj)
     for ours, theirs in columns.items():
         if theirs not in obj:
             raise DatasetError(f"{where}: row has no {theirs!r} column (data.columns maps {ours} to it)")
-        if ours != theirs:
-            obj[ours] = obj.pop(theirs)
+        obj[ours] = obj[theirs]
     return obj
 
 
