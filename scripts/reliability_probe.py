@@ -346,19 +346,17 @@ def user_rewards(root: Path, ref_metrics: list[dict]) -> None:
     """Issue 31: a user's reward that hangs, raises, or breaks its contract: one line each, no hang, no loss."""
     (root / "user_reward.py").write_text(USER_REWARD)
     fn = f"data.reward={root / 'user_reward.py'}"
-    for name, expect in [
-        ("forever", "did not return within 1s"),
-        ("raises", "raised ValueError: unexpected answer format"),
-        ("wrong_length", "reward contract: returned 2 scores for 1 response"),
+    for name, what, expect in [
+        ("forever", "sleeps forever", "did not return within 1s"),
+        ("raises", "raises", "raised ValueError: unexpected answer format"),
+        ("wrong_length", "returns the wrong length", "reward contract: returned 2 scores for 1 response"),
     ]:
         d = root / f"reward_{name}"
         t0 = time.time()
         rc, _, err = finish(graft(d, f"{fn}:{name}", "data.verify_timeout=1"), timeout=300)
         msg = err.strip().splitlines()
         row(
-            f"data.reward that {name.replace('_', ' ')}s"
-            if name != "wrong_length"
-            else "data.reward of the wrong length",
+            f"data.reward that {what}",
             rc == 2 and len(msg) == 1 and expect in msg[0] and not (d / "metrics.jsonl").exists(),
             f"exit {rc} after {time.time() - t0:.0f} s: {msg[-1] if msg else '(no message)'}",
         )

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 PANELS = [
     ("reward_mean", "training reward (mean)"),
-    ("val/heldout", "held-out pass@1 (validation)"),
+    ("val.heldout", "held-out pass@1 (validation)"),
     ("exchanged_in", "grafted groups received per step"),
 ]
 

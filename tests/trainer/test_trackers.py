@@ -76,7 +76,7 @@ def test_wandb_offline_and_an_mlflow_file_store_get_everything(make_cfg, tiny_da
     assert run.data.params["method.name"] == "graft" and run.data.params["n"] == "4"
     loss = {m.step: m.value for m in client.get_metric_history(run_id, "A/loss")}
     assert loss == pytest.approx({s: truth[(s, "A")]["loss"] for s in (1, 2)})
-    assert [m.step for m in client.get_metric_history(run_id, "B/val/score")] == [0, 1, 2]
+    assert [m.step for m in client.get_metric_history(run_id, "B/val.score")] == [0, 1, 2]
     assert {m.step for m in client.get_metric_history(run_id, "A/exchanged_in")} == {1, 2}
     table = json.loads(
         (run_dir / "mlruns").joinpath(*_artifact_parts(run)).joinpath("completions/step_000001.json").read_text()

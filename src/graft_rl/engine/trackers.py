@@ -10,7 +10,8 @@ not installed, or fails at any call, is one line and is off for the rest of the 
 
 Offline by default where a service would be needed: W&B runs offline unless it has an API key (or
 ``WANDB_MODE``/``tracking.wandb_mode`` says otherwise), MLflow writes a file store in
-``RUN_DIR/mlruns`` unless ``MLFLOW_TRACKING_URI``/``tracking.mlflow_uri`` names a server. A resumed
+``RUN_DIR/mlruns`` unless ``MLFLOW_TRACKING_URI``/``tracking.mlflow_uri`` names a server (its metric
+names write the ``/`` after the policy as ``.``: ``A/val.heldout.first``, as its file store needs). A resumed
 run continues the same tracker run (ids kept in ``RUN_DIR/trackers.json``).
 """
 
@@ -22,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-__all__ = ["TRACKERS", "Trackers", "completion_rows"]
+__all__ = ["TRACKERS", "Trackers", "completion_rows", "mlflow_key"]
 
 #: the names ``report_to`` accepts
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
@@ -176,7 +177,7 @@ class _Mlflow(_Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_key(k), v, now, step) for k, v in values.items()])
 
     def table(self, step, rows):
         cols = list(rows[0])
@@ -186,6 +187,13 @@ class _Mlflow(_Tracker):
 
     def finish(self):
         self.client.set_terminated(self.run_id)
+
+
+def mlflow_key(key: str) -> str:
+    """``POLICY/val/set/family`` as ``POLICY/val.set.family``: MLflow's file store makes each ``/`` a
+    folder, so ``val/set`` (a file) and ``val/set/family`` (inside a folder of that name) cannot both be."""
+    policy, _, rest = key.partition("/")
+    return f"{policy}/{rest.replace('/', '.')}" if rest else key
 
 
 class _Trackio(_Tracker):
