@@ -159,3 +159,40 @@ def test_tensorboard_gets_the_same_scalars(make_cfg, tiny_data, fake_rewards):
     acc = EventAccumulator(str(tr.run_dir / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("A/loss")] == [1, 2] and "completions" in "".join(acc.Tags()["tensors"])
+
+
+@pytest.mark.slow  # a fresh process importing trackio: ~25 s
+def test_trackio_writes_its_local_store(make_cfg, tiny_data, tmp_path):
+    """trackio reads its folder (TRACKIO_DIR) once, at import: a fresh process with its own folder."""
+    pytest.importorskip("trackio")
+    import subprocess
+    import textwrap
+
+    from graft_rl.engine.config import to_dict
+
+    (tmp_path / "parity.py").write_text(
+        "def parity(responses, problems):\n    return [float(len(r) % 2) for r in responses]\n"
+    )
+    cfg = _cfg(
+        make_cfg, tiny_data, ["trackio"], data={"train": str(tiny_data), "reward": f"{tmp_path / 'parity.py'}:parity"}
+    )
+    script = textwrap.dedent(
+        f"""
+        import json
+        from graft_rl import Trainer, load_config
+        tr = Trainer(load_config(json.loads({json.dumps(json.dumps(to_dict(cfg)))})), show_progress=False)
+        try:
+            tr.run()
+        finally:
+            tr.close()
+        from trackio.sqlite_storage import SQLiteStorage
+        logs = SQLiteStorage.get_logs("graft-rl", "run")
+        print("LOSS", sorted((r["step"], round(r["A/loss"], 6)) for r in logs if "A/loss" in r))
+        """
+    )
+    env = {**__import__("os").environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    truth = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    want = sorted((ln["step"], round(ln["loss"], 6)) for ln in truth if ln["policy"] == "A")
+    assert len(want) == 2 and f"LOSS {want}" in res.stdout

@@ -169,3 +169,11 @@ def test_a_reward_by_path_under_ray(task, tiny_pair, tmp_path, ray_local):
     finally:
         tr.close()
     _check_run(run)  # validation ran in the policies' actors, with the same reward
+    from graft_rl import run_eval
+
+    res = run_eval(str(run), samples=2, runs=1, max_new_tokens=4, show=False, replicas=2)  # two Ray replicas
+    assert {b: p["pass@1_mean"] for b, p in res["policies"]["B"]["benchmarks"].items()} == {
+        "heldout": 1.0,
+        "numbers": 0.0,
+    }
+    assert all(g.success == [True] * g.n for g in RecordStore(run).read("B", 2))  # recorded per response

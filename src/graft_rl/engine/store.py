@@ -2,7 +2,7 @@
 
 Layout: ``RUN_DIR/records/<policy>/step_<step:06d>.parquet``. One row per response: step,
 prompt id, prompt text, policy, group position, response text, token ids, generation
-log-probs, reward, finish reason. A file is written to a temporary name and renamed, so a
+log-probs, reward, finish reason, success (``reward >= data.success_threshold``). A file is written to a temporary name and renamed, so a
 crash never leaves a half-written record. A later run replays a peer from these records
 (Section 6.2) by prompt id, refusing a mismatched prompt text.
 """
@@ -31,6 +31,7 @@ SCHEMA = pa.schema(
         ("gen_logprobs", pa.list_(pa.float32())),
         ("reward", pa.float32()),
         ("finish_reason", pa.string()),
+        ("success", pa.bool_()),  # reward >= data.success_threshold (null where not scored; absent in older records)
     ]
 )
 
@@ -93,6 +94,7 @@ class RecordStore:
             if g.policy != policy:
                 raise RecordError(f"step {step}: groups from {policy!r} and {g.policy!r} in one record file")
             rewards = g.rewards or [float("nan")] * g.n
+            success = g.success if len(g.success) == g.n else [None] * g.n
             for i in range(g.n):
                 cols["step"].append(step)
                 cols["prompt_id"].append(g.prompt_id)
@@ -104,6 +106,7 @@ class RecordStore:
                 cols["gen_logprobs"].append(g.gen_logprobs[i])
                 cols["reward"].append(rewards[i])
                 cols["finish_reason"].append(g.finish_reasons[i])
+                cols["success"].append(success[i])
         return _write_atomic(pa.table(cols, schema=SCHEMA), self.path(policy, step))
 
     def write_exchange(self, step: int, receiver: str, rows: list[dict]) -> Path | None:
@@ -147,15 +150,27 @@ class RecordStore:
         groups: dict[str, dict] = {}
         for r in rows:
             g = groups.setdefault(
-                r["prompt_id"], {"prompt": r["prompt"], "texts": [], "ids": [], "lps": [], "fin": [], "rew": []}
+                r["prompt_id"],
+                {"prompt": r["prompt"], "texts": [], "ids": [], "lps": [], "fin": [], "rew": [], "ok": []},
             )
             g["texts"].append(r["response"])
             g["ids"].append(r["token_ids"])
             g["lps"].append(r["gen_logprobs"])
             g["fin"].append(r["finish_reason"])
             g["rew"].append(r["reward"])
+            g["ok"].append(r.get("success"))
         return [
-            RolloutGroup(pid, g["prompt"], policy, g["texts"], g["ids"], g["lps"], g["fin"], g["rew"])
+            RolloutGroup(
+                pid,
+                g["prompt"],
+                policy,
+                g["texts"],
+                g["ids"],
+                g["lps"],
+                g["fin"],
+                g["rew"],
+                g["ok"] if None not in g["ok"] else [],
+            )
             for pid, g in groups.items()
         ]
 

@@ -204,21 +204,27 @@ class _Trackio(_Tracker):
         import trackio
 
         self.trackio = trackio
-        trackio.init(
-            project=self.tracking.project, name=self.tracking.name or self.run_dir.name, config=self.cfg, resume="allow"
+        self.run = trackio.init(
+            project=self.tracking.project,
+            name=self.tracking.name or self.run_dir.name,
+            config=self.cfg,
+            resume="allow",
+            embed=False,
+            auto_log_cpu=False,
+            auto_log_gpu=False,
         )
 
     def log(self, step, values):
-        self.trackio.log(values, step=step)
+        self.run.log(values, step=step)
 
     def table(self, step, rows):
         cols = list(rows[0])
-        self.trackio.log(
+        self.run.log(
             {"completions": self.trackio.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])}, step=step
         )
 
     def finish(self):
-        self.trackio.finish()
+        self.run.finish()
 
 
 _CLASSES = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow, "trackio": _Trackio}
