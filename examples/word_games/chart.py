@@ -23,6 +23,7 @@ PANELS = [
     ("reward_mean", "training reward (mean)"),
     ("val.heldout", "held-out pass@1 (validation)"),
     ("exchanged_in", "grafted groups received per step"),
+    ("admitted_frac", "their responses the gate admitted"),
 ]
 
 
@@ -42,7 +43,7 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("word_games.png"))
     args = ap.parse_args()
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(3.8 * len(PANELS), 3.4))
     styles = ["-", "--", ":"]
     for r, run_dir in enumerate(args.runs):
         method, hist = history(run_dir)
