@@ -153,3 +153,17 @@ def test_a_reward_that_cannot_be_loaded_is_one_line(user_module, spec, message):
 def test_builtins_keep_their_names_and_scores():
     r = resolve_reward("gsm8k")
     assert r.builtin and r.score(["\\boxed{2}", "#### 5"], ROWS)[0] == [1.0, 0.0]
+
+
+def test_the_old_key_data_verifier_still_reads_as_data_reward():
+    from graft_rl.engine.config import ConfigError, load_config
+
+    base = {"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}}
+    assert load_config({**base, "data": {"verifier": "gsm8k"}}).data.reward == "gsm8k"
+    assert load_config({**base, "data": {"verifier": "math", "reward": "math"}}).data.reward == "math"
+    with pytest.raises(
+        ConfigError, match=r"data.verifier \('math'\) is the old name of data.reward \('gsm8k'\); give one"
+    ):
+        load_config({**base, "data": {"verifier": "math", "reward": "gsm8k"}})
+    with pytest.raises(ConfigError, match=r"data.success_threshold: expected a number"):
+        load_config({**base, "data": {"success_threshold": "high"}})
