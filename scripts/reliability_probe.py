@@ -265,6 +265,10 @@ def main() -> int:
         "method.eps_low=-1",
         "method.luffy_gamma=0.3",
         "policies.0.lr=nan",
+        "temperature=.inf",  # issue 33: accepted before (every gradient 0)
+        "policies.0.name=Org/Model",  # issue 33: failed later with "cannot write .../best"
+        "policies.0.name=..",
+        "data.train=reasoning_gym:chain_sum:abc",  # issue 33: a ValueError traceback before
     ]:
         d = root / f"bad_{abs(hash(over))}"
         rc, _, err = finish(graft(d, over))
@@ -313,8 +317,33 @@ def main() -> int:
         else f"left: {[' '.join(c.cmdline())[:40] for c in left]}",
     )
     user_rewards(root, ref_metrics)
+    lock_and_steps(root)
     shutil.rmtree(root, ignore_errors=True)
     return 0 if all(ok for _, ok, _ in ROWS) else 1
+
+
+def lock_and_steps(root: Path) -> None:
+    """Issue 33: a deleted RUN_DIR/.lock does not let a second writer in; --resume cannot lower steps."""
+    d = root / "lock_deleted"
+    p = graft(d, "steps=20")
+    wait_for(lambda: len(lines(d / "metrics.jsonl")) >= 2 or p.poll() is not None)
+    (d / ".lock").unlink()
+    rc2, _, err2 = finish(graft(d, resume=True))
+    p.send_signal(signal.SIGINT)
+    rc1, _, _ = finish(p)
+    steps = [(r["step"], r["policy"]) for r in lines(d / "metrics.jsonl")]
+    row(
+        "second graft train after RUN_DIR/.lock was deleted",
+        rc2 == 2 and "in use by another graft train" in err2 and rc1 == 130 and len(steps) == len(set(steps)),
+        (err2.strip().splitlines() or ["(no message)"])[-1].replace(str(root), "PROBE"),
+    )
+    before = (d / "config.yaml").read_text()
+    rc, _, err = finish(graft(d, "steps=1", resume=True))
+    row(
+        "--resume steps=1 on a run past step 1",
+        rc == 2 and "not lower them" in err and (d / "config.yaml").read_text() == before,
+        (err.strip().splitlines() or ["(no message)"])[-1].replace(str(root), "PROBE"),
+    )
 
 
 USER_REWARD = """

@@ -233,6 +233,21 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_holder(cfg_for
     Trainer.resume(first.run_dir, show_progress=False).close()  # free again once the run has stopped
 
 
+def test_a_deleted_lock_file_does_not_let_a_second_writer_in(cfg_for, fake_rewards):
+    """Issue 33: the lock is the OS's, on the run directory; RUN_DIR/.lock only names the holder."""
+    first = Trainer(cfg_for("unlocked"), show_progress=False)
+    try:
+        (first.run_dir / ".lock").unlink()
+        with pytest.raises(RunDirError, match=r"is in use by another graft train \(pid \?\)"):
+            Trainer.resume(first.run_dir, show_progress=False)
+        (first.run_dir / ".lock").write_text("12345\n")  # a replaced pid file: still refused
+        with pytest.raises(RunDirError, match=r"in use by another graft train \(pid 12345\)"):
+            Trainer.resume(first.run_dir, show_progress=False)
+    finally:
+        first.close()
+    Trainer.resume(first.run_dir, show_progress=False).close()
+
+
 def test_a_fresh_run_refuses_a_partial_directory_and_resume_restarts_it(cfg_for, fake_eval, monkeypatch):
     tr = Trainer(cfg_for("partial"), show_progress=False)
     real = Trainer._train_receiver
@@ -417,7 +432,17 @@ BAD = [
     (["policies.5.lr=1"], "policies has 2 entries"),
     (["policies.x.lr=1"], "policies is a list; index it with a number"),
     (["steps.x=1"], "steps is a value"),
-    (["temperature=-1"], "temperature must be > 0"),
+    (["temperature=-1"], "temperature must be a finite number > 0"),
+    (["temperature=.inf"], "temperature must be a finite number > 0, got inf"),  # issue 33: every gradient 0
+    (["validation.temperature=.inf"], "validation.temperature must be a finite number > 0"),
+    (["policies.0.name=Org/Model"], "policies.0.name 'Org/Model': a policy name is letters, digits"),
+    (["policies.0.name=.."], "policies.0.name '..': a policy name is"),
+    (['policies.0.name=""'], "policies.0.name '': a policy name is"),
+    ([" policies.5.lr=1"], "policies has 2 entries"),  # a leading space: the key, not an empty first part
+    (
+        ["data.train=reasoning_gym:chain_sum:abc"],
+        "reasoning_gym:chain_sum:abc: expected reasoning_gym:NAME[:SIZE[:SEED]]",
+    ),
     (["validation.every=0"], "validation.every must be >= 1"),
     (["steps=0"], "steps must be >= 1"),
     (["steps=-1"], "steps must be >= 1"),
@@ -443,6 +468,29 @@ def test_bad_input_is_one_line_and_writes_nothing(overrides, message, cfg_for, t
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0], err
     assert not run_dir.exists()
+
+
+def test_a_config_that_is_not_utf8_or_is_a_directory_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("run_dir: r\n# caf\xe9\n".encode("latin-1"))
+    assert main(["train", str(bad), "--no-progress"]) == 2
+    assert main(["train", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "latin1.yaml: not UTF-8 text (byte" in err[0], err
+    assert f"{tmp_path} is a directory, not a config file (to continue a run in it: graft train --resume" in err[1]
+
+
+def test_resume_with_fewer_steps_than_done_is_refused_and_changes_nothing(cfg_for, fake_rewards):
+    """Issue 33: `--resume steps=2` on a run at step 4 exited 0 and rewrote config.yaml to steps: 2."""
+    tr = Trainer(cfg_for("shorter", steps=4), show_progress=False)
+    tr.run()
+    tr.close()
+    before = (tr.run_dir / "config.yaml").read_text()
+    with pytest.raises(
+        ConfigError, match=r"has done 4 steps \(checkpoint step_000004\) and would stop at 2; .* not lower"
+    ):
+        Trainer.resume(tr.run_dir, show_progress=False, overrides=["steps=2"])
+    assert (tr.run_dir / "config.yaml").read_text() == before
 
 
 def test_disk_full_while_logging_is_one_line(cfg_for, fake_rewards, monkeypatch, tmp_path, capsys):

@@ -138,8 +138,16 @@ class Checkpointing:
         return None
 
     def _check_config(self, ckpt: Path) -> None:
-        """Refuse to resume with a config whose results would differ from the checkpointed run's."""
-        saved = json.loads((ckpt / "trainer_state.json").read_text()).get("config")
+        """Refuse to resume with a config whose results would differ from the checkpointed run's, or
+        with fewer steps than the checkpoint has done (it would rewrite config.yaml to a shorter run)."""
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        done = int(state["step"])
+        if self.total_steps < done:
+            raise ConfigError(
+                f"{self.run_dir}: the run has done {done} steps (checkpoint {ckpt.name}) and would stop at "
+                f"{self.total_steps}; a resumed run may raise steps (or epochs), not lower them"
+            )
+        saved = state.get("config")
         if saved is None:
             return  # a checkpoint from before configs were recorded in it
         changes = config_changes(_normalised(saved), to_dict(self.cfg))

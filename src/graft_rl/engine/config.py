@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +56,9 @@ class DataConfig:
     # counted (metrics: verify_over_budget), so pathological answers cannot stall a step for hours
     verify_budget: float = 300.0
 
+
+#: what a policy name may be: it names folders of the run directory
+POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 #: the fields data.columns may map (our name -> the data's column)
 COLUMN_FIELDS = ("id", "problem", "answer", "solution", "level", "subject", "source")
@@ -196,6 +201,13 @@ class TrainConfig:
         if not self.policies:
             raise ConfigError("policies: at least one policy is required")
         names = [p.name for p in self.policies] + [p.name or p.policy for p in self.peers]
+        for i, name in enumerate(names):
+            if not isinstance(name, str) or not POLICY_NAME.fullmatch(name):
+                where = f"policies.{i}.name" if i < len(self.policies) else f"peers.{i - len(self.policies)}.name"
+                raise ConfigError(
+                    f"{where} {name!r}: a policy name is letters, digits, '.', '_' and '-', starting with a letter or "
+                    "digit (it names folders: RUN_DIR/best/NAME, checkpoints/step_N/NAME, records/NAME)"
+                )
         if len(set(names)) != len(names):
             raise ConfigError(f"policies/peers: names must be unique, got {names}")
         method = method_class(self.method.name)
@@ -226,8 +238,8 @@ class TrainConfig:
             raise ConfigError(
                 f"n must be >= 2: GRPO's group-relative advantage of a single response is 0, so n={self.n} trains nothing"
             )
-        if not self.temperature > 0:
-            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:
+            raise ConfigError(f"temperature must be a finite number > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.torch_threads is not None and self.torch_threads < 1:
@@ -245,9 +257,10 @@ class TrainConfig:
         for key in ("every", "samples", "max_new_tokens"):
             if getattr(v, key) < 1:
                 raise ConfigError(f"validation.{key} must be >= 1, got {getattr(v, key)}")
-        if not v.temperature > 0 or not 0 < v.top_p <= 1:
+        if not 0 < v.temperature < math.inf or not 0 < v.top_p <= 1:
             raise ConfigError(
-                f"validation.temperature must be > 0 and validation.top_p in (0, 1], got {v.temperature}, {v.top_p}"
+                f"validation.temperature must be a finite number > 0 and validation.top_p in (0, 1], got "
+                f"{v.temperature}, {v.top_p}"
             )
         if not self.data.verify_timeout > 0 or not self.data.verify_budget > 0:
             raise ConfigError(
@@ -425,6 +438,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value")
         key, raw = item.split("=", 1)
+        key = key.strip()  # " policies.0.lr=1" from a shell line names the key, not an empty first part
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:
@@ -462,10 +476,14 @@ def _merge(base: dict, top: dict) -> dict:
 
 def _read_yaml(p: Path, depth: int = 0) -> dict:
     """Read a YAML config; a ``base: FILE`` key (relative to this file) is loaded first and deep-merged under it."""
+    if p.is_dir():
+        raise ConfigError(f"{p} is a directory, not a config file (to continue a run in it: graft train --resume {p})")
     if not p.is_file():
         raise ConfigError(f"config file {p} not found")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}); a config is a YAML file") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict):

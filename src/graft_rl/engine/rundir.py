@@ -13,6 +13,7 @@ Guarantees (tested in ``tests/trainer/test_reliability.py``, summarised in docs/
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -47,26 +48,34 @@ class RunDirError(ValueError):
 
 
 class RunLock:
-    """An exclusive, non-blocking lock on ``RUN_DIR/.lock`` (released on close or process exit)."""
+    """An exclusive, non-blocking OS lock (``flock``) on the run directory itself, held until close or
+    process exit. ``RUN_DIR/.lock`` only carries the holder's pid for the message: deleting it (or the
+    whole file being replaced) cannot let a second writer in, since the lock is on the directory."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / ".lock"
+        self.dir = Path(run_dir)
+        self.path = self.dir / ".lock"
         self.fd: int | None = None
 
     def acquire(self) -> None:
         if self.fd is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise RunDirError(f"run_dir {self.path.parent} is in use by another graft train (pid {holder})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                holder = self.path.read_text().strip() or "?"
+            except (OSError, UnicodeDecodeError):
+                holder = "?"
+            raise RunDirError(f"run_dir {self.dir} is in use by another graft train (pid {holder})") from None
         self.fd = fd
+        with contextlib.suppress(
+            OSError
+        ):  # the pid is for the message only; a read-only directory fails later, in one line
+            write_text_atomic(self.path, f"{os.getpid()}\n")
 
     def release(self) -> None:
         if self.fd is not None:
