@@ -329,7 +329,7 @@ def _pattern_trainer(names_seen: dict):
                 names_seen[key] = names_seen.get(key, 0) + int(st.get(key, 0) or 0)
             for i, g in enumerate(groups):
                 g.rewards = pattern_rewards(i, self.names.index(g.policy), g.n)
-                g.success = [r >= self.cfg.data.success_threshold for r in g.rewards]
+                g.success = self.reward.successes(g.rewards)
             return st
 
     return PreflightTrainer

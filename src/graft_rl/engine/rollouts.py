@@ -61,9 +61,8 @@ class Rollouts:
         """Score the groups (the run's reward, or the scorer the trainer was given) and mark each
         response's success: ``reward >= data.success_threshold``."""
         stats = (self.scorer or self.score_groups)(groups)
-        threshold = self.cfg.data.success_threshold
         for g in groups:
-            g.success = [r >= threshold for r in g.rewards]
+            g.success = self.reward.successes(g.rewards)
         return stats
 
     def score_groups(self, groups: list[RolloutGroup]) -> dict:

@@ -96,7 +96,24 @@ class _TensorBoard(_Tracker):
         self.w.close()
 
 
-class _Wandb(_Tracker):
+class _RunTracker(_Tracker):
+    """A tracker whose ``run`` object logs a step's values and finishes (W&B's and trackio's API)."""
+
+    run = None
+
+    def log(self, step, values):
+        self.run.log(values, step=step)
+
+    def finish(self):
+        self.run.finish()
+
+
+def _table(table_cls, rows: list[dict]):
+    cols = list(rows[0])
+    return table_cls(columns=cols, data=[[r[c] for c in cols] for r in rows])
+
+
+class _Wandb(_RunTracker):
     name = "wandb"
 
     def __init__(self, *a):
@@ -124,17 +141,8 @@ class _Wandb(_Tracker):
             settings=wandb.Settings(console="off", silent=True),
         )
 
-    def log(self, step, values):
-        self.run.log(values, step=step)
-
     def table(self, step, rows):
-        cols = list(rows[0])
-        self.run.log(
-            {"completions": self.wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])}, step=step
-        )
-
-    def finish(self):
-        self.run.finish()
+        self.run.log({"completions": _table(self.wandb.Table, rows)}, step=step)
 
 
 def _netrc() -> str:
@@ -196,7 +204,7 @@ def mlflow_key(key: str) -> str:
     return f"{policy}/{rest.replace('/', '.')}" if rest else key
 
 
-class _Trackio(_Tracker):
+class _Trackio(_RunTracker):
     name = "trackio"
 
     def __init__(self, *a):
@@ -214,17 +222,8 @@ class _Trackio(_Tracker):
             auto_log_gpu=False,
         )
 
-    def log(self, step, values):
-        self.run.log(values, step=step)
-
     def table(self, step, rows):
-        cols = list(rows[0])
-        self.run.log(
-            {"completions": self.trackio.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])}, step=step
-        )
-
-    def finish(self):
-        self.run.finish()
+        self.run.log({"completions": _table(self.trackio.Table, rows)}, step=step)
 
 
 _CLASSES = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow, "trackio": _Trackio}

@@ -92,9 +92,7 @@ def success_counts(groups: list[RolloutGroup]) -> torch.Tensor:
 
 def successes(group: RolloutGroup) -> list[float]:
     """1.0 per successful response (``reward >= data.success_threshold``, as the trainer marked it), else 0.0."""
-    if len(group.success) == group.n:
-        return [float(x) for x in group.success]
-    return [float(r > 0) for r in group.rewards]
+    return [float(x) for x in group.succeeded]
 
 
 def group_rewards(groups: list[RolloutGroup]) -> torch.Tensor:

@@ -78,12 +78,14 @@ class RolloutGroup:
         return len(self.texts)
 
     @property
+    def succeeded(self) -> list[bool]:
+        """Per response: ``success`` where the trainer set it, else ``reward > 0`` (rewards must be set)."""
+        return list(self.success) if len(self.success) == len(self.rewards) else [r > 0 for r in self.rewards]
+
+    @property
     def k(self) -> int:
-        """Number of successful responses: ``success`` where the trainer set it, else ``reward > 0``
-        (rewards must be set)."""
-        if len(self.success) == len(self.rewards):
-            return sum(self.success)
-        return int(sum(1 for r in self.rewards if r > 0))
+        """Number of successful responses (:attr:`succeeded`)."""
+        return sum(self.succeeded)
 
     @property
     def truncated(self) -> list[bool]:

@@ -34,7 +34,7 @@ __all__ = ["BUILTIN_REWARDS", "Reward", "RewardError", "register_reward", "resol
 #: The built-in verifiers (binary): math-verify on the last box, one number, reasoning-gym's own scoring.
 BUILTIN_REWARDS = ("math", "gsm8k", "gym")
 
-_REGISTRY: dict[str, str | Callable] = {}
+_REGISTRY: dict[str, Callable] = {}
 
 
 class RewardError(ValueError):
@@ -210,7 +210,7 @@ def resolve_reward(spec: str | Callable | Reward, threshold: float = 1.0) -> Rew
             "give it again (Trainer(cfg, resume=True, reward=FUNCTION)), or name an importable module:function"
         )
     if spec in _REGISTRY:
-        return _from_callable(_REGISTRY[spec], threshold, name=spec)  # type: ignore[arg-type]
+        return _from_callable(_REGISTRY[spec], threshold, name=spec)
     if ":" not in spec:
         raise RewardError(
             f"data.reward {spec!r}: not a reward name ({', '.join(registered_rewards())}) nor module:function"
