@@ -23,7 +23,15 @@ then measures, each in its own row of a Markdown table (``--skip`` name in brack
    optimiser step, then ``Policy.generate`` (pushes the weights once, wakes the engine, samples,
    puts it back to sleep on a GPU), then the trainer re-scores vLLM's responses: max/mean |Δ logp|
    against the updated weights (small: the push reached the engine) and against the weights before
-   the update (larger), the trainer's own log-prob change from the update, and the engine's sleep state.
+   the update (larger), the trainer's own log-prob change from the update, and the engine's sleep state;
+9. [vllm_seeds] vLLM at its defaults (on a GPU: its default model runner, V2 in vLLM 0.32/0.33, with
+   CUDA graphs): the same seed twice gives identical samples (global generators reseeded between),
+   two ranks' seeds different ones, two copies of a prompt different groups;
+10. [vllm_two] two engines in one process: a second sleep-mode engine is refused in one line (not a
+   crash), one without sleep mode runs beside it, and after ``close()`` a sleep-mode engine starts again;
+11. [vllm_transformers] vLLM's Transformers backend (``model_impl="transformers"``, the path SmolLM3
+   takes) beside the trainer: the trainer's forward pass after the engine patched transformers'
+   classes, and its log-probs of the engine's samples.
 
 The columns "fused head" say which scoring path each policy really took (``Policy.fused_head``).
 
@@ -68,6 +76,9 @@ ROWS = {
     "fsdp": "update, FSDP2 (world 1, ShardedPolicy)",
     "trainer": "trainer: GRAFT, tiny pair, 3 steps",
     "vllm": "vLLM: update → push → wake → generate → sleep",
+    "vllm_seeds": "vLLM default runner (CUDA graphs): sampling seeds",
+    "vllm_two": "vLLM: two engines in one process",
+    "vllm_transformers": "vLLM Transformers backend (SmolLM3) beside the trainer",
 }
 
 #: import name -> pip name, where they differ
@@ -399,7 +410,7 @@ def row_trainer(c: Check) -> dict:
     }
 
 
-def row_vllm(c: Check) -> dict:
+def need_vllm() -> None:
     try:
         import vllm  # noqa: F401
     except ModuleNotFoundError as exc:
@@ -407,6 +418,9 @@ def row_vllm(c: Check) -> dict:
             raise Skip("vLLM not installed") from None
         raise
 
+
+def row_vllm(c: Check) -> dict:
+    need_vllm()
     c.pol = None
     gpu = c.device.startswith("cuda")
     # on a GPU: the paper's bf16 compute, a bounded share of the GPU, no CUDA-graph capture (start-up
@@ -419,6 +433,13 @@ def row_vllm(c: Check) -> dict:
     t0 = time.perf_counter()
     pol = Policy(PolicyConfig(**c.base(name="V", backend="vllm", dtype=dtype, lr=lr, vllm_kwargs=kwargs)))
     start = time.perf_counter() - t0
+    try:
+        return _update_push_generate(c, pol, start, lr, dtype)
+    finally:
+        pol.close()  # frees the engine (and vLLM's one-per-process sleep allocator) for the next rows
+
+
+def _update_push_generate(c: Check, pol: Policy, start: float, lr: float, dtype: str) -> dict:
     pushes = []
     push = pol.backend.sync_weights
     pol.backend.sync_weights = lambda: (pushes.append(1), push())[1]
@@ -462,6 +483,143 @@ def row_vllm(c: Check) -> dict:
     }
 
 
+def _vllm_kwargs(c: Check, **extra) -> tuple[dict, str]:
+    """Engine arguments at vLLM's defaults (on a GPU: its default model runner, CUDA graphs captured)."""
+    gpu = c.device.startswith("cuda")
+    kwargs = {"max_model_len": 1024, **({"gpu_memory_utilization": 0.25} if gpu else {}), **extra}
+    return kwargs, ("bfloat16" if gpu else "float32")
+
+
+def _runner(worker) -> str:
+    """Run inside the engine's worker (``collective_rpc``): its model runner's class."""
+    r = type(worker.model_runner)
+    return f"{r.__module__.replace('vllm.v1.worker.', '')}.{r.__name__}"
+
+
+def row_vllm_seeds(c: Check) -> dict:
+    need_vllm()
+    from graft_rl.seeding import rank_seed
+
+    kwargs, dtype = _vllm_kwargs(c)
+    t0 = time.perf_counter()
+    pol = Policy(PolicyConfig(**c.base(name="S", backend="vllm", dtype=dtype, vllm_kwargs=kwargs)))
+    start = time.perf_counter() - t0
+    try:
+        sp = SamplingParams(n=4, max_new_tokens=16)
+        prompts = [("p1", "What is 2+3?"), ("p2", "What is 2+3?"), ("p3", "6*7?")]
+
+        def ids(seed):
+            return [g.token_ids for g in pol.generate(prompts, sp, seed=seed)]
+
+        a, b = ids(5), ids(5)
+        torch.manual_seed(1)  # global generators do not decide a call's samples
+        __import__("numpy").random.seed(1)
+        again = ids(5)
+        r0, r1 = ids(rank_seed(5, 0, 2)), ids(rank_seed(5, 1, 2))
+        res = {
+            "engine start s": start,
+            "model runner": pol.backend.llm.collective_rpc(_runner)[0],
+            "enforce_eager": bool(kwargs.get("enforce_eager", False)),
+            "same seed → identical": a == b == again,
+            "rank seeds → different": r0 != r1,
+            "identical prompts → different groups": a[0] != a[1],
+        }
+        if not (
+            res["same seed → identical"]
+            and res["rank seeds → different"]
+            and res["identical prompts → different groups"]
+        ):
+            raise RuntimeError(f"sampling is not seeded as graft-rl needs: {res}")
+        return res
+    finally:
+        pol.close()
+
+
+def row_vllm_two(c: Check) -> dict:
+    need_vllm()
+    from graft_rl.policy.rollout import VLLMEngineError
+
+    kwargs, dtype = _vllm_kwargs(c)
+    sp = SamplingParams(n=2, max_new_tokens=8)
+
+    def engine(name, **extra):
+        return Policy(PolicyConfig(**c.base(name=name, backend="vllm", dtype=dtype, vllm_kwargs={**kwargs, **extra})))
+
+    first = engine("E1")
+    res = {"first engine sleeps": first.backend.sleep}
+    try:
+        try:
+            second = engine("E2")
+            second.generate([("p", "1+1=?")], sp, seed=0)
+            second.close()
+            res["second engine, default sleep"] = "built and sampled"
+        except VLLMEngineError as exc:
+            res["second engine, default sleep"] = f"refused: {str(exc)[:60]}…"
+        third = engine("E3", sleep=False)  # no sleep mode: no allocator to share
+        third.generate([("p", "1+1=?")], sp, seed=0)
+        third.close()
+        res["second engine, sleep off"] = "built and sampled"
+    finally:
+        first.close()
+    try:
+        after = engine("E4")
+        after.generate([("p", "1+1=?")], sp, seed=0)
+        after.close()
+        res["sleep-mode engine after close()"] = "built and sampled"
+    except VLLMEngineError as exc:
+        res["sleep-mode engine after close()"] = f"refused: {str(exc)[:60]}…"
+    return res
+
+
+def row_vllm_transformers(c: Check) -> dict:
+    need_vllm()
+    try:
+        from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    except ImportError:
+        raise Skip("this transformers has no SmolLM3") from None
+    from graft_rl.policy.tiny import char_tokenizer
+
+    shape = {k: v for k, v in model_shape(c.smoke).items() if k != "head_dim"}
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    model = SmolLM3ForCausalLM(
+        SmolLM3Config(
+            **shape,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.eos_token_id,
+        )
+    )
+    mdir = c.tmp / "smollm3"
+    model.save_pretrained(mdir)
+    tok.save_pretrained(mdir)
+    del model
+    kwargs, dtype = _vllm_kwargs(c, model_impl="transformers")  # vLLM's Transformers backend, as for SmolLM3
+    t0 = time.perf_counter()
+    pol = Policy(
+        PolicyConfig(**{**c.base(name="T", backend="vllm", dtype=dtype, vllm_kwargs=kwargs), "model": str(mdir)})
+    )
+    start = time.perf_counter() - t0
+    try:
+        groups = pol.generate([("p1", "What is 2+3?"), ("p2", "6*7?")], SamplingParams(n=2, max_new_tokens=16), seed=0)
+        lp, mask = pol.token_logprobs(pol.encode_own(groups))  # the trainer's forward, after the engine patched classes
+        gen = torch.zeros_like(lp)
+        for i, row in enumerate(x for g in groups for x in g.gen_logprobs):
+            gen[i, : len(row)] = torch.tensor(row)
+        d = (lp - gen).abs()[mask.bool()]
+        return {
+            "engine start s": start,
+            "model runner": pol.backend.llm.collective_rpc(_runner)[0],
+            "tokens": int(mask.sum()),
+            "max |Δ logp| vLLM vs trainer": float(d.max()),
+            "mean |Δ logp| vLLM vs trainer": float(d.mean()),
+        }
+    finally:
+        pol.close()
+
+
 ROW_FNS = {
     "generate": row_generate,
     "score": row_score,
@@ -471,6 +629,9 @@ ROW_FNS = {
     "fsdp": row_fsdp,
     "trainer": row_trainer,
     "vllm": row_vllm,
+    "vllm_seeds": row_vllm_seeds,
+    "vllm_two": row_vllm_two,
+    "vllm_transformers": row_vllm_transformers,
 }
 
 
@@ -579,6 +740,8 @@ def main() -> int:
     if skip - set(ROWS):
         ap.error(f"--skip: unknown row(s) {', '.join(sorted(skip - set(ROWS)))}; rows: {', '.join(ROWS)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not device.startswith("cuda"):  # GiB of KV cache per vLLM CPU engine (its default, 4, x several engines)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env = {
         "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
         "torch": torch.__version__,

@@ -24,7 +24,11 @@ PURE = "update, pure bf16 (opt-in)"
 FSDP = "update, FSDP2 (world 1, ShardedPolicy)"
 TRAINER = "trainer: GRAFT, tiny pair, 3 steps"
 VLLM = "vLLM: update → push → wake → generate → sleep"
-ALL_ROWS = [GENERATE, CHUNKED, NAIVE, UPDATE, PURE, FSDP, TRAINER, VLLM]
+VLLM_SEEDS = "vLLM default runner (CUDA graphs): sampling seeds"
+VLLM_TWO = "vLLM: two engines in one process"
+VLLM_HF = "vLLM Transformers backend (SmolLM3) beside the trainer"
+VLLM_ROWS = (VLLM, VLLM_SEEDS, VLLM_TWO, VLLM_HF)
+ALL_ROWS = [GENERATE, CHUNKED, NAIVE, UPDATE, PURE, FSDP, TRAINER, *VLLM_ROWS]
 
 #: packages a bare GPU image (torch + transformers + accelerate) does not have
 OPTIONAL = ("pyarrow", "math_verify", "rich", "matplotlib", "ray", "vllm", "reasoning_gym")
@@ -78,7 +82,7 @@ def test_gpu_check_smoke_runs_every_row(tmp_path):
     rows = _rows(tmp_path)
     for name, row in rows.items():
         assert "error" not in row, (name, row["error"])
-        if name != VLLM:
+        if name not in VLLM_ROWS:
             assert "skipped" not in row, (name, row["skipped"])
         assert f"{name}: " in res.stdout  # each row printed as it finished
     _table_has_every_row(tmp_path)
@@ -92,11 +96,15 @@ def test_gpu_check_smoke_runs_every_row(tmp_path):
     assert rows[TRAINER]["finite losses"]
     vllm = rows[VLLM]
     if importlib.util.find_spec("vllm") is None:
-        assert vllm["skipped"] == "vLLM not installed"
+        assert all(rows[r]["skipped"] == "vLLM not installed" for r in VLLM_ROWS)
     else:  # a venv with vLLM (e.g. .venv-vllm): the pushed weights reached the engine
         assert vllm["weight pushes"] == 1
         assert vllm["max |Δ logp| vLLM vs trainer"] < 1e-3
         assert vllm["mean |Δ logp| vLLM vs initial weights"] > 10 * vllm["mean |Δ logp| vLLM vs trainer"]
+        seeds = rows[VLLM_SEEDS]
+        assert seeds["same seed → identical"] and seeds["rank seeds → different"]
+        assert rows[VLLM_TWO]["second engine, sleep off"] == "built and sampled"
+        assert rows[VLLM_HF]["max |Δ logp| vLLM vs trainer"] < 1e-3
 
 
 def test_gpu_check_on_a_bare_image_runs_what_it_can(tmp_path):
@@ -108,10 +116,35 @@ def test_gpu_check_on_a_bare_image_runs_what_it_can(tmp_path):
     assert (tmp_path / "gpu_check.json").exists()
     rows = _rows(tmp_path)
     for name, row in rows.items():
-        if name not in (TRAINER, VLLM):
+        if name not in (TRAINER, *VLLM_ROWS):
             assert "error" not in row and "skipped" not in row, (name, row)
     assert "error" not in rows[TRAINER]
     assert "pyarrow" in rows[TRAINER]["skipped"]
-    assert rows[VLLM]["skipped"] == "vLLM not installed"
+    assert all(rows[r]["skipped"] == "vLLM not installed" for r in VLLM_ROWS)
     assert rows[CHUNKED]["fused head"] is True
     _table_has_every_row(tmp_path)
+
+
+@pytest.mark.vllm
+def test_gpu_check_vllm_rows_run_on_vllms_cpu_build(tmp_path):
+    """The vLLM rows (run in CI's vLLM suite, .venv-vllm): seeds reproduce and differ by rank, a second
+    engine in one process is built or refused in one line (never a crash), the Transformers backend's
+    samples score the same in the trainer."""
+    pytest.importorskip("vllm")
+    skip = "generate,score,naive,update,pure,fsdp,trainer"
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--skip", skip, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = _rows(tmp_path)
+    seeds = rows[VLLM_SEEDS]
+    assert seeds["same seed → identical"] and seeds["rank seeds → different"]
+    assert seeds["identical prompts → different groups"]
+    two = rows[VLLM_TWO]
+    assert two["second engine, sleep off"] == "built and sampled"
+    assert two["sleep-mode engine after close()"] == "built and sampled"
+    assert rows[VLLM_HF]["max |Δ logp| vLLM vs trainer"] < 1e-3

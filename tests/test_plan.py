@@ -175,3 +175,39 @@ def test_collective_timeout_is_a_config_key_with_a_long_default():
         load_config(
             {"policies": [{"name": "A", "model": "x"}], "method": {"name": "grpo"}, "ray": {"collective_timeout": 0}}
         )
+
+
+def test_step_work_counts_the_flops_of_generation_scoring_and_the_update():
+    """Issue 32 item 7: 2 N per generated and prefilled token; 2 N scoring (+2 N with a KL reference)
+    and 6 N + 2 N recompute per trained token."""
+    from graft_rl.engine.plan import step_work
+
+    cfg = load_config("configs/paper/pair1/graft.yaml")
+    pc = cfg.policies[1]
+    N = KNOWN_SHAPES[pc.model].params
+    w = step_work(pc, cfg)
+    P, R, B, n = 512, cfg.max_new_tokens, cfg.prompt_batch, cfg.n
+    assert w.gen_flops == pytest.approx(2 * N * (B * n * R + B * P))
+    assert w.update_flops == pytest.approx((2 + 8) * N * B * n * (P + R))  # no KL reference in GRAFT
+    assert w.step_seconds(2) == pytest.approx(w.step_seconds(1) / 2)
+
+
+def test_the_suggested_split_equalises_the_policies_pace():
+    from graft_rl.engine.plan import StepWork, suggest_split
+
+    big, small = StepWork("A", 0.0, 1.8), StepWork("B", 0.0, 1.0)
+    split, t = suggest_split([big, small], 8)
+    assert split == [5, 3] and t == pytest.approx(big.step_seconds(5))  # max(1.8 / 5, 1 / 3): A sets the step
+    assert suggest_split([small, small], 8)[0] == [4, 4]  # equal work: the even split
+    assert suggest_split([big, small, small], 4)[0] == [2, 1, 1]
+
+
+def test_graft_plan_prints_the_split_with_its_reasoning(capsys):
+    assert main(["plan", "configs/paper/pair1/graft.yaml", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM3-3B-Base 5 / Qwen3-1.7B-Base 3" in out and "policies.0.world_size=5 policies.1.world_size=3" in out
+    assert "work per step is 1.79 : 1.00" in out and "the slower one sets the step" in out
+    assert main(["plan", "configs/paper/pair1/graft.yaml"]) == 0
+    assert "2 / 2 of 4 (as configured) is already the split with the shortest step" in capsys.readouterr().out
+    assert main(["plan", "configs/paper/pair1/graft.yaml", "--gpus", "1"]) == 2
+    assert "--gpus must be at least the number of policies (2)" in capsys.readouterr().err

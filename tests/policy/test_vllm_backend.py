@@ -57,26 +57,30 @@ def test_vllm_logprobs_are_those_of_the_sampling_distribution(vllm_policy):
 
 
 def test_vllm_identical_prompts_get_independent_groups_and_a_seed_reproduces_a_call(vllm_policy):
-    """Issue 22: unseeded requests on an engine reseeded per call: two copies of one prompt in a call
-    get different groups (one request seed would give them the same random streams), the same seed
-    gives the same groups, and no request carries a seed (vLLM's batched sampler runs)."""
+    """Issues 22, 32: every request carries its own seed (request_seeds): two copies of one prompt in a
+    call get different groups, the same seed gives the same groups, another seed others; the engine's
+    global generators are not what decides (the CUDA build's V2 runner never reads torch's)."""
+    from graft_rl.policy.rollout import request_seeds
+
     sp = SamplingParams(n=4, max_new_tokens=12)
     same = [("x1", "What is 2+3?"), ("x2", "What is 2+3?")]
     g = vllm_policy.generate(same, sp, seed=11)
     assert g[0].token_ids != g[1].token_ids
     assert [x.token_ids for x in vllm_policy.generate(same, sp, seed=11)] == [x.token_ids for x in g]
     assert [x.token_ids for x in vllm_policy.generate(same, sp, seed=12)] != [x.token_ids for x in g]
+    torch.manual_seed(123)  # global state is not what decides a call's samples
+    assert [x.token_ids for x in vllm_policy.generate(same, sp, seed=11)] == [x.token_ids for x in g]
     seen = []
     real = vllm_policy.backend.llm.generate
     vllm_policy.backend.llm.generate = lambda prompts, params, **kw: (
-        seen.append(params.seed),
+        seen.append([p.seed for p in params]),
         real(prompts, params, **kw),
     )[1]
     try:
         vllm_policy.generate(same, sp, seed=3)
     finally:
         vllm_policy.backend.llm.generate = real
-    assert seen == [None]
+    assert seen == [request_seeds(3, 2)]
 
 
 def test_vllm_weight_sync_without_restart(vllm_policy):

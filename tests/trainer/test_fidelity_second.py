@@ -108,13 +108,31 @@ def test_dynamic_sampling_without_a_cap_draws_until_the_batch_is_full(make_cfg, 
     from graft_rl.engine.trainer import Trainer
 
     # A has 3 prompts with mixed rewards, B 2 (q1, q7): a batch of 2 fills for both, after a few draws
-    cfg = make_cfg(
-        {"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0}, steps=1, run="dapo_free", prompt_batch=2
-    )
+    method = {"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0, "refill_factor": 1}
+    cfg = make_cfg(method, steps=1, run="dapo_free", prompt_batch=2)
     lines = Trainer(cfg, show_progress=False).run()
     for ln in lines:
         assert ln["rollouts"] == ln["gen_batches"] * 2 * 4
     assert max(ln["gen_batches"] for ln in lines) >= 2
+
+
+def test_dynamic_sampling_refills_with_dapos_three_times_the_batch(make_cfg, fake_rewards):
+    """Issue 32 item 11: DAPO's scripts generate gen_prompt_bsz = 3 x train_prompt_bsz prompts per
+    batch; the refill batches take method.refill_factor (default 3) x prompt_batch prompts."""
+    from graft_rl.engine.trainer import Trainer
+
+    cfg = make_cfg({"name": "grpo", "dynamic_sampling": True}, steps=1, run="dapo_x3", prompt_batch=2)
+    tr = Trainer(cfg, show_progress=False)
+    sizes = []
+    real = tr._call
+    tr._call = lambda name, method, *a: (
+        sizes.append(len(a[0])) if method == "generate_timed" else None,
+        real(name, method, *a),
+    )[1]
+    lines = tr.run()
+    assert sizes and set(sizes) == {6}  # 3 x 2 prompts in every refill (8 prompts: 6 left after the first 2)
+    for ln in lines:
+        assert ln["rollouts"] == (2 + 6 * (ln["gen_batches"] - 1)) * 4
 
 
 @pytest.mark.slow
@@ -394,3 +412,20 @@ def test_graft_seeds_prints_table_4s_mean_and_sample_std_over_training_runs(tmp_
     assert main(["seeds", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "interrupted evaluation" in err[0] and "no eval/eval.json" in err[1]
+
+
+def test_hacpo_keeps_cut_peer_responses_in_the_loss_as_its_recipe_truncates_them(make_cfg, fake_rewards):
+    """Issue 32 item 9: HACPO's recipe truncates an over-long peer response to the budget and trains
+    on it (overflow="truncate"); GRAFT leaves it out (test_the_trainer_counts_cut_peer_responses)."""
+    import json
+
+    from graft_rl.engine.store import RecordStore
+    from graft_rl.engine.trainer import Trainer
+
+    tr = Trainer(make_cfg({"name": "hacpo"}, steps=1, run="cut_hacpo", max_new_tokens=6), show_progress=False)
+    tr.run()
+    lines = [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]
+    cut = sum(ln["peer_cut"] for ln in lines if ln["policy"] == "A")
+    assert cut > 0
+    rows = RecordStore(tr.run_dir).read_exchange("A")
+    assert rows and all(r["included"] for r in rows)

@@ -129,6 +129,7 @@ def _add_probe_seeds_plan(sub) -> None:
     pl.add_argument("config", help="YAML config")
     pl.add_argument("overrides", nargs="*", help="key=value overrides, e.g. policies.0.world_size=4")
     pl.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU (default 141, an H200)")
+    pl.add_argument("--gpus", type=int, default=None, help="GPUs to split between the policies (default: the config's)")
 
 
 def _add_preflight_analyze(sub) -> None:
@@ -375,11 +376,14 @@ def _seeds(ns) -> int:
 
 def _plan(ns) -> int:
     from graft_rl.engine.config import ConfigError, load_config
-    from graft_rl.engine.plan import eval_estimate, format_plan, plan
+    from graft_rl.engine.plan import eval_estimate, format_pace, format_plan, plan
 
     try:
         cfg = load_config(ns.config, ns.overrides)
+        if ns.gpus is not None and ns.gpus < len(cfg.policies):
+            raise ConfigError(f"--gpus must be at least the number of policies ({len(cfg.policies)}), got {ns.gpus}")
         print(format_plan(plan(cfg), ns.gpu_memory, shared=cfg.execution == "local"))
+        print("\n" + format_pace(cfg, ns.gpus, ns.gpu_memory))
         line = eval_estimate(cfg)
         if line:
             print("\n" + line)

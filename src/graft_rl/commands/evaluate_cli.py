@@ -169,6 +169,11 @@ class _Local:
     def __init__(self, pc: PolicyConfig):
         self.policy = Policy(pc)
 
+    def close(self) -> None:
+        close = getattr(self.policy, "close", None)  # a Policy: its rollout engine's memory is freed
+        if callable(close):
+            close()
+
     def evaluate(self, *args, **kwargs):
         return evaluate_policy(self.policy, *args, **kwargs)
 
@@ -333,6 +338,10 @@ def _evaluate_targets(
     targets, target, replicas, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm, results, out
 ) -> None:
     for pc in targets:
+        if pc.backend == "vllm" and "sleep" not in pc.vllm_kwargs:
+            # nothing trains beside an eval engine: it never sleeps, so vLLM's one sleep-mode engine per
+            # process does not bind, and policies evaluated one after another in this process each get one
+            pc = replace(pc, vllm_kwargs={**pc.vllm_kwargs, "sleep": False})
         W = replicas or default_replicas(target, pc)
         workers, actors = _start(target, pc, W)
         if show and actors:
@@ -343,10 +352,11 @@ def _evaluate_targets(
             )
         finally:
             if actors:
-                import ray
+                from graft_rl.engine.distributed import kill_actors
 
-                for a in workers:
-                    ray.kill(a)
+                kill_actors(workers)  # gone before the next policy's engines start on the same GPUs
+            else:
+                workers[0].close()  # the engine's memory is free before the next policy's starts
         means = [v["pass@1_mean"] for v in per.values()]
         agg_runs = [statistics.fmean(v["pass@1_runs"][r] for v in per.values()) for r in range(runs)]
         results["policies"][pc.name] = {

@@ -29,9 +29,12 @@ reaches the driver as one line naming the policy and rank (:class:`ActorError`).
 from __future__ import annotations
 
 import math
+import os
 import re
+import time
 
 __all__ = [
+    "kill_actors",
     "start_actors",
     "start_replicas",
     "get",
@@ -92,6 +95,13 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
     per resource, the sum over every rank of every policy against the cluster, and each bundle
     against the largest node (a bundle never spans nodes); names the override that would fit.
     """
+    for pc in policy_configs:
+        gpus = policy_bundles(cfg, pc)[0].get("GPU", 0.0)
+        if pc.backend == "vllm" and 0 < gpus < 1:
+            raise ResourceError(
+                f"policy {pc.name!r}: a vLLM rank needs a whole GPU, ray.num_gpus gives it {gpus:g} (vLLM's start-up "
+                f"free-memory check and its sleep mode fail when another process shares the GPU); set ray.num_gpus=1"
+            )
     if nodes is None:
         import ray
 
@@ -136,13 +146,15 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
 
 
 def _fit_hint(cfg, bundle: dict, have: dict, ranks: int) -> str:
-    """The override that makes ``ranks`` bundles fit ``have``, for the resource that is short."""
+    """The override that makes ``ranks`` bundles fit ``have``, for the resource that is short (never a
+    shared GPU when a policy rolls out with vLLM: its rank needs the whole device)."""
     for key, what in (("GPU", "ray.num_gpus"), ("CPU", "ray.num_cpus")):
         if bundle.get(key, 0) > have.get(key, 0) / ranks + 1e-9:
             if key == "GPU":
-                return (
-                    f"lower policies.N.world_size (each rank takes {bundle[key]:g} GPU) or add GPUs "
-                    f"({what}={math.floor(have.get(key, 0) / ranks / _GRID) * _GRID:g} would share them)"
+                share = math.floor(have.get(key, 0) / ranks / _GRID) * _GRID
+                vllm = any(pc.backend == "vllm" for pc in cfg.policies)
+                return f"lower policies.N.world_size (each rank takes {bundle[key]:g} GPU) or add GPUs" + (
+                    "" if vllm or share <= 0 else f" ({what}={share:g} would share them)"
                 )
             fit = math.floor(have.get(key, 0) / ranks / _GRID) * _GRID
             return (
@@ -152,6 +164,66 @@ def _fit_hint(cfg, bundle: dict, have: dict, ranks: int) -> str:
 
 
 _NAMES: dict = {}
+_WHERE: dict = {}  # actor id -> (node id, pid), recorded at start: kill_actors waits for that process
+
+
+def _where(_actor) -> tuple[str, int]:
+    """Run inside an actor (``__ray_call__``): its node and process."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+def _remember(actors: list) -> None:
+    """Record each started actor's node and pid (one round trip), for :func:`kill_actors`."""
+    import ray
+
+    for a, where in zip(actors, ray.get([a.__ray_call__.remote(_where) for a in actors]), strict=True):
+        _WHERE[a._actor_id.hex()] = where
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:  # exited but not yet reaped by its raylet: its memory (GPU included) is released
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _actor_dead(actor) -> bool:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=1.0)
+    except RayActorError:
+        return True
+    except GetTimeoutError:
+        return False
+    return False
+
+
+def kill_actors(actors: list, timeout: float = 60.0) -> None:
+    """``ray.kill`` each actor and wait until it is gone: its process has exited where it ran on this
+    node (else Ray reports it dead). ``ray.kill`` only asks; an engine built next on the same GPUs
+    before the old process exits would find its memory still held. Waits ``timeout`` seconds at most."""
+    import ray
+
+    for a in actors:
+        ray.kill(a)
+    here = ray.get_runtime_context().get_node_id()
+    deadline = time.monotonic() + timeout
+    for a in actors:
+        node, pid = _WHERE.pop(a._actor_id.hex(), (None, None))
+        local = pid is not None and node == here
+        while time.monotonic() < deadline and not (_process_gone(pid) if local else _actor_dead(a)):
+            time.sleep(0.05)
 
 
 def init_ray(address: str | None, **kw) -> None:
@@ -173,11 +245,9 @@ def start_actors(cfg, policy_configs) -> dict:
     """Start every policy's actor (``world_size`` 1) or actor group, after :func:`check_cluster`."""
     import ray
 
-    from graft_rl.engine.worker import PolicyWorker
-
     init_ray(cfg.ray.address, log_to_driver=True)
     check_cluster(cfg, policy_configs)
-    remote_cls = ray.remote(PolicyWorker)
+    remote_cls = ray.remote(pinned_worker_class())
     actors = {}
     for pc in policy_configs:
         opts = {**_actor_options(cfg, pc), "max_restarts": 0}
@@ -202,6 +272,7 @@ def start_actors(cfg, policy_configs) -> dict:
     for name, actor in actors.items():
         if not isinstance(actor, ActorGroup):
             get(actor.name.remote(), name)
+    _remember([a for a in actors.values() if not isinstance(a, ActorGroup)])
     return actors
 
 
@@ -212,7 +283,6 @@ def start_replicas(cfg, pc, replicas: int) -> list:
 
     import ray
 
-    from graft_rl.engine.worker import PolicyWorker
     from graft_rl.methods import MethodConfig
 
     init_ray(cfg.ray.address)
@@ -220,7 +290,7 @@ def start_replicas(cfg, pc, replicas: int) -> list:
     check_cluster(cfg, [spread])
     extra = {k: v for k, v in _actor_options(cfg, pc).items() if k not in ("num_cpus", "num_gpus", "resources")}
     threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
-    remote_cls = ray.remote(PolicyWorker)
+    remote_cls = ray.remote(pinned_worker_class())
     method = MethodConfig(name="grpo")  # an evaluator: no exchange, no KL reference
     method.validate()
     actors = []
@@ -241,7 +311,47 @@ def start_replicas(cfg, pc, replicas: int) -> list:
     for r, a in enumerate(actors):
         _NAMES[a._actor_id.hex()] = (pc.name, r)
     get(GroupRef([a.name.remote() for a in actors], pc.name))
+    _remember(actors)
     return actors
+
+
+def pin_actor_gpu(name: str, rank: int | None = None) -> None:
+    """Make this actor's one Ray-assigned GPU the only visible CUDA device (device 0, which torch, NCCL
+    and vLLM's single in-process worker all use). Ray sets ``CUDA_VISIBLE_DEVICES`` to the assigned GPU
+    unless ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` is set, when every rank would otherwise land
+    on GPU 0; then it is set here, from ``ray.get_gpu_ids()``, before CUDA starts. One line when the
+    actor has not exactly one GPU."""
+    import ray
+    import torch
+
+    who = f"policy {name!r}" + (f" rank {rank}" if rank is not None else "")
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if len(ids) != 1:
+        raise ActorError(f"{who}: a rank actor needs exactly one GPU, Ray assigned it {len(ids)} (ray.num_gpus=1)")
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible != ids:
+        if torch.cuda.is_initialized():
+            raise ActorError(
+                f"{who}: CUDA started before its GPU ({ids[0]}) was pinned; this is a bug, please report it"
+            )
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[0]
+    if torch.cuda.device_count() != 1:
+        raise ActorError(f"{who}: sees {torch.cuda.device_count()} CUDA devices after pinning GPU {ids[0]}; expected 1")
+    torch.cuda.set_device(0)
+
+
+def pinned_worker_class():
+    """What a one-rank policy actor runs: a ``PolicyWorker`` whose GPU is pinned first (:func:`pin_actor_gpu`)."""
+    from graft_rl.engine.worker import PolicyWorker
+
+    class PinnedPolicyWorker(PolicyWorker):
+        def __init__(self, policy, *args, **kwargs):
+            if str(getattr(policy, "device", "")).startswith("cuda"):
+                pin_actor_gpu(policy.name)
+            super().__init__(policy, *args, **kwargs)
+
+    PinnedPolicyWorker.__qualname__ = PinnedPolicyWorker.__name__ = "PolicyWorker"  # as Ray names the actor
+    return PinnedPolicyWorker
 
 
 class RankWorker:
@@ -272,15 +382,16 @@ class RankWorker:
         from graft_rl.engine.worker import PolicyWorker
 
         pc = worker_args[0]
-        if pc.device.startswith("cuda"):
-            torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
-        backend = "nccl" if pc.device.startswith("cuda") else "gloo"
+        cuda = pc.device.startswith("cuda")
+        if cuda:
+            pin_actor_gpu(pc.name, self.rank)
         dist.init_process_group(
-            backend,
+            "nccl" if cuda else "gloo",
             init_method=f"tcp://{addr}:{port}",
             rank=self.rank,
             world_size=self.world,
             timeout=timedelta(seconds=timeout),
+            device_id=torch.device("cuda", 0) if cuda else None,  # NCCL's communicator binds this rank's GPU
         )
         self.worker = PolicyWorker(*worker_args)
 
@@ -352,18 +463,17 @@ class ActorGroup:
         try:
             addr, port = get(actors[0].address.remote(), name)
             get(GroupRef([a.setup.remote(addr, port, worker_args, collective_timeout) for a in actors], name))
+            _remember(actors)
         except BaseException:
             group.shutdown()
             raise
         return group
 
     def shutdown(self) -> None:
-        """Kill the ranks and release the placement group's reserved resources."""
-        import ray
+        """Kill the ranks (waiting until they are gone) and release the placement group's reserved resources."""
         from ray.util.placement_group import remove_placement_group
 
-        for a in self.actors:
-            ray.kill(a)
+        kill_actors(self.actors)
         remove_placement_group(self.placement_group)
         self.actors = []
 

@@ -60,15 +60,20 @@ class WorkerHandle:
 class LocalHandle(WorkerHandle):
     """A :class:`~graft_rl.engine.worker.PolicyWorker` in this process: a call runs when it is submitted."""
 
-    def __init__(self, worker):
+    def __init__(self, worker, owns: bool = False):
         super().__init__(worker.policy.name, worker.policy)
         self.worker = worker
+        self.owns = owns  # the policy was built for this handle: close() shuts its rollout engine down
 
     def _start(self, method: str, *args) -> Any:
         return getattr(self.worker, method)(*args)
 
     def result(self, ref: Any) -> Any:
         return ref
+
+    def close(self) -> None:
+        if self.owns:
+            self.worker.policy.close()
 
 
 class RayHandle(WorkerHandle):
@@ -89,14 +94,12 @@ class RayHandle(WorkerHandle):
         return get(ref)
 
     def close(self) -> None:
-        import ray
-
-        from graft_rl.engine.distributed import ActorGroup
+        from graft_rl.engine.distributed import ActorGroup, kill_actors
 
         if isinstance(self.actor, ActorGroup):
             self.actor.shutdown()
         else:
-            ray.kill(self.actor)
+            kill_actors([self.actor])
 
 
 def completion_order(pending: dict[str, Pending]) -> Iterator[str]:
@@ -122,5 +125,5 @@ def start_workers(cfg, policy_configs) -> dict[str, WorkerHandle]:
     handles: dict[str, WorkerHandle] = {}
     for pc in policy_configs:
         policy = Policy(pc, with_reference=cfg.method.kl_coef > 0)
-        handles[pc.name] = LocalHandle(PolicyWorker(policy, cfg.method, cfg.minibatch, cfg.nonfinite_loss))
+        handles[pc.name] = LocalHandle(PolicyWorker(policy, cfg.method, cfg.minibatch, cfg.nonfinite_loss), owns=True)
     return handles

@@ -55,6 +55,7 @@ __all__ = [
     "plan",
     "format_plan",
     "check_resources",
+    "check_sleep_engines",
     "KNOWN_SHAPES",
     "eval_estimate",
     "EVAL_TOKENS_PER_GPU_S",
@@ -62,6 +63,12 @@ __all__ = [
     "ALLOCATOR_MARGIN",
     "PROMPT_TOKENS",
     "ENGINE_WORKSPACE_BYTES",
+    "StepWork",
+    "step_work",
+    "suggest_split",
+    "format_pace",
+    "TRAIN_FLOPS_PER_GPU_S",
+    "GEN_FLOPS_PER_GPU_S",
 ]
 
 #: Planning figure for ``graft eval``'s throughput: generated tokens per second per GPU for a 1.7-3B
@@ -297,6 +304,13 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = 
             f"up to {p.rollout_tokens / 1e6:.2f} M per rank per step (every response at max_new_tokens): {verdict}."
         )
     if shared:
+        sleepers = [p.name for p in plans if p.vllm_share and p.sleep]
+        if len(sleepers) > 1:
+            lines.append(
+                f"execution local: NOT supported as configured: {', '.join(sleepers)} would each hold a vLLM engine "
+                f"with sleep mode in one process, and vLLM allows one per process; use execution: ray, or "
+                f"vllm_kwargs.sleep=false for all but one (that engine then keeps its share of the GPU while training)."
+            )
         peak = sum(p.peak(G) for p in plans)
         lines.append(
             f"execution local: the policies share one device, about {peak / GiB:.1f} GiB at peak in all "
@@ -346,6 +360,142 @@ def eval_estimate(
     )
 
 
+def sleeping_engines(cfg: TrainConfig) -> list[str]:
+    """The policies whose vLLM engine sleeps on a GPU (sleep mode is on by default there)."""
+    return [
+        pc.name
+        for pc in cfg.policies
+        if pc.backend == "vllm" and pc.device.startswith("cuda") and pc.vllm_kwargs.get("sleep", True) is not False
+    ]
+
+
+def check_sleep_engines(cfg: TrainConfig) -> None:
+    """``execution: local`` holds every policy in one process, and vLLM's sleep-mode allocator is one per
+    process: it refuses a second engine with sleep mode (``CuMem allocator can only be used for one
+    instance per process``). One line before anything loads."""
+    names = sleeping_engines(cfg)
+    if cfg.execution == "local" and len(names) > 1:
+        raise ConfigError(
+            f"policies {', '.join(names)}: execution: local puts their vLLM engines in one process, and vLLM's "
+            f"sleep mode allows one engine per process; use execution: ray (each policy in its own process), or "
+            f"set policies.N.vllm_kwargs.sleep=false for all but one of them"
+        )
+
+
+#: Planning figure for the update phase: achieved bf16 FLOP/s per GPU in forward + backward passes
+#: (35 % of an H100/H200's 989 TFLOP/s dense bf16). An assumption, not measured here.
+TRAIN_FLOPS_PER_GPU_S = 0.35 * 989e12
+
+#: Planning figure for generation (decode is bound by memory bandwidth, not FLOPs): what
+#: :data:`EVAL_TOKENS_PER_GPU_S` tokens/s of a 3 B model are in FLOPs (2 per parameter per token).
+GEN_FLOPS_PER_GPU_S = 2 * 3e9 * EVAL_TOKENS_PER_GPU_S
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One policy's FLOPs in a training step (every response at ``max_new_tokens``; attention's own
+    FLOPs left out: ``2 N`` per token forward, ``6 N`` forward + backward, ``+2 N`` recomputed under
+    gradient checkpointing)."""
+
+    name: str
+    gen_flops: float  # decode 2 N per generated token, prefill 2 N per prompt token (once per prompt)
+    update_flops: float  # old log-probs 2 N (+2 N KL reference) and the update 6 N (+2 N recompute) per token
+
+    def seconds(self, gpus: int) -> tuple[float, float]:
+        """(generation, scoring + update) seconds on ``gpus`` GPUs at the planning figures."""
+        return self.gen_flops / (GEN_FLOPS_PER_GPU_S * gpus), self.update_flops / (TRAIN_FLOPS_PER_GPU_S * gpus)
+
+    def step_seconds(self, gpus: int) -> float:
+        return sum(self.seconds(gpus))
+
+
+def step_work(pc: PolicyConfig, cfg: TrainConfig) -> StepWork:
+    N = model_shape(pc).params
+    P, R = min(PROMPT_TOKENS, pc.max_prompt_tokens), cfg.max_new_tokens
+    responses = cfg.prompt_batch * cfg.n
+    gen = 2 * N * (responses * R + cfg.prompt_batch * P)
+    tokens = responses * (P + R)  # own or grafted groups: a step trains on prompt_batch groups either way
+    score = 2 * N * tokens * (2 if cfg.method.kl_coef > 0 else 1)
+    update = (6 + (2 if pc.gradient_checkpointing else 0)) * N * tokens
+    return StepWork(pc.name, gen, score + update)
+
+
+def suggest_split(works: list[StepWork], gpus: int) -> tuple[list[int], float]:
+    """The integer split of ``gpus`` (each policy >= 1) that minimises the slower policy's step time
+    (the policies run concurrently under ``execution: ray``; the slower sets the step). Returns
+    ``(GPUs per policy, that step time)``; ties keep the most even split."""
+    best: tuple[float, int, list[int]] | None = None
+
+    def splits(k: int, left: int):
+        if k == 1:
+            yield [left]
+            return
+        for g in range(1, left - k + 2):
+            for rest in splits(k - 1, left - g):
+                yield [g, *rest]
+
+    for split in splits(len(works), gpus):
+        t = max(w.step_seconds(g) for w, g in zip(works, split, strict=True))
+        key = (float(f"{t:.9g}"), max(split) - min(split), split)
+        if best is None or key < best:
+            best = key
+    assert best is not None
+    return best[2], best[0]
+
+
+def format_pace(cfg: TrainConfig, gpus: int | None = None, gpu_gib: float = 141.0) -> str:
+    """Each policy's step time at the planning figures and, for ``execution: ray``, the split of
+    ``gpus`` (default: the config's own total) that equalises the policies' pace, with its reasoning."""
+    works = [step_work(pc, cfg) for pc in cfg.policies]
+    have = [pc.world_size for pc in cfg.policies]
+    lines = [
+        f"Step time per policy (planning figures, not measured: updates at {TRAIN_FLOPS_PER_GPU_S / 1e12:.0f} "
+        f"TFLOP/s per GPU, generation at {GEN_FLOPS_PER_GPU_S / 1e12:.0f} TFLOP/s, i.e. "
+        f"{EVAL_TOKENS_PER_GPU_S:,} tokens/s of a 3 B model; every response at max_new_tokens {cfg.max_new_tokens:,}):"
+    ]
+    for w, g in zip(works, have, strict=True):
+        gen, upd = w.seconds(g)
+        lines.append(
+            f"- {w.name}: ~{gen + upd:.0f} s on {g} GPU(s) (generation {gen:.0f} s, scoring + update {upd:.0f} s)"
+        )
+    if cfg.execution != "ray" or len(works) < 2:
+        return "\n".join(lines)
+    total = gpus or sum(have)
+    if total != sum(have):  # compare with the even split of that many GPUs
+        have = [total // len(works) + (1 if i < total % len(works) else 0) for i in range(len(works))]
+    base = "as configured" if total == sum(pc.world_size for pc in cfg.policies) else "split evenly"
+    now = max(w.step_seconds(g) for w, g in zip(works, have, strict=True))
+    split, t = suggest_split(works, total)
+    fits = []
+    for pc, g in zip(cfg.policies, split, strict=True):
+        from dataclasses import replace
+
+        p = plan_policy(replace(pc, world_size=g), cfg)
+        fits.append(p.peak(gpu_gib * GiB) <= gpu_gib * GiB)
+    ratio = " : ".join(f"{w.step_seconds(1) / min(x.step_seconds(1) for x in works):.2f}" for w in works)
+    why = (
+        f"the policies' work per step is {ratio} ({', '.join(w.name for w in works)}); they run at once, so the "
+        f"slower one sets the step and the other's GPUs wait"
+    )
+    if split == have or t >= now * 0.995:
+        lines.append(
+            f"GPU split: {' / '.join(map(str, have))} of {total} ({base}) is already the split with the shortest step ({why})."
+        )
+    else:
+        overrides = " ".join(f"policies.{i}.world_size={g}" for i, g in enumerate(split))
+        lines.append(
+            f"GPU split: of {total} GPUs, {' / '.join(f'{w.name} {g}' for w, g in zip(works, split, strict=True))} "
+            f"gives a step of ~{t:.0f} s against ~{now:.0f} s {base} ({' / '.join(map(str, have))}; {(1 - t / now):.0%} "
+            f"less; {why}): {overrides}"
+            + (
+                ""
+                if all(fits)
+                else f" — but at that split {', '.join(pc.name for pc, f in zip(cfg.policies, fits, strict=True) if not f)} does NOT fit a {gpu_gib:g} GiB GPU"
+            )
+        )
+    return "\n".join(lines)
+
+
 def check_resources(cfg: TrainConfig) -> None:
     """Fail fast, in one line, when the machine lacks what the config needs (before any model loads)."""
     import importlib.util
@@ -365,6 +515,7 @@ def check_resources(cfg: TrainConfig) -> None:
             f"(`graft plan CONFIG` shows what the config needs, `graft preflight CONFIG` rehearses it here "
             f"at toy size; {cpu} runs it on the CPU as it is)"
         )
+    check_sleep_engines(cfg)
     need = sum(pc.world_size for pc in gpu_policies) if cfg.execution == "ray" else 1
     if torch.cuda.device_count() < need:
         raise ConfigError(

@@ -91,7 +91,8 @@ class Rollouts:
 
     def _dynamic_sampling(self, name, prompts, groups, step, vstats, times, rfilter) -> tuple[list, list, int, int]:
         """DAPO's dynamic sampling (``recipe/dapo``, ``filter_groups``): keep the groups with mixed
-        rewards; while fewer than ``prompt_batch`` are kept, generate another batch of prompts, up to
+        rewards; while fewer than ``prompt_batch`` are kept, generate another batch of
+        ``method.refill_factor`` x ``prompt_batch`` prompts (DAPO's ``gen_prompt_bsz``), up to
         ``method.max_num_gen_batches`` batches in the step (the first included; <= 0: no limit), past
         which the run stops with :class:`DynamicSamplingError`. Fresh prompts come from the training
         data not yet drawn in this step (then, reshuffled, from those not kept). ``times`` accumulates the
@@ -121,7 +122,8 @@ class Rollouts:
                         f"and every other prompt of data.train was drawn; prompt_batch is larger than what the data can fill"
                     )
             batches += 1
-            take, pool = pool[: self.cfg.prompt_batch], pool[self.cfg.prompt_batch :]
+            size = rfilter.refill_factor * self.cfg.prompt_batch  # DAPO's gen_prompt_bsz
+            take, pool = pool[:size], pool[size:]
             more_prompts = [(self.data[i].id, self.data[i].problem) for i in take]
             seed = derive_seed(self.cfg.seed, 4, step, self.names.index(name), batches - 1)
             more, gen_s = self._call(name, "generate_timed", more_prompts, self.samplings[name], seed)

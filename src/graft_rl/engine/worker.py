@@ -177,8 +177,8 @@ class PolicyWorker:
         mask = tb.response_mask()
         weights = [r.weight for r in batch.rows]
         included = [r.include for r in batch.rows]
-        for i in tb.cut:  # a peer response longer than this policy's budget: the receiver could never
-            included[i] = False  # have produced it, and its answer may be what was cut off
+        for i in [] if self.method.keeps_cut_peer_responses else tb.cut:  # a peer response longer than
+            included[i] = False  # this policy's budget: it could never have produced it, and the answer may be cut
         self.method.loss_mask(tb.response_ids, mask, pol.eos_token_ids)
         old = torch.zeros(mask.shape)  # pi_old, filled where it is needed before the first update
         # compatibility of peer responses (Section 4.2); per-character variant logged too

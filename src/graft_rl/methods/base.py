@@ -247,6 +247,7 @@ class RolloutFilter:
 
     keep: Callable[[Any], bool]  # RolloutGroup -> keep it
     max_batches: int
+    refill_factor: int = 1  # a refill batch has this many times prompt_batch prompts (DAPO's scripts: 3)
 
 
 class Method:
@@ -257,6 +258,9 @@ class Method:
     Params: ClassVar[type | None] = None
     uses_peers: ClassVar[bool] = True
     default_selection: ClassVar[str] = "complementary"
+    #: a peer response longer than the receiver's budget (``TokenBatch.cut``) stays in the loss, cut
+    #: (HACPO's recipe); by default it leaves the loss (docs/fidelity.md, re-tokenisation)
+    keeps_cut_peer_responses: ClassVar[bool] = False
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg

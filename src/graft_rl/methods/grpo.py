@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from graft_rl import algo
+from graft_rl.errors import ConfigError
 from graft_rl.methods.base import Method, RolloutFilter, register_method
 from graft_rl.methods.exchange import Exchange
 
@@ -38,12 +39,25 @@ class GRPO(Method):
         # it the run stops with one line ("the data may be too hard"). <= 0: no limit, as in verl (whose
         # yaml default that is); 10 is what DAPO's README and run scripts use, and a run cannot loop forever
         max_num_gen_batches: int = 10
+        # DAPO's gen_prompt_bsz / train_prompt_bsz (3 in its run scripts): each refill batch generates this
+        # many times prompt_batch prompts. The step's first batch stays prompt_batch: the prompts every
+        # policy shares (DAPO's first batch is 3x too)
+        refill_factor: int = 3
 
     uses_peers = False
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.params["refill_factor"] < 1:
+            raise ConfigError(f"method.refill_factor must be >= 1, got {cfg.params['refill_factor']}")
 
     def exchange(self):
         return OwnGroupsOnly(self.cfg)
 
     def rollout_filter(self) -> RolloutFilter | None:
         p = self.cfg.params
-        return RolloutFilter(_rewards_vary, p["max_num_gen_batches"]) if p["dynamic_sampling"] else None
+        return (
+            RolloutFilter(_rewards_vary, p["max_num_gen_batches"], p["refill_factor"])
+            if p["dynamic_sampling"]
+            else None
+        )

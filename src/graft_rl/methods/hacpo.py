@@ -163,6 +163,9 @@ class HACPO(Method):
         hacpo_capability_window: int = 5  # steps in each policy's capability (mean success rate)
 
     default_selection = "all"
+    # HACPO's recipe truncates an over-long peer response to the budget and trains on it
+    # (hacpo_trajectory.build_training_view, overflow="truncate" in its 8-GPU script)
+    keeps_cut_peer_responses = True
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -157,7 +157,9 @@ class ShardedPolicy(Policy):
             yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
     def sync_rollout_weights(self) -> None:
-        if self._synced_version == self.weights_version:
+        """Collective: every rank pushes, or none (a level-2 sleep discards every rank's engine weights
+        alike, since every rank's engine sleeps after each generation call: :meth:`generate`)."""
+        if self._synced_version == self.weights_version and not getattr(self.backend, "needs_push", False):
             return
         if self.config.backend == "hf":
             copy_sd = self.rollout_model.state_dict() if self.rollout_model is not None else {}
@@ -175,6 +177,8 @@ class ShardedPolicy(Policy):
         self.sync_rollout_weights()  # collective: every rank takes part, sampling or not
         if self.config.rollout_on_rank0:
             box = [super().generate(prompts, sampling, seed) if self.rank == 0 else None]
+            if self.rank != 0 and hasattr(self.backend, "rest"):
+                self.backend.rest()  # its engine sleeps as rank 0's does, so all ranks push alike next time
             dist.broadcast_object_list(box, src=0)
             return box[0]
         mine = super().generate(

@@ -85,10 +85,18 @@ class PolicyTraining:
         return float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)) if params else 0.0
 
     def sync_rollout_weights(self) -> None:
-        """Push the current weights to the rollout engine, once per step and only if they changed."""
-        if self._synced_version != self.weights_version:
+        """Push the current weights to the rollout engine, once per step and only if they changed (or
+        the engine discarded its copy in a level-2 sleep: :attr:`VLLMBackend.needs_push`)."""
+        if self._synced_version != self.weights_version or getattr(self.backend, "needs_push", False):
             self.backend.sync_weights()
             self._synced_version = self.weights_version
+
+    def close(self) -> None:
+        """Shut the rollout engine down (a vLLM engine frees its GPU memory; another may then start in
+        this process). The model stays usable for scoring; generation is over."""
+        close = getattr(self.backend, "close", None)
+        if callable(close):
+            close()
 
     def param_digest(self) -> list[float]:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""

@@ -1,0 +1,350 @@
+"""What only a GPU would show (issue 32), checked here with a fake vLLM that behaves as the CUDA build
+does where it matters: the V2 model runner draws an unseeded request's seed from numpy's global RNG,
+which every engine resets to the model seed at start (``v1/worker/gpu/sample/states.py``,
+``gpu_worker.py``), and never reads torch's generator; sleep mode's allocator is one per process.
+The real engine's paths run in ``tests/policy/test_vllm_backend.py`` (vLLM's CPU build) and in
+``scripts/gpu_check.py`` on a GPU."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from graft_rl.policy.types import SamplingParams
+
+# ---------------------------------------------------------------- a fake vLLM (CUDA build behaviour)
+
+
+class InprocClient:
+    pass
+
+
+class MPClient:
+    pass
+
+
+class SyncMPClient(MPClient):
+    pass
+
+
+class FakeLLM:
+    """Seeds as vLLM's V2 runner does; sleep, wake, reload and RPCs recorded."""
+
+    unloaded: set = set()  # names the next reload reports as not loaded
+    core = InprocClient
+    usage = 0  # bytes the sleep-mode allocator holds in this process
+
+    def __init__(self, model, **kw):
+        self.kw, self.calls = kw, []
+        np.random.seed(0)  # gpu_worker.py: every engine resets numpy to the model seed after warm-up
+        self.llm_engine = SimpleNamespace(engine_core=self.core())
+        if kw.get("enable_sleep_mode"):
+            FakeLLM.usage += 1 << 30
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        if callable(method):
+            return [method(self, *args)]
+        names = [n for n, _ in kwargs["weights_iterator"]]
+        self.calls.append(("reload", len(names)))
+        if self.unloaded:
+            logging.getLogger("vllm.model_executor.model_loader.reload.inplace").warning(
+                "Following weights were not loaded from checkpoint: %s", set(self.unloaded)
+            )
+        return [None]
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, params, use_tqdm=False):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        outs = []
+        for p in params:
+            # V2 add_request: an unseeded request gets a seed from numpy's global RNG; parallel sampling
+            # seeds child i with seed + i
+            seed = p.seed if p.seed is not None else int(np.random.randint(-(2**62), 2**62))
+            children = []
+            for i in range(p.n):
+                rng = np.random.default_rng((seed + i) % 2**63)
+                ids = rng.integers(0, 1000, size=p.max_tokens).tolist()
+                lps = [{t: SimpleNamespace(logprob=-1.0)} for t in ids]
+                children.append(SimpleNamespace(token_ids=ids, logprobs=lps, finish_reason="length"))
+            outs.append(SimpleNamespace(outputs=children))
+        return outs
+
+
+class FakeVSP:
+    def __init__(self, n=1, seed=None, max_tokens=16, **kw):
+        self.n, self.seed, self.max_tokens, self.kw = n, seed, max_tokens, kw
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.__version__ = "0.33.0"
+    vllm.LLM, vllm.SamplingParams = FakeLLM, FakeVSP
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
+    alloc = types.ModuleType("vllm.device_allocator")
+    alloc.get_mem_allocator_instance = lambda: SimpleNamespace(get_current_usage=lambda: FakeLLM.usage)
+    for name, mod in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.device_allocator", alloc)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(FakeLLM, "usage", 0)
+    monkeypatch.setattr(FakeLLM, "unloaded", set())
+    monkeypatch.setattr(FakeLLM, "core", InprocClient)
+    return vllm
+
+
+def _backend(sleep=False, name="A"):
+    from graft_rl.policy.rollout import VLLMBackend
+
+    return VLLMBackend(torch.nn.Linear(2, 2), "model_dir", sleep=sleep, name=name)
+
+
+SP = SamplingParams(n=4, max_new_tokens=8)
+PROMPTS = [[1, 2, 3], [1, 2, 3], [4, 5]]
+
+
+def _tokens(backend, seed):
+    return [s.token_ids for group in backend.generate(PROMPTS, SP, seed) for s in group]
+
+
+# ---------------------------------------------------------------- 1: sampling seeds
+
+
+def test_every_request_carries_its_own_seed_derived_from_the_calls(fake_vllm):
+    from graft_rl.policy.rollout import request_seeds
+
+    seen = []
+    b = _backend()
+    real = b.llm.generate
+    b.llm.generate = lambda prompts, params, **kw: (seen.append([p.seed for p in params]), real(prompts, params))[1]
+    b.generate(PROMPTS, SP, 7)
+    assert seen == [request_seeds(7, 3)] and None not in seen[0]
+    # a request's children take seed + i: no two prompts of a call share a stream
+    children = [s + i for s in request_seeds(7, 1000) for i in range(64)]
+    assert len(set(children)) == len(children)
+
+
+def test_same_seed_same_samples_and_rank_seeds_differ_under_the_v2_runner(fake_vllm):
+    """Two engines (two ranks, or two eval replicas) each reset numpy to the model seed: unseeded requests
+    drew identical samples on every one of them (torch's generator, which graft-rl reseeded, is never
+    read). With per-request seeds the call's seed decides."""
+    from graft_rl.seeding import rank_seed
+
+    rank0, rank1 = _backend(), _backend()
+    a = _tokens(rank0, rank_seed(11, 0, 2))
+    assert _tokens(rank1, rank_seed(11, 1, 2)) != a  # ranks sample independently
+    assert _tokens(_backend(), rank_seed(11, 0, 2)) == a  # a seed reproduces a call, on a fresh engine
+    assert _tokens(rank0, rank_seed(11, 0, 2)) == a  # and on the same engine, after other calls
+    groups = rank0.generate(PROMPTS, SP, 3)
+    assert groups[0][0].token_ids != groups[1][0].token_ids  # identical prompts: independent groups
+    assert len({tuple(s.token_ids) for s in groups[0]}) == 4  # the n samples of one prompt differ
+
+
+def test_the_worker_reseed_reaches_numpy_the_v2_runners_fallback():
+    """The seed path V2 takes for an unseeded request, in isolation: numpy's global RNG, which the
+    reseed callable now sets from the call's seed (it only seeded torch)."""
+    from graft_rl.policy.rollout import _reseed_worker
+
+    draws = []
+    for seed in (5, 6, 5):
+        np.random.seed(0)  # the engine's reset to the model seed
+        _reseed_worker(None, seed)
+        draws.append(int(np.random.randint(-(2**62), 2**62)))
+    assert draws[0] == draws[2] != draws[1]
+
+
+def test_eval_runs_on_different_replicas_sample_differently(fake_vllm):
+    """graft eval's run r of chunk s is sampled with seed 1000 r + s wherever it runs: two replicas
+    (fresh engines) give different samples for runs 0 and 1, the same for the same run."""
+    assert _tokens(_backend(), 1000) != _tokens(_backend(), 0)
+    assert _tokens(_backend(), 1000) == _tokens(_backend(), 1000)
+
+
+# ---------------------------------------------------------------- 2, 3: sleep
+
+
+def test_a_second_sleep_mode_engine_in_one_process_is_refused_in_one_line(fake_vllm):
+    from graft_rl.policy.rollout import VLLMEngineError
+
+    _backend(sleep=True, name="A")
+    with pytest.raises(VLLMEngineError) as err:
+        _backend(sleep=True, name="B")
+    msg = str(err.value)
+    assert "policy 'B'" in msg and "execution: ray" in msg and "sleep: false" in msg and "\n" not in msg
+    _backend(sleep=False, name="C")  # an engine without sleep mode does not use the allocator
+
+
+def test_a_closed_engine_lets_the_next_one_start(fake_vllm, monkeypatch):
+    b = _backend(sleep=True)
+    monkeypatch.setattr(FakeLLM, "usage", 0)  # vLLM freed the allocator's memory on shutdown
+    b.close()
+    assert b.llm is None
+    _backend(sleep=True, name="B")
+
+
+def test_level_one_until_a_push_reloads_every_weight_then_level_two_and_a_push_before_each_generation(fake_vllm):
+    from graft_rl.policy.training import PolicyTraining
+
+    b = _backend(sleep=True)
+    assert b.llm.calls == [("sleep", 1)]  # as built: the weights loaded from disk are kept (level 1)
+    assert not b.needs_push
+    pol = SimpleNamespace(backend=b, weights_version=1, _synced_version=0)
+    PolicyTraining.sync_rollout_weights(pol)  # the first step's push: every weight loaded
+    b.generate(PROMPTS, SP, 0)
+    assert b.llm.calls[-1] == ("sleep", 2) and b.needs_push  # discarded: nothing is copied to host memory
+    PolicyTraining.sync_rollout_weights(pol)  # same weights version (e.g. validation): pushed anyway
+    assert [c for c in b.llm.calls if c[0] == "reload"] == [("reload", 2), ("reload", 2)]
+    assert not b.needs_push
+    b.generate(PROMPTS, SP, 1)
+    assert b.sleep_levels == [1, 2, 2]
+
+
+def test_a_push_that_leaves_weights_unloaded_keeps_level_one(fake_vllm, monkeypatch):
+    from graft_rl.policy.rollout import VLLMEngineError
+
+    b = _backend(sleep=True)
+    monkeypatch.setattr(FakeLLM, "unloaded", {"lm_head.weight"})
+    b.sync_weights()
+    b.generate(PROMPTS, SP, 0)
+    assert b.sleep_levels == [1, 1] and not b.needs_push
+    # had the engine slept at level 2, the weights the push missed would be garbage: refused
+    b.discarded = True
+    with pytest.raises(VLLMEngineError, match=r"lm_head.weight unloaded after a level-2 sleep"):
+        b.sync_weights()
+
+
+def test_generation_after_a_level_two_sleep_without_a_push_is_refused(fake_vllm):
+    from graft_rl.policy.rollout import VLLMEngineError
+
+    b = _backend(sleep=True)
+    b.sync_weights()
+    b.generate(PROMPTS, SP, 0)
+    with pytest.raises(VLLMEngineError, match="without a weight push"):
+        b.generate(PROMPTS, SP, 0)
+
+
+# ---------------------------------------------------------------- 4: in-process engine
+
+
+def test_the_engine_is_kept_in_process_whatever_the_environment_says(fake_vllm, monkeypatch):
+    import os
+
+    from graft_rl.policy.rollout import VLLMEngineError
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    _backend()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setattr(FakeLLM, "core", SyncMPClient)  # an engine that started in a child process anyway
+    with pytest.raises(VLLMEngineError, match="in another process"):
+        _backend()
+
+
+# ---------------------------------------------------------------- config: one sleep engine per process
+
+
+def _two_vllm(execution="local", sleep_b=None):
+    from graft_rl.engine.config import load_config
+
+    b = {"name": "B", "model": "Qwen/Qwen3-1.7B-Base", "device": "cuda", "backend": "vllm"}
+    if sleep_b is not None:
+        b["vllm_kwargs"] = {"sleep": sleep_b}
+    return load_config(
+        {
+            "execution": execution,
+            "policies": [{"name": "A", "model": "Qwen/Qwen3-1.7B-Base", "device": "cuda", "backend": "vllm"}, b],
+        }
+    )
+
+
+def test_local_execution_with_two_sleeping_vllm_engines_is_refused_before_anything_loads():
+    from graft_rl.engine.config import ConfigError
+    from graft_rl.engine.plan import check_sleep_engines, format_plan, plan
+
+    cfg = _two_vllm()
+    with pytest.raises(ConfigError) as err:
+        check_sleep_engines(cfg)
+    assert "execution: ray" in str(err.value) and "A, B" in str(err.value) and "\n" not in str(err.value)
+    check_sleep_engines(_two_vllm("ray"))
+    check_sleep_engines(_two_vllm(sleep_b=False))
+    assert "NOT supported as configured" in format_plan(plan(cfg), shared=True)
+    assert "NOT supported" not in format_plan(plan(_two_vllm(sleep_b=False)), shared=True)
+
+
+# ---------------------------------------------------------------- 4: device placement
+
+
+def test_a_rank_actor_pins_its_ray_gpu_as_the_only_visible_device(monkeypatch):
+    import ray
+
+    from graft_rl.engine.distributed import ActorError, pin_actor_gpu
+
+    seen = {}
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("device", d))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+    pin_actor_gpu("A", 1)
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3" and seen["device"] == 0
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0, 1])
+    with pytest.raises(ActorError, match=r"policy 'A' rank 1: a rank actor needs exactly one GPU, Ray assigned it 2"):
+        pin_actor_gpu("A", 1)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [2])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ActorError, match="CUDA started before"):
+        pin_actor_gpu("A", 1)
+
+
+def test_a_cuda_rank_passes_its_device_to_the_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    import graft_rl.engine.distributed as distributed
+    from graft_rl.engine.distributed import RankWorker
+    from graft_rl.policy import PolicyConfig
+
+    seen = {}
+
+    class Joined(Exception):
+        pass
+
+    def fake_init(backend, **kw):
+        seen.update(kw, backend=backend)
+        raise Joined
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(distributed, "pin_actor_gpu", lambda name, rank: seen.setdefault("pinned", (name, rank)))
+    with pytest.raises(Joined):
+        RankWorker(1, 2).setup("127.0.0.1", 1234, (PolicyConfig("A", "m", world_size=2, device="cuda"),), 60.0)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 0) and seen["pinned"] == ("A", 1)
+
+
+def test_a_vllm_rank_is_never_offered_a_shared_gpu():
+    from graft_rl.engine.config import load_config
+    from graft_rl.engine.distributed import ResourceError, check_cluster
+
+    def cfg(num_gpus, backend="vllm"):
+        pols = [{"name": n, "model": "x", "device": "cuda", "backend": backend} for n in ("A", "B")]
+        return load_config({"execution": "ray", "ray": {"num_cpus": 1, "num_gpus": num_gpus}, "policies": pols})
+
+    with pytest.raises(ResourceError, match=r"policy 'A': a vLLM rank needs a whole GPU.*ray.num_gpus=1"):
+        check_cluster(cfg(0.5), cfg(0.5).policies, nodes=[{"CPU": 8.0, "GPU": 1.0}])
+    with pytest.raises(ResourceError) as err:  # too few GPUs: no "would share them" hint for vLLM
+        check_cluster(cfg(1.0), cfg(1.0).policies, nodes=[{"CPU": 8.0, "GPU": 1.0}])
+    assert "share" not in str(err.value)
+    with pytest.raises(ResourceError, match="would share them"):
+        check_cluster(cfg(1.0, "hf"), cfg(1.0, "hf").policies, nodes=[{"CPU": 8.0, "GPU": 1.0}])
