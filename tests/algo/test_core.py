@@ -23,10 +23,10 @@ from graft_rl.algo import (
 # ------------------------------------------------------------------ GRPO advantages
 def test_rule_grpo_advantage_uses_unbiased_std():
     r = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
-    mean, std = 0.25, math.sqrt(((0.75**2) + 3 * 0.25**2) / 3)  # Bessel: divide by n-1
-    expected = torch.tensor([[0.75, -0.25, -0.25, -0.25]]) / (std + 1e-6)
+    std = math.sqrt(((0.75**2) + 3 * 0.25**2) / 3)  # Bessel: divide by n-1 (the biased std, /n, is 0.433)
+    expected = torch.tensor([[0.75, -0.25, -0.25, -0.25]]) / (std + 1e-6)  # r - mean 0.25
     assert torch.allclose(grpo_advantages(r), expected)
-    assert mean == pytest.approx(r.mean().item())
+    assert not torch.allclose(grpo_advantages(r), expected * (std + 1e-6) / (math.sqrt(0.1875) + 1e-6))
 
 
 def test_rule_grpo_advantage_eps_in_denominator():

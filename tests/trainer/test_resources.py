@@ -176,3 +176,45 @@ def test_the_engine_wakes_one_memory_tag_at_a_time_after_emptying_the_cache(monk
     backend._wake()
     assert calls == [("empty_cache",), ("wake", ("weights",)), ("empty_cache",), ("wake", ("kv_cache",))]
     assert backend.sleeping == set()
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remembered", [True, False])
+def test_killed_actors_are_gone_before_kill_actors_returns(ray_local, remembered):
+    """Issue 32: ray.kill only asks (the process exits later); eval and preflight built new engines on
+    the same GPUs right after it. kill_actors returns once each actor's process has exited (where its
+    pid was recorded at start) or Ray reports it dead."""
+    import os
+
+    import ray
+
+    from graft_rl.engine.distributed import _remember, kill_actors
+
+    class Worker:
+        def pid(self):
+            return os.getpid()
+
+    actors = [ray.remote(Worker).options(num_cpus=0).remote() for _ in range(2)]
+    pids = ray.get([a.pid.remote() for a in actors])
+    if remembered:
+        _remember(actors)
+        kill_actors(actors)
+        assert not any(_alive(p) for p in pids)
+    else:
+        kill_actors(actors)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actors[0].pid.remote(), timeout=5)
