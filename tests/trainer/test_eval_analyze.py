@@ -216,6 +216,9 @@ def test_eval_of_a_checkpoint_keeps_its_prompt_format(make_cfg, fake_rewards, tm
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="fmt", policies=pols), show_progress=False)
     tr.run()
     ckpt = tr.run_dir / "checkpoints" / "step_000001" / "B"
+    (a, b) = ev.resolve_targets(str(tr.run_dir), backend="vllm", device="cpu")
+    assert (a.backend, b.backend, b.plain_template, b.world_size) == ("vllm", "vllm", template, 1)
+    assert ev.default_replicas(str(tr.run_dir), b) == 1
     for _ in range(2):
         (pc,) = ev.resolve_targets(str(ckpt))
         assert (pc.name, pc.prompt_format, pc.plain_template, pc.prompt_suffix, pc.model) == (
@@ -228,9 +231,9 @@ def test_eval_of_a_checkpoint_keeps_its_prompt_format(make_cfg, fake_rewards, tm
         # second pass: a checkpoint from before graft_policy.json (and the checksum manifest) existed
         (ckpt / "graft_policy.json").unlink(missing_ok=True)
         (ckpt.parent / "manifest.json").unlink(missing_ok=True)
-    (a, b) = ev.resolve_targets(str(tr.run_dir), backend="vllm", device="cpu")
-    assert (a.backend, b.backend, b.plain_template, b.world_size) == ("vllm", "vllm", template, 1)
-    assert ev.default_replicas(str(tr.run_dir), b) == 1
+    # the run's own checkpoint without its manifest: damaged (issue 33), not evaluated
+    with pytest.raises(ev.DatasetError, match=r"step_000001/A: manifest.json is missing"):
+        ev.resolve_targets(str(tr.run_dir))
 
 
 @pytest.mark.slow

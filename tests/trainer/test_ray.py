@@ -242,3 +242,54 @@ def test_probe_under_ray_equals_the_in_process_probe(make_cfg, ray_local, monkey
         for part in ("grafted_compat", "candidate_compat"):
             assert r[part] == pytest.approx(d[part], abs=1e-5)
     assert remote["verdict"] == local["verdict"]
+
+
+@pytest.mark.parametrize("direction", ["local->ray", "ray->local"])
+def test_a_resume_that_changes_execution_keeping_threads_is_the_uninterrupted_run(
+    direction, make_cfg, ray_local, monkeypatch
+):
+    """Issue 33: `execution` (and ray.*) may change on resume; with each policy's thread count kept
+    (checked: checkpointing.cpu_threads), steps 3-4 are the uninterrupted run's, bit for bit."""
+    import json
+
+    from graft_rl.engine.rundir import read_log
+
+    from .conftest import fake_verify
+
+    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    threads = torch.get_num_threads()
+    local = {"torch_threads": threads}
+    ray_kw = {"execution": "ray", "ray": {"num_cpus": 0.5, "torch_threads": threads}}
+    start, then = (
+        (local, ["execution=ray", "ray.num_cpus=0.5", f"ray.torch_threads={threads}"])
+        if direction == "local->ray"
+        else (
+            ray_kw,
+            ["execution=local", f"torch_threads={threads}"],
+        )
+    )
+    kw = {"steps": 4, "checkpoint_every": 2, "validation": {"data": []}}
+    full = Trainer(make_cfg({"name": "graft"}, run=f"full_{direction[:3]}", **kw, **start), show_progress=False)
+    full.run()
+    full.close()
+    part = Trainer(make_cfg({"name": "graft"}, run=f"part_{direction[:3]}", **kw, **start), show_progress=False)
+    part.run(max_steps=3)
+    part.close()
+    resumed = Trainer.resume(part.run_dir, show_progress=False, overrides=then)
+    resumed.run()
+    resumed.close()
+
+    def strip(d):
+        return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in read_log(d / "metrics.jsonl")[0]]
+
+    assert strip(part.run_dir) == strip(full.run_dir)
+    for name in ("A", "B"):
+        a = RecordStore(full.run_dir).read_exchange(name)
+        b = RecordStore(part.run_dir).read_exchange(name)
+        assert json.dumps(a, default=str) == json.dumps(b, default=str)
+    from transformers import AutoModelForCausalLM
+
+    for name in ("A", "B"):
+        x = AutoModelForCausalLM.from_pretrained(full.run_dir / "checkpoints" / "step_000004" / name)
+        y = AutoModelForCausalLM.from_pretrained(part.run_dir / "checkpoints" / "step_000004" / name)
+        assert all(torch.equal(p, q) for p, q in zip(x.parameters(), y.parameters(), strict=True)), name

@@ -316,6 +316,11 @@ DAMAGE = {  # how a file of the newest checkpoint is damaged -> what resume says
         ),
         r"trainer_state.json differs",
     ),
+    # issue 33: a missing manifest disabled the check, and the damaged weights were trained on
+    "deleted manifest and zeroed weights": (
+        lambda d: ((d / "manifest.json").unlink(), _zero_inside(d / "A" / "model.safetensors", 4096)),
+        r"manifest.json is missing",
+    ),
 }
 
 
@@ -586,3 +591,120 @@ def test_a_torn_run_config_is_recovered_from_the_checkpoint(cfg_for, baseline, f
     assert "config.yaml is damaged" in capsys.readouterr().out and resumed.start_step == 3
     resumed.run()
     _same(_snapshot(tr.run_dir), baseline)
+
+
+# ---------------------------------------------------------------- issue 33: manifests that bind, best/ that is not swapped
+def test_checkpoints_swapped_by_name_are_refused_not_resumed(cfg_for, fake_eval):
+    """step_000002 and step_000004 swapped by name: each holds another step's state (its manifest and
+    trainer_state say so): resume refuses, naming it, and deletes nothing."""
+    tr = Trainer(cfg_for("swapped"), show_progress=False)
+    tr.run()
+    root = tr.run_dir / "checkpoints"
+    os.replace(root / "step_000002", root / "tmp")
+    os.replace(root / "step_000004", root / "step_000002")
+    os.replace(root / "tmp", root / "step_000004")
+    with pytest.raises(CheckpointError, match=r"step_000004: it holds step 2's state, not step 4's"):
+        Trainer.resume(tr.run_dir, show_progress=False)
+
+
+def test_a_checkpoint_of_another_run_is_refused(cfg_for, fake_eval, capsys):
+    import shutil
+
+    other = Trainer(cfg_for("other_run", steps=2, validation={"data": []}), show_progress=False)
+    other.run()
+    tr = Trainer(cfg_for("this_run", steps=2, validation={"data": []}), show_progress=False)
+    tr.run(max_steps=1)  # no checkpoint yet (checkpoint_every 2)
+    shutil.copytree(other.run_dir / "checkpoints" / "step_000002", tr.run_dir / "checkpoints" / "step_000002")
+    (tr.run_dir / "run_id").write_text("f" * 32)
+    with pytest.raises(CheckpointError, match=r"written by another run"):
+        Trainer.resume(tr.run_dir, show_progress=False)
+
+
+def test_a_symbolic_link_at_best_policy_is_refused_in_one_line(cfg_for, fake_eval, tmp_path):
+    from graft_rl.engine.rundir import RunDirError
+
+    tr = Trainer(cfg_for("best_link"), show_progress=False)
+    tr.run(max_steps=2)
+    elsewhere = tmp_path / "kept_B"
+    os.replace(tr.run_dir / "best" / "B", elsewhere)
+    os.symlink(elsewhere, tr.run_dir / "best" / "B")
+    resumed = Trainer.resume(tr.run_dir, show_progress=False)
+    with pytest.raises(RunDirError, match=r"best/B is a symbolic link.*its target is left as it is") as err:
+        resumed.run()
+    assert "\n" not in str(err.value) and (elsewhere / "config.json").is_file()
+
+
+def test_graft_eval_never_evaluates_another_checkpoint_in_place_of_best(cfg_for, fake_eval):
+    """Issue 33: best/A that lost a file made graft eval evaluate checkpoints/step_N/A and say ok."""
+    from graft_rl.commands.evaluate_cli import resolve_targets
+    from graft_rl.data import DatasetError
+
+    tr = Trainer(cfg_for("no_swap"), show_progress=False)
+    tr.run()
+    (tr.run_dir / "best" / "A" / "config.json").unlink()
+    with pytest.raises(
+        DatasetError, match=r"best.json names step 4, but best/A is missing.*graft eval .*step_000004/A"
+    ):
+        resolve_targets(str(tr.run_dir), "A")
+    (tr.run_dir / "best" / "B" / "manifest.json").unlink()
+    with pytest.raises(DatasetError, match=r"best/B: manifest.json is missing"):
+        resolve_targets(str(tr.run_dir), "B")
+    import shutil
+
+    shutil.rmtree(tr.run_dir / "best" / "B")  # best.json still names it (a crash between the renames)
+    with pytest.raises(DatasetError, match=r"best.json names step 4, but best/B is missing"):
+        resolve_targets(str(tr.run_dir), "B")
+
+
+# ---------------------------------------------------------------- issue 33: what a resume may change
+def _training_part(snap, steps=4):
+    return (
+        [m for m in snap["metrics"] if m["step"] <= steps],
+        {k: v for k, v in snap["records"].items() if k[1] <= steps},
+        {n: [r for r in rows if r[0] <= steps] for n, rows in snap["exchange"].items()},
+    )
+
+
+ALLOWED = {  # override on resume -> what stays comparable with the uninterrupted run
+    "steps=6": ["steps=6"],
+    "validation.every=1": ["validation.every=1"],
+    "checkpoint_every=1, keep_checkpoints=3": ["checkpoint_every=1", "keep_checkpoints=3"],
+    "report_to, tracking, tensorboard": [
+        "report_to=[tensorboard]",
+        "tracking.completions_every=1",
+        "tensorboard=false",
+    ],
+    "torch_threads as it was": ["torch_threads={threads}"],
+    "validation.at_start": ["validation.at_start=true"],
+}
+
+
+@pytest.mark.parametrize("change", list(ALLOWED))
+def test_every_change_a_resume_allows_gives_the_uninterrupted_run(change, cfg_for, baseline, fake_eval):
+    """Issue 33 (docs/reliability.md lists these): stopped within step 3 (the last checkpoint is step 2's),
+    resumed with the change: steps 1-4's rollouts, exchanges, metrics and step 4's weights are the
+    uninterrupted run's."""
+    tr = Trainer(cfg_for(f"allowed_{re.sub(r'[^a-z]+', '_', change)}"), show_progress=False)
+    tr.run(max_steps=3)  # step 3 done, not checkpointed: a resume redoes it
+    overrides = [o.format(threads=torch.get_num_threads()) for o in ALLOWED[change]]
+    resumed = Trainer.resume(tr.run_dir, show_progress=False, overrides=overrides)
+    assert resumed.start_step == 3
+    resumed.run()
+    snap = _snapshot(tr.run_dir)
+    assert _training_part(snap) == _training_part(baseline)
+    step4 = tr.run_dir / "checkpoints" / "step_000004"
+    for n in ("A", "B"):
+        assert all(torch.equal(x, y) for x, y in zip(_load(step4 / n), baseline["weights"][n], strict=True)), n
+
+
+def test_a_resume_with_another_thread_count_is_refused_naming_the_override(cfg_for, fake_rewards):
+    """Issue 33: `--resume execution=ray ray.num_cpus=0.5` on a local run of 2 threads gave 1 thread per
+    actor: sums rounded differently and steps 4+ diverged. The thread count is checked, with the override."""
+    tr = Trainer(cfg_for("threads", validation={"data": []}, torch_threads=2), show_progress=False)
+    tr.run(max_steps=2)
+    with pytest.raises(
+        ConfigError, match=r"policy A computed with 2 torch threads .* would resume with 1.*ray.torch_threads=2"
+    ):
+        Trainer.resume(tr.run_dir, show_progress=False, overrides=["execution=ray", "ray.num_cpus=0.5"])
+    with pytest.raises(ConfigError, match=r"would resume with 1.*torch_threads=2"):
+        Trainer.resume(tr.run_dir, show_progress=False, overrides=["torch_threads=1"])

@@ -92,7 +92,9 @@ def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(
         for x, y in zip(_strip(local_lines), _strip(first_lines + rest), strict=True):
             assert x.keys() == y.keys()
             for k in x:
-                if isinstance(x[k], float | list):
+                if isinstance(x[k], list):  # per-response compatibility lists, rounded to 5 decimals
+                    assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1.01e-5), (x["step"], x["policy"], k)
+                elif isinstance(x[k], float):
                     assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6), (x["step"], x["policy"], k)
                 else:
                     assert x[k] == y[k], (x["step"], x["policy"], k)

@@ -45,25 +45,16 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
         from graft_rl.engine.config import load_config
 
         cfg = load_config(path / "config.yaml", [f"run_dir={path}"], saved=True)
-        ckpts = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file())
-        out = []
-        for pc in cfg.policies:
-            if policy and pc.name != policy:
-                continue
-            best = path / "best" / pc.name
-            model = best if (best / "config.json").is_file() else (ckpts[-1] / pc.name if ckpts else None)
-            if model is None:
-                raise DatasetError(f"{path}: run has no checkpoint of policy {pc.name!r} to evaluate")
-            problem = manifest_problem(model) if model == best else manifest_problem(model.parent, only=pc.name)
-            if problem is not None:  # weights that are not what the run wrote are never evaluated
-                raise DatasetError(
-                    f"{model}: {problem}; not evaluated (evaluate an intact checkpoint directory instead)"
-                )
-            out.append(replace(pc, **{**one, "model": str(model), **overrides}))
+        out = [
+            replace(pc, **{**one, "model": str(_run_checkpoint(path, pc.name)), **overrides})
+            for pc in cfg.policies
+            if not policy or pc.name == policy
+        ]
         if not out:
             raise DatasetError(f"{path}: no policy named {policy!r} (have: {', '.join(p.name for p in cfg.policies)})")
         return out
-    if path.is_dir():  # a checkpoint's policy directory, or best/<policy>: its files as written?
+    if path.is_dir():  # a checkpoint's policy directory, or best/<policy>, named by the user: its files as
+        # written? (one without a manifest, from before manifests existed, is evaluated as given)
         problem = manifest_problem(path) or manifest_problem(path.parent, only=path.name)
         if problem is not None:
             raise DatasetError(f"{path}: {problem}; not evaluated")
@@ -81,6 +72,46 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
         if pcs:
             return [replace(pcs[0], **{**one, "model": str(path), **overrides})]
     return [PolicyConfig(name=policy or Path(target).name or target, model=target, **overrides)]
+
+
+def _run_checkpoint(run: Path, name: str) -> Path:
+    """The checkpoint of policy ``name`` a run directory is evaluated with: its ``best/<name>`` when the
+    run validated it, else (a run without validation) its latest checkpoint. Never another one in its
+    place: a best/ that is missing, damaged, a symbolic link or of another step than ``best.json``
+    names is one line naming what to evaluate instead."""
+    from graft_rl.engine.rundir import manifest_step, run_identity
+
+    best = run / "best" / name
+    try:
+        named = json.loads((run / "best" / "best.json").read_text()).get(name)
+    except (OSError, ValueError, AttributeError):
+        named = None
+    ckpts = sorted(p for p in (run / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file())
+    instead = (
+        f"evaluate an intact checkpoint explicitly, e.g. graft eval {ckpts[-1] / name}" if ckpts else "resume the run"
+    )
+    rid = run_identity(run, create=False)
+    if best.is_symlink():
+        raise DatasetError(f"{best} is a symbolic link, not the best checkpoint the run wrote; {instead}")
+    if best.exists() or named:
+        step = named.get("step") if isinstance(named, dict) else None
+        if not (best / "config.json").is_file():
+            what = f"best.json names step {step}, but best/{name} is missing or incomplete"
+            raise DatasetError(f"{run}: {what}; not evaluated ({instead})")
+        problem = manifest_problem(best, required=True, run=rid)
+        if problem is None and step is not None and manifest_step(best) not in (None, step):
+            problem = f"it holds step {manifest_step(best)}'s weights, best.json names step {step}"
+        if problem is not None:
+            raise DatasetError(f"{best}: {problem}; not evaluated ({instead})")
+        return best
+    if not ckpts:
+        raise DatasetError(f"{run}: run has no checkpoint of policy {name!r} to evaluate")
+    problem = manifest_problem(ckpts[-1], only=name, required=True, run=rid)
+    if problem is not None:  # weights that are not what the run wrote are never evaluated
+        raise DatasetError(
+            f"{ckpts[-1] / name}: {problem}; not evaluated (evaluate an intact checkpoint directory instead)"
+        )
+    return ckpts[-1] / name
 
 
 def default_replicas(target: str, policy: PolicyConfig) -> int:
@@ -301,7 +332,8 @@ def run_eval(
         done = ", ".join(results["policies"]) or "none"
         raise EvalInterrupted(f"interrupted; finished policies ({done}) written to {out / 'eval.json'}") from None
     results["complete"] = True
-    _write_results(out, results, list(data))
+    _write_results(out, results, list(data), show)
+    results.pop("_said", None)
     if show:
         _print(results, list(data))
         print(f"written: {out / 'eval.json'}, {out / 'eval.md'}")
@@ -326,12 +358,25 @@ def _check_writable(out: Path) -> None:
         ) from None
 
 
-def _write_results(out: Path, results: dict, labels: list[str]) -> None:
-    """eval.json and eval.md, each whole or not at all (written after every finished policy)."""
+def _write_results(out: Path, results: dict, labels: list[str], show: bool = True) -> None:
+    """eval.json and eval.md, each whole or not at all (written after every finished policy), merged
+    under a lock with what an earlier or concurrent ``graft eval`` wrote there (:func:`merge_eval`):
+    every policy and benchmark evaluated is kept; what this call replaces is said once."""
+    from graft_rl.commands.results import locked, merge_eval, read_results
     from graft_rl.engine.rundir import write_text_atomic
 
-    write_text_atomic(out / "eval.json", json.dumps(results, indent=1))
-    write_text_atomic(out / "eval.md", _markdown(results, labels))
+    path = out / "eval.json"
+    with locked(path):
+        old, unreadable = read_results(path)
+        merged, notes = merge_eval(old, results)
+        others = [b for e in merged["policies"].values() for b in e["benchmarks"] if b not in labels]
+        write_text_atomic(path, json.dumps(merged, indent=1))
+        write_text_atomic(out / "eval.md", _markdown(merged, [*labels, *dict.fromkeys(others)]))
+    said = results.setdefault("_said", set())  # this call's notes, printed once
+    for note in ([unreadable] if unreadable else []) + notes:
+        if note not in said and show:
+            print(f"graft eval: {out / 'eval.json'}: {note}")
+        said.add(note)
 
 
 def _evaluate_targets(
@@ -367,7 +412,7 @@ def _evaluate_targets(
             "average": statistics.fmean(means),
             "average_std": statistics.stdev(agg_runs) if runs > 1 else 0.0,
         }
-        _write_results(out, results, list(data))  # a later interruption keeps this policy's results
+        _write_results(out, results, list(data), show)  # a later interruption keeps this policy's results
 
 
 def _start(target: str, pc: PolicyConfig, replicas: int) -> tuple[list, bool]:
@@ -459,14 +504,22 @@ def _markdown(res: dict, labels: list[str]) -> str:
     for name, p in res["policies"].items():
         cells = [
             f"{100 * p['benchmarks'][b]['pass@1_mean']:.2f} ± {100 * p['benchmarks'][b]['pass@1_std']:.2f}"
+            if b in p["benchmarks"]
+            else "—"
             for b in labels
         ]
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {100 * p['average']:.2f} ± {100 * p['average_std']:.2f} |"
         )
+    from graft_rl.commands.results import SETTINGS, settings_text
+
+    top = {k: res.get(k) for k in SETTINGS}
+    for name, p in res["policies"].items():
+        if p.get("settings", top) != top:
+            lines.append(f"\n{name} was evaluated with other settings: {settings_text(p['settings'])}.")
     lines += ["", "pass@k (%) pooled over all samples of all runs:", ""]
     for name, p in res["policies"].items():
-        for b in labels:
+        for b in [b for b in labels if b in p["benchmarks"]]:
             pk = p["benchmarks"][b]["pass@k"]
             lines.append(f"- {name} / {b}: " + ", ".join(f"pass@{k} {100 * v:.1f}" for k, v in pk.items()))
     return "\n".join(lines) + "\n"
@@ -543,6 +596,13 @@ def across_runs(runs: Sequence[str | Path], baseline: Sequence[str | Path] = ())
 
     if len(runs) < 1:
         raise ValueError("give at least one run directory")
+    from graft_rl.commands.results import check_comparable
+
+    check_comparable(runs, "the runs", [_eval_json(d) for d in runs])
+    if baseline:
+        check_comparable(baseline, "the baseline runs", [_eval_json(d) for d in baseline])
+        both = [*runs, *baseline]
+        check_comparable(both, "the runs and the baseline runs", [_eval_json(d) for d in both], ignore=("method",))
     method, labels = block(list(runs))
     res = {"runs": [str(r) for r in runs], "labels": labels, "policies": method}
     if baseline:

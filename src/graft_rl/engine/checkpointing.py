@@ -24,11 +24,12 @@ from graft_rl.engine.rundir import (
     remove_dir,
     replace_dir,
     rewrite_log,
+    run_identity,
     write_manifest,
     write_text_atomic,
 )
 
-__all__ = ["Checkpointing", "CheckpointError", "COMMITTED", "is_write_error", "write_error_text"]
+__all__ = ["Checkpointing", "CheckpointError", "COMMITTED", "is_write_error", "write_error_text", "cpu_threads"]
 
 #: ``best/.committed``: the best weights as of the newest checkpoint (see ``Checkpointing._commit_best``).
 COMMITTED = ".committed"
@@ -36,6 +37,30 @@ COMMITTED = ".committed"
 
 class CheckpointError(OSError):
     """A checkpoint could not be written (disk full, read-only directory, ...); the message says which."""
+
+
+def cpu_threads(cfg) -> dict[str, int]:
+    """The torch threads each CPU policy computes with (``execution: local``: ``torch_threads``, else this
+    process's count; ``ray``: ``ray.torch_threads``, else ``ray.num_cpus``). Sums over another number of
+    threads round differently, so a run resumed with other counts is not the uninterrupted run."""
+    import torch
+
+    if cfg.execution == "ray":
+        n = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
+    else:
+        n = cfg.torch_threads or torch.get_num_threads()
+    return {pc.name: int(n) for pc in cfg.policies if not pc.device.startswith("cuda")}
+
+
+def _check_threads(saved: dict | None, now: dict[str, int], run_dir: Path, ckpt: str) -> None:
+    """One line when a CPU policy would resume with another number of torch threads than it ran with."""
+    for name, n in (saved or {}).items():
+        if name in now and now[name] != n:
+            raise ConfigError(
+                f"{run_dir}: policy {name} computed with {n} torch threads up to checkpoint {ckpt} and would resume "
+                f"with {now[name]}; sums over other thread counts round differently, so the run would not be the "
+                f"uninterrupted one: resume with torch_threads={n} (execution: local) or ray.torch_threads={n}"
+            )
 
 
 class Checkpointing:
@@ -53,9 +78,15 @@ class Checkpointing:
             pending = [self._submit(name, "save", str(tmp / name)) for name in self.policies]  # at once under Ray
             for handle in pending:
                 self._result(handle)
-            state = {"step": step, "method_state": self.method.state_dict(), "config": to_dict(self.cfg)}
+            state = {
+                "step": step,
+                "method_state": self.method.state_dict(),
+                "config": to_dict(self.cfg),
+                "threads": cpu_threads(self.cfg),
+            }
             (tmp / "trainer_state.json").write_text(json.dumps(state))
-            write_manifest(tmp)  # every file's sha256: resume trusts a checkpoint only if they still match
+            # every file's sha256, the step and the run: resume trusts a checkpoint only if they still match
+            write_manifest(tmp, step, run_identity(self.run_dir))
             replace_dir(tmp, final)
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError) and not is_write_error(exc):
@@ -147,6 +178,7 @@ class Checkpointing:
                 f"{self.run_dir}: the run has done {done} steps (checkpoint {ckpt.name}) and would stop at "
                 f"{self.total_steps}; a resumed run may raise steps (or epochs), not lower them"
             )
+        _check_threads(state.get("threads"), cpu_threads(self.cfg), self.run_dir, ckpt.name)
         saved = state.get("config")
         if saved is None:
             return  # a checkpoint from before configs were recorded in it

@@ -39,6 +39,8 @@ __all__ = [
     "finite_json",
     "write_manifest",
     "manifest_problem",
+    "manifest_step",
+    "run_identity",
     "MANIFEST",
 ]
 
@@ -114,8 +116,18 @@ def rewrite_log(path: Path, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def _refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise RunDirError(
+            f"{path} is a symbolic link; graft-rl writes this directory itself and does not replace or delete "
+            f"through a link (its target is left as it is): remove the link, then run again"
+        )
+
+
 def remove_dir(path: Path) -> None:
-    """Delete a directory so that an interruption never leaves it half-deleted under its name."""
+    """Delete a directory so that an interruption never leaves it half-deleted under its name; a
+    symbolic link in its place is refused in one line (:class:`RunDirError`)."""
+    _refuse_link(path)
     if not path.exists():
         return
     trash = path.with_name(f".trash_{path.name}")
@@ -127,7 +139,9 @@ def remove_dir(path: Path) -> None:
 
 def replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished ``tmp`` directory to ``final``, replacing what was there: at every instant
-    ``final`` is either the old complete directory, absent, or the new complete one."""
+    ``final`` is either the old complete directory, absent, or the new complete one. A symbolic link
+    at ``final`` is refused in one line (:class:`RunDirError`)."""
+    _refuse_link(final)
     if final.exists():
         old = final.with_name(f".trash_{final.name}")
         if old.exists():
@@ -168,24 +182,51 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
-    """Record every file under ``directory`` (size, sha256) in its ``manifest.json`` (atomically)."""
+RUN_ID = "run_id"  # RUN_DIR/run_id: the run's identity, bound into every manifest it writes
+
+
+def run_identity(run_dir: Path, create: bool = True) -> str | None:
+    """The run's identity (a random hex id in ``RUN_DIR/run_id``, written at its first checkpoint or
+    best/ and kept when the directory is copied or moved); None when there is none and ``create`` is off."""
+    path = Path(run_dir) / RUN_ID
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        if not create:
+            return None
+    import uuid
+
+    write_text_atomic(path, uuid.uuid4().hex + "\n")
+    return path.read_text().strip()
+
+
+def write_manifest(directory: Path, step: int | None = None, run: str | None = None) -> None:
+    """Record every file under ``directory`` (size, sha256) in its ``manifest.json`` (atomically), with
+    the ``step`` it holds and the ``run`` (:func:`run_identity`) that wrote it."""
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
     entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    write_text_atomic(directory / MANIFEST, json.dumps({"files": entries}, indent=0))
+    write_text_atomic(directory / MANIFEST, json.dumps({"step": step, "run": run, "files": entries}, indent=0))
 
 
-def manifest_problem(directory: Path, only: str | None = None) -> str | None:
-    """Why ``directory`` does not match its manifest (a file missing, resized or changed), or None;
-    a directory written before manifests existed (none there) is not judged here. ``only``: check
-    just the files under that subdirectory (one policy of a checkpoint)."""
+def manifest_problem(
+    directory: Path, only: str | None = None, required: bool = False, step: int | None = None, run: str | None = None
+) -> str | None:
+    """Why ``directory`` does not match its manifest (a file missing, resized or changed; another step
+    or run than ``step``/``run`` where given and recorded), or None. Without a manifest: a problem when
+    ``required`` (a checkpoint or best/ of a run), else not judged (a model directory of any origin).
+    ``only``: check just the files under that subdirectory (one policy of a checkpoint)."""
     path = directory / MANIFEST
     if not path.exists():
-        return None
+        return f"{MANIFEST} is missing (its files cannot be checked)" if required else None
     try:
-        entries = json.loads(path.read_text())["files"]
+        manifest = json.loads(path.read_text())
+        entries = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{MANIFEST} is damaged"
+    if step is not None and manifest.get("step") is not None and int(manifest["step"]) != step:
+        return f"it holds step {manifest['step']}'s state, not step {step}'s ({MANIFEST})"
+    if run is not None and manifest.get("run") is not None and manifest["run"] != run:
+        return f"it was written by another run ({MANIFEST}: run {manifest['run'][:8]}, this run {run[:8]})"
     for rel, want in entries.items():
         if only is not None and not rel.startswith(only.rstrip("/") + "/"):
             continue
@@ -199,18 +240,29 @@ def manifest_problem(directory: Path, only: str | None = None) -> str | None:
     return None
 
 
+def manifest_step(directory: Path) -> int | None:
+    """The step a manifest says its directory holds (None: not recorded, or no manifest)."""
+    try:
+        step = json.loads((directory / MANIFEST).read_text()).get("step")
+        return None if step is None else int(step)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def checkpoint_problem(ckpt: Path, policies: list[str]) -> str | None:
     """Why a checkpoint cannot be resumed from, or None: every file against the checksums recorded
     when it was written (:func:`write_manifest`), then a check of every file resume reads."""
-    problem = manifest_problem(ckpt)
+    named = int(ckpt.name.rsplit("_", 1)[-1]) if ckpt.name.rsplit("_", 1)[-1].isdigit() else None
+    problem = manifest_problem(ckpt, required=True, step=named, run=run_identity(ckpt.parent.parent, create=False))
     if problem is not None:
         return problem
     state = ckpt / "trainer_state.json"
     try:
-        step = json.loads(state.read_text())["step"]
-        int(step)
+        step = int(json.loads(state.read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return "trainer_state.json is missing or damaged"
+    if named is not None and step != named:
+        return f"trainer_state.json says step {step}, the directory's name step {named}"
     for name in policies:
         d = ckpt / name
         if not (d / "config.json").is_file():
@@ -228,7 +280,8 @@ def checkpoint_problem(ckpt: Path, policies: list[str]) -> str | None:
 
 
 #: Config keys a resumed run may change: they decide how long it runs, where and how it is
-#: observed or placed, never what a step computes.
+#: observed or placed, never what a step computes (thread counts are checked apart:
+#: :func:`graft_rl.engine.checkpointing.cpu_threads`).
 HARMLESS_KEYS = (
     "run_dir",
     "steps",
@@ -238,6 +291,7 @@ HARMLESS_KEYS = (
     "tensorboard",
     "report_to",
     "tracking",
+    "torch_threads",  # and execution, ray.*: as long as each CPU policy keeps its thread count
     "execution",
     "ray",
     "validation.every",

@@ -18,7 +18,15 @@ import statistics
 
 from graft_rl.data import check_answers, default_reward, load_dataset
 from graft_rl.engine.evaluation import pass1_by_family
-from graft_rl.engine.rundir import best_steps, finite_json, read_log, replace_dir, write_manifest, write_text_atomic
+from graft_rl.engine.rundir import (
+    best_steps,
+    finite_json,
+    read_log,
+    replace_dir,
+    run_identity,
+    write_manifest,
+    write_text_atomic,
+)
 from graft_rl.rewards import Reward, resolve_reward
 from graft_rl.seeding import derive_seed
 
@@ -104,7 +112,8 @@ class Validation:
                 saving = [self._submit(name, "save", str(tmp[name])) for name in improved]
                 for name, handle in zip(improved, saving, strict=True):
                     self._result(handle)
-                    write_manifest(tmp[name])  # graft eval checks best/<policy> against it
+                    # graft eval checks best/<policy> against it: files, step and run
+                    write_manifest(tmp[name], step, run_identity(self.run_dir))
                     replace_dir(tmp[name], self.run_dir / "best" / name)
                 write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
             except (OSError, RuntimeError) as exc:  # a full disk: one line (resume redoes this validation)
