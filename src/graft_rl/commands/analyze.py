@@ -192,11 +192,19 @@ def analyze(
 ) -> dict:
     """Compute the diagnostics of a run (:func:`compute`), draw them (:func:`plot`) and write
     ``report.md`` (:func:`report`) and ``summary.json`` to ``out_dir`` (default ``RUN_DIR/analysis``)."""
+    from graft_rl.commands.results import differences
+
     a = compute(run_dir, compare, cases)
+    # overlaid curves of runs on other data or models are marked (a method differs by design)
+    notes = differences([a.run, *compare], ignore=("method",)) if compare else []
+    for note in notes:
+        print(f"graft analyze: the compared runs differ in {note}; their curves are overlaid as asked")
+    a.summary["compare_differences"] = notes
     out = Path(out_dir) if out_dir else a.run / "analysis"
     out.mkdir(parents=True, exist_ok=True)
     plot(a, out)
-    (out / "report.md").write_text(report(a))
+    marked = "".join(f"\n> The compared runs differ in {n}.\n" for n in notes)
+    (out / "report.md").write_text(report(a) + marked)
     (out / "summary.json").write_text(json.dumps(a.summary, indent=1, default=str))
     return {**a.summary, "out": str(out)}
 

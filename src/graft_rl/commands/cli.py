@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 
 from graft_rl import __version__
 
@@ -255,6 +256,9 @@ def _eval(ns) -> int:
     except (DatasetError, PolicyError, ValueError) as exc:
         print(f"graft eval: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full disk under --out: what was written before stays whole
+        print(f"graft eval: {_write_failed(exc)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as exc:  # Ctrl-C: what finished is on disk (EvalInterrupted says where)
         print(f"\ngraft eval: {exc or 'interrupted'}", file=sys.stderr)
         return 130
@@ -310,6 +314,9 @@ def _preflight(ns) -> int:
     except ConfigError as exc:
         print(f"graft preflight: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ngraft preflight: interrupted (its temporary directory and Ray processes are removed)", file=sys.stderr)
+        return 130
     print()
     print(format_checklist(result))
     if ns.json:
@@ -352,7 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     if ns.command not in commands:
         parser.error(f"unknown command {ns.command!r}")
-    return commands[ns.command](ns)
+    if ns.command == "train" or threading.current_thread() is not threading.main_thread():
+        return commands[ns.command](ns)  # graft train handles SIGTERM itself (the step finishes, then a checkpoint)
+    # SIGTERM as Ctrl-C: each command's interrupt handling runs (one line, temporary directories removed)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return commands[ns.command](ns)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt("terminated (SIGTERM)")
 
 
 def _seeds(ns) -> int:
@@ -370,8 +388,22 @@ def _seeds(ns) -> int:
     if ns.json:
         from graft_rl.engine.rundir import write_text_atomic
 
-        write_text_atomic(Path(ns.json), json.dumps(res, indent=1))
+        try:
+            write_text_atomic(Path(ns.json), json.dumps(res, indent=1))
+        except OSError as exc:
+            print(f"graft seeds: {_write_failed(exc)}", file=sys.stderr)
+            return 2
     return 0
+
+
+def _write_failed(exc: OSError) -> str:
+    """One line for an OSError: for a write that failed (a full disk, a read-only directory), where and why."""
+    import errno
+
+    where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+    if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG):
+        return f"{where}{exc.strerror or exc}"
+    return f"cannot write {where}{exc.strerror or exc}; free space or write elsewhere (earlier results are intact)"
 
 
 def _plan(ns) -> int:
@@ -421,6 +453,12 @@ def _analyze(ns) -> int:
     except (AnalysisError, RunDirError, RecordError) as exc:  # e.g. a damaged log line or record file
         print(f"graft analyze: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full disk under --out (the run's own files are only read)
+        print(f"graft analyze: {_write_failed(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ngraft analyze: interrupted (the run is untouched; its analysis may be incomplete)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -13,7 +13,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from graft_rl.data import BENCHMARKS, BUILTIN, TESTBED_DATA, DatasetError, check_answers, default_reward, load_dataset
+from graft_rl.data import (
+    BENCHMARKS,
+    BUILTIN,
+    TESTBED_DATA,
+    DatasetError,
+    check_answers,
+    default_reward,
+    load_dataset,
+    verifier_for,
+)
 from graft_rl.engine.evaluation import EVAL_CHUNK, evaluate_policy, pass_at_k
 from graft_rl.engine.rundir import manifest_problem
 from graft_rl.policy import Policy, PolicyConfig, saved_policy_config
@@ -187,11 +196,26 @@ def eval_defaults(target: str) -> tuple[dict, str]:
         return dict(PAPER), "the paper's protocol"
     from graft_rl.engine.config import load_config
 
-    v = load_config(cfg_file, [f"run_dir={Path(target)}"], saved=True).validation
+    cfg = load_config(cfg_file, [f"run_dir={Path(target)}"], saved=True)
+    v = cfg.validation
     out = dict(PAPER)
+    reward = cfg.data.reward if cfg.data.reward != "auto" else verifier_for(cfg.data.train)
+    if not v.data and reward != "math":
+        out["benchmarks"] = None  # run_eval asks for --benchmarks: the math benchmarks do not fit this task
+        return out, (
+            f"{target} was trained without validation (validation.data is empty) on {cfg.data.train}, scored by "
+            f"{reward}, so the paper's math benchmarks do not fit it: name what to evaluate on with "
+            f"--benchmarks (a held-out file, hf:..., or a built-in name)"
+        )
     if v.data:
         out.update(benchmarks=list(v.data), temperature=v.temperature, top_p=v.top_p, max_new_tokens=v.max_new_tokens)
     return out, f"the run's validation settings ({cfg_file})"
+
+
+def _default_benchmarks(defaults: dict, source: str) -> list[str]:
+    if defaults["benchmarks"] is None:  # a run without validation on a task the math benchmarks do not fit
+        raise DatasetError(source)
+    return defaults["benchmarks"]
 
 
 class _Local:
@@ -279,7 +303,7 @@ def run_eval(
 
     _check_counts(samples=samples, runs=runs, limit=limit, max_new_tokens=max_new_tokens, world_size=replicas)
     defaults, source = eval_defaults(target)
-    benchmarks = list(benchmarks) if benchmarks else defaults["benchmarks"]
+    benchmarks = list(benchmarks) if benchmarks else _default_benchmarks(defaults, source)
     samples = samples or defaults["samples"]
     runs = runs or defaults["runs"]
     temperature = defaults["temperature"] if temperature is None else temperature

@@ -403,11 +403,11 @@ def run_preflight(
 ) -> dict:
     """Run the checklist; returns ``{"stages": [...], "notes": [...], "plan": str, "ok": bool, "seconds": s}``."""
     t_start = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="graft-preflight-"))
     keep = run_dir is not None
+    if keep and Path(run_dir).exists() and any(Path(run_dir).iterdir()):  # refused before anything is made
+        raise ConfigError(f"--run-dir {run_dir} is not empty")
+    work = Path(tempfile.mkdtemp(prefix="graft-preflight-"))
     run = Path(run_dir) if run_dir else work / "run"
-    if keep and run.exists() and any(run.iterdir()):
-        raise ConfigError(f"--run-dir {run} is not empty")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (vLLM's default is 4)
     r = _Run(
         Checklist(show),

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["SETTINGS", "locked", "merge_eval", "read_results", "check_comparable", "settings_text"]
+__all__ = ["SETTINGS", "locked", "merge_eval", "read_results", "check_comparable", "differences", "settings_text"]
 
 #: What an evaluation's numbers depend on beside the weights: results under other settings are not merged.
 SETTINGS = ("samples", "runs", "temperature", "top_p", "limit", "max_new_tokens")
@@ -108,6 +108,19 @@ def _run_facts(run: Path) -> dict:
     return facts
 
 
+def differences(runs: Sequence[str | Path], ignore: Sequence[str] = ()) -> list[str]:
+    """Each fact (:func:`_run_facts`: method, data, models) on which ``runs`` differ, as
+    ``"KEY: RUN has 'X', RUN has 'Y'"`` (the first run against the first that differs)."""
+    facts = [{k: v for k, v in _run_facts(Path(r).expanduser()).items() if k not in ignore} for r in runs]
+    out = []
+    for key in dict.fromkeys(k for f in facts for k in f):
+        if len({str(f.get(key)) for f in facts if f}) > 1:
+            first, ref = next((r, f) for r, f in zip(runs, facts, strict=True) if f)
+            other, f2 = next((r, f) for r, f in zip(runs, facts, strict=True) if f and f.get(key) != ref.get(key))
+            out.append(f"{key}: {first} has {ref.get(key)!r}, {other} has {f2.get(key)!r}")
+    return out
+
+
 def check_comparable(
     runs: Sequence[str | Path], what: str, results: Sequence[dict] | None = None, ignore: Sequence[str] = ()
 ) -> None:
@@ -121,16 +134,9 @@ def check_comparable(
         if p in seen:
             raise ValueError(f"{what}: {given} is given twice ({seen[p]}); each run counts once")
         seen[p] = str(given)
-    facts = [{k: v for k, v in _run_facts(p).items() if k not in ignore} for p in paths]
-    for key in dict.fromkeys(k for f in facts for k in f):
-        values = {str(f.get(key)) for f in facts if f}
-        if len(values) > 1:
-            first, other = next((r, f) for r, f in zip(runs, facts, strict=True) if f)
-            diff = next((r, f) for r, f in zip(runs, facts, strict=True) if f and f.get(key) != other.get(key))
-            raise ValueError(
-                f"{what} differ in {key}: {first} has {other.get(key)!r}, {diff[0]} has {diff[1].get(key)!r}; "
-                f"a table over runs compares seeds of one setup"
-            )
+    diffs = differences(runs, ignore)
+    if diffs:
+        raise ValueError(f"{what} differ in {diffs[0]}; a table over runs compares seeds of one setup")
     if results is None:
         return
     ref: dict[str, tuple[str, dict]] = {}

@@ -88,8 +88,8 @@ class Checkpointing:
             # every file's sha256, the step and the run: resume trusts a checkpoint only if they still match
             write_manifest(tmp, step, run_identity(self.run_dir))
             replace_dir(tmp, final)
-        except (OSError, RuntimeError) as exc:
-            if isinstance(exc, RuntimeError) and not is_write_error(exc):
+        except Exception as exc:  # noqa: BLE001 (OSError; torch's and safetensors' write errors)
+            if not isinstance(exc, OSError) and not is_write_error(exc):
                 raise
             raise CheckpointError(f"cannot write checkpoint {final}: {write_error_text(exc, root)}") from None
         kept = sorted(p for p in root.glob("step_*") if p.is_dir())
@@ -239,7 +239,10 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 
 def is_write_error(exc: BaseException) -> bool:
-    """torch.save and safetensors report a full disk as a RuntimeError (zip writer, serialisation)."""
+    """torch.save and safetensors report a full disk as a RuntimeError (zip writer) or a SafetensorError
+    (serialisation), which is neither a RuntimeError nor an OSError."""
+    if type(exc).__name__ == "SafetensorError":
+        return True
     text = str(exc)
     return any(
         k in text

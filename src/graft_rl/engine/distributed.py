@@ -234,7 +234,12 @@ def init_ray(address: str | None, **kw) -> None:
     if ray.is_initialized():
         return
     kw = {"include_dashboard": False, "log_to_driver": False, "ignore_reinit_error": True, **kw}
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
     ray.init(address=address, **kw)
+    if callable(handler):  # ray.init installs sys.exit on SIGTERM; keep the command's own (SIGTERM as Ctrl-C)
+        signal.signal(signal.SIGTERM, handler)
     if address is None:
         from graft_rl.engine import reaper
 

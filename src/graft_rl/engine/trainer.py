@@ -337,9 +337,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
     @classmethod
     def resume(cls, run_dir: str | Path, show_progress: bool = True, overrides: list[str] | None = None) -> Trainer:
         """Continue a run; ``overrides`` may change only :data:`~graft_rl.engine.rundir.HARMLESS_KEYS` (e.g. ``steps=200``)."""
-        cfg_path = Path(run_dir) / "config.yaml"
-        if not cfg_path.is_file():
-            raise ConfigError(f"{run_dir}: not a run directory (no config.yaml)")
+        cfg_path = _saved_config(Path(run_dir))
         try:
             load_config(cfg_path, [f"run_dir={run_dir}"], saved=True)
             source: Path | dict = cfg_path
@@ -347,6 +345,20 @@ class Trainer(Rollouts, Checkpointing, Validation):
             source = _config_from_checkpoints(Path(run_dir), cfg_path, exc)
         cfg = load_config(source, [*(overrides or []), f"run_dir={run_dir}"], saved=True)
         return cls(cfg, resume=True, show_progress=show_progress)
+
+
+def _saved_config(run_dir: Path) -> Path:
+    """``RUN_DIR/config.yaml``, or one line: a run stopped before writing it has nothing to resume."""
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        left = run_dir.is_dir() and not any(p.name not in (".lock", "config.yaml.tmp") for p in run_dir.iterdir())
+        raise ConfigError(
+            f"{run_dir}: stopped before its config was written (nothing to resume); start it again with "
+            f"graft train CONFIG run_dir={run_dir}"
+            if left
+            else f"{run_dir}: not a run directory (no config.yaml)"
+        )
+    return cfg_path
 
 
 def _config_from_checkpoints(run_dir: Path, cfg_path: Path, exc: Exception) -> dict:
@@ -405,7 +417,7 @@ def _check_fresh_run_dir(run_dir: Path) -> None:
         return
     if not run_dir.is_dir():
         raise ConfigError(f"run_dir {run_dir} exists and is not a directory")
-    held = sorted(p.name for p in run_dir.iterdir() if p.name != ".lock")
+    held = sorted(p.name for p in run_dir.iterdir() if p.name != ".lock" and p.name != "config.yaml.tmp")
     if held:
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise ConfigError(f"run_dir {run_dir} already holds a run ({shown}); use --resume {run_dir} or another run_dir")

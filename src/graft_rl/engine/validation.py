@@ -116,10 +116,10 @@ class Validation:
                     write_manifest(tmp[name], step, run_identity(self.run_dir))
                     replace_dir(tmp[name], self.run_dir / "best" / name)
                 write_text_atomic(self.run_dir / "best" / "best.json", json.dumps(self.best, indent=1))
-            except (OSError, RuntimeError) as exc:  # a full disk: one line (resume redoes this validation)
+            except Exception as exc:  # noqa: BLE001 a full disk (OSError, torch, safetensors): one line; resume redoes it
                 from graft_rl.engine.checkpointing import CheckpointError, is_write_error, write_error_text
 
-                if isinstance(exc, RuntimeError) and not is_write_error(exc):
+                if not isinstance(exc, OSError) and not is_write_error(exc):
                     raise
                 raise CheckpointError(
                     f"cannot write {self.run_dir / 'best'}: {write_error_text(exc, self.run_dir)}"

