@@ -1,8 +1,10 @@
 """The issue-14 probe, as a user would run it: real ``graft train`` processes on the CPU testbed,
-signals, a concurrent run, a partial directory, an edited config, a torn log, bad input, and (issue
-31) a user's reward function that hangs, raises, breaks its contract, or starts failing mid-run.
+signals, a concurrent run, a partial directory, an edited config, a torn log, bad input, (issue
+31) a user's reward function that hangs, raises, breaks its contract, or starts failing mid-run, and
+(issue 33) where one command's output meets another's: resume across execution, eval results that
+merge, damaged or swapped checkpoints, a linked best/, SIGTERM in probe.
 
-    python scripts/reliability_probe.py            # ~5 minutes on 2 cores (testbed cached)
+    python scripts/reliability_probe.py            # ~8 minutes on 2 cores
 
 Settings as in the issue: testbed default, ``steps=8 checkpoint_every=2 validation.every=4
 validation.limit=32``. Prints one Markdown row per check; exits 1 if any fails. The deterministic
@@ -318,6 +320,7 @@ def main() -> int:
     )
     user_rewards(root, ref_metrics)
     lock_and_steps(root)
+    between_commands(root, ref, ref_metrics)
     shutil.rmtree(root, ignore_errors=True)
     return 0 if all(ok for _, ok, _ in ROWS) else 1
 
@@ -343,6 +346,112 @@ def lock_and_steps(root: Path) -> None:
         "--resume steps=1 on a run past step 1",
         rc == 2 and "not lower them" in err and (d / "config.yaml").read_text() == before,
         (err.strip().splitlines() or ["(no message)"])[-1].replace(str(root), "PROBE"),
+    )
+
+
+def cli(*args: str, env: dict | None = None) -> tuple[int, str, str]:
+    p = subprocess.run(
+        [sys.executable, "-m", "graft_rl.commands.cli", *args], capture_output=True, text=True, env=env, timeout=900
+    )
+    return p.returncode, p.stdout, p.stderr
+
+
+def last(err: str, root: Path) -> str:
+    return (err.strip().splitlines() or ["(no message)"])[-1].replace(str(root), "PROBE")
+
+
+def between_commands(root: Path, ref: Path, ref_metrics: list[dict]) -> None:
+    """Issue 33: where one command's output meets another's, or an allowed change meets resume."""
+    import torch
+
+    # resume with execution=ray: refused when the thread count changes, identical when it is kept
+    d = root / "to_ray"
+    finish(graft(d, "steps=3"))
+    rc1, _, err1 = finish(graft(d, "steps=8", "execution=ray", "ray.num_cpus=0.5", resume=True))
+    threads = torch.get_num_threads()
+    rc2, _, _ = finish(
+        graft(d, "steps=8", "execution=ray", "ray.num_cpus=0.5", f"ray.torch_threads={threads}", resume=True)
+    )
+    same = strip(lines(d / "metrics.jsonl")) == ref_metrics
+    row(
+        "--resume execution=ray ray.num_cpus=0.5 (1 thread), then with ray.torch_threads kept",
+        rc1 == 2 and "ray.torch_threads=" in err1 and rc2 == 0 and same,
+        f"exit {rc1} ({last(err1, root)[:90]}...), then {rc2}; identical to the uninterrupted run: {same}",
+    )
+    # graft eval of one policy, then the other: both kept
+    ev = ["eval", str(ref), "--benchmarks", "testbed_heldout", "--limit", "16", "--samples", "1", "--runs", "1"]
+    rc_a, _, _ = cli(*ev, "--policy", "A")
+    rc_b, _, _ = cli(*ev, "--policy", "B")
+    kept = list(json.loads((ref / "eval" / "eval.json").read_text())["policies"])
+    row("graft eval --policy A, then --policy B", rc_a == rc_b == 0 and kept == ["A", "B"], f"eval.json holds {kept}")
+    rc, _, err = cli("seeds", str(ref), str(ref))
+    row("graft seeds of the same run twice", rc == 2 and "given twice" in err, last(err, root))
+    # a checkpoint without its manifest and with zeroed weights: damaged, resume falls back
+    d = root / "no_manifest"
+    finish(graft(d, "steps=4"))
+    ckpt = d / "checkpoints" / "step_000004"
+    (ckpt / "manifest.json").unlink()
+    w = ckpt / "A" / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)
+    w.write_bytes(bytes(data))
+    rc, out, _ = finish(graft(d, "steps=8", resume=True))
+    same = strip(lines(d / "metrics.jsonl")) == ref_metrics
+    row(
+        "--resume with a checkpoint's manifest deleted and 4 KiB of its weights zeroed",
+        rc == 0 and "manifest.json is missing" in out and same,
+        f"exit {rc}; fell back to step 2: {'trying the one before' in out}; identical to the uninterrupted run: {same}",
+    )
+    # two checkpoints swapped by name
+    root_c = d / "checkpoints"
+    os.replace(root_c / "step_000006", root_c / "swap")
+    os.replace(root_c / "step_000008", root_c / "step_000006")
+    os.replace(root_c / "swap", root_c / "step_000008")
+    rc, _, err = finish(graft(d, "steps=9", resume=True))
+    row("--resume with two checkpoints swapped by name", rc == 2 and "holds step" in err, last(err, root)[:160])
+    # best/B replaced by a symbolic link; graft eval of a best/ that lost a file
+    d = root / "best_link"
+    finish(graft(d, "steps=4"))
+    os.replace(d / "best" / "B", root / "kept_B")
+    os.symlink(root / "kept_B", d / "best" / "B")
+    rc, _, err = finish(graft(d, "steps=8", resume=True))
+    row(
+        "--resume with best/B a symbolic link",
+        rc == 2 and "symbolic link" in err and (root / "kept_B").is_dir(),
+        last(err, root)[:160],
+    )
+    (d / "best" / "B").unlink()
+    os.replace(root / "kept_B", d / "best" / "B")
+    (d / "best" / "A" / "config.json").unlink()
+    rc, _, err = cli(*ev[:1], str(d), *ev[2:], "--policy", "A")
+    row("graft eval of a run whose best/A lost a file", rc == 2 and "not evaluated" in err, last(err, root)[:160])
+    # SIGTERM during graft probe: one line, its temporary directory removed
+    tmp = root / "tmp"
+    tmp.mkdir()
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "graft_rl.commands.cli",
+            "probe",
+            f"run_dir={root / 'probe_run'}",
+            "--out",
+            str(root / "probe"),
+        ],
+        env={**os.environ, "TMPDIR": str(tmp)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: any(x.name.startswith("graft_probe_") for x in tmp.iterdir()) or p.poll() is not None)
+    time.sleep(3)
+    p.send_signal(signal.SIGTERM)
+    rc, _, err = finish(p)
+    left = [x.name for x in tmp.iterdir() if x.name.startswith("graft_probe_")]
+    row(
+        "SIGTERM during graft probe",
+        rc == 130 and not left and "Traceback" not in err,
+        f"exit {rc}; {last(err, root)}; left: {left}",
     )
 
 

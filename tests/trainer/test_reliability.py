@@ -628,10 +628,16 @@ def test_a_symbolic_link_at_best_policy_is_refused_in_one_line(cfg_for, fake_eva
     elsewhere = tmp_path / "kept_B"
     os.replace(tr.run_dir / "best" / "B", elsewhere)
     os.symlink(elsewhere, tr.run_dir / "best" / "B")
-    resumed = Trainer.resume(tr.run_dir, show_progress=False)
     with pytest.raises(RunDirError, match=r"best/B is a symbolic link.*its target is left as it is") as err:
-        resumed.run()
+        Trainer.resume(tr.run_dir, show_progress=False)  # refused before anything loads
     assert "\n" not in str(err.value) and (elsewhere / "config.json").is_file()
+    # a link made while a run trains: the next best/ write refuses it (nothing written through it)
+    from graft_rl.engine.rundir import replace_dir
+
+    (tr.run_dir / "tmp_best").mkdir()
+    with pytest.raises(RunDirError, match="symbolic link"):
+        replace_dir(tr.run_dir / "tmp_best", tr.run_dir / "best" / "B")
+    assert (elsewhere / "config.json").is_file()
 
 
 def test_graft_eval_never_evaluates_another_checkpoint_in_place_of_best(cfg_for, fake_eval):

@@ -208,3 +208,38 @@ def test_a_refused_preflight_run_dir_leaves_no_temporary_directory(tmp_path, mon
     assert main(["preflight", "configs/testbed/graft.yaml", "--run-dir", str(tmp_path / "busy")]) == 2
     assert "is not empty" in capsys.readouterr().err
     assert set(tmp_path.iterdir()) == before
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_ray_preflight_is_one_line_and_leaves_nothing(tmp_path):
+    """Issue 33: SIGTERM during a Ray `graft preflight` ended in SIGABRT with a stack dump (ray.init's
+    own SIGTERM handler, sys.exit, replaced the command's); now it is Ctrl-C: one line, exit 130, the
+    temporary directory and the local Ray instance gone."""
+    pytest.importorskip("ray")
+    psutil = pytest.importorskip("psutil")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graft_rl.commands.cli", "preflight", "configs/paper/pair1/graft.yaml"],
+        env={**os.environ, "TMPDIR": str(tmp)},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any(
+        "ray::" in " ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True)
+    ):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(2)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert "graft preflight: interrupted" in err and "Traceback" not in err and "SIGABRT" not in err
+    assert not [p for p in tmp.iterdir() if p.name.startswith("graft-preflight-")]
+    time.sleep(5)
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [" ".join(c.cmdline())[:60] for c in alive]

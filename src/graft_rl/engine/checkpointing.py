@@ -18,6 +18,7 @@ from pathlib import Path
 from graft_rl.engine.config import ConfigError, load_config, to_dict
 from graft_rl.engine.rundir import (
     HARMLESS_KEYS,
+    RunDirError,
     checkpoint_problem,
     config_changes,
     read_log,
@@ -171,6 +172,11 @@ class Checkpointing:
     def _check_config(self, ckpt: Path) -> None:
         """Refuse to resume with a config whose results would differ from the checkpointed run's, or
         with fewer steps than the checkpoint has done (it would rewrite config.yaml to a shorter run)."""
+        for link in sorted(p for p in (self.run_dir / "best").glob("*") if p.is_symlink()):
+            raise RunDirError(
+                f"{link} is a symbolic link; graft-rl writes best/<policy> itself and does not write through a "
+                f"link (its target is left as it is): remove the link, then resume"
+            )
         state = json.loads((ckpt / "trainer_state.json").read_text())
         done = int(state["step"])
         if self.total_steps < done:
