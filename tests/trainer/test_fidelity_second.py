@@ -429,3 +429,14 @@ def test_hacpo_keeps_cut_peer_responses_in_the_loss_as_its_recipe_truncates_them
     assert cut > 0
     rows = RecordStore(tr.run_dir).read_exchange("A")
     assert rows and all(r["included"] for r in rows)
+
+
+def test_a_run_saved_before_refill_factor_keeps_refilling_with_one_batch():
+    """Its saved config.yaml has no refill_factor: resume, eval and analyze read it as the run ran (1),
+    a new config gets DAPO's 3."""
+    from graft_rl.engine.config import load_config
+
+    pols = [{"name": n, "model": "m"} for n in "AB"]
+    old = {"method": {"name": "grpo", "dynamic_sampling": True}, "policies": pols}
+    assert load_config(old, saved=True).method.params["refill_factor"] == 1
+    assert load_config(old).method.params["refill_factor"] == 3

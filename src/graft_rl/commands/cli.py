@@ -365,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return commands[ns.command](ns)
+    except KeyboardInterrupt:  # one that arrived outside a command's own handling (e.g. while printing)
+        print(f"\ngraft {ns.command}: interrupted", file=sys.stderr)
+        return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -529,6 +529,9 @@ def load_config(path: str | Path | dict | None, overrides: list[str] | None = No
             )
         data["method"] = {**method, "max_num_gen_batches": int(method["dynamic_max_rounds"]) + 1}
         del data["method"]["dynamic_max_rounds"]
+    method = data.get("method")
+    if saved and isinstance(method, dict) and method.get("dynamic_sampling") and "refill_factor" not in method:
+        data["method"] = {**method, "refill_factor": 1}  # saved before the key: refills were one prompt_batch
     cfg = _build(TrainConfig, data, "")
     cfg.validate(saved)
     return cfg
