@@ -4,7 +4,7 @@ signals, a concurrent run, a partial directory, an edited config, a torn log, ba
 (issue 33) where one command's output meets another's: resume across execution, eval results that
 merge, damaged or swapped checkpoints, a linked best/, SIGTERM in probe.
 
-    python scripts/reliability_probe.py            # ~8 minutes on 2 cores
+    python scripts/reliability_probe.py            # ~12 minutes on 2 cores
 
 Settings as in the issue: testbed default, ``steps=8 checkpoint_every=2 validation.every=4
 validation.limit=32``. Prints one Markdown row per check; exits 1 if any fails. The deterministic
