@@ -545,29 +545,24 @@ def row_vllm_two(c: Check) -> dict:
     def engine(name, **extra):
         return Policy(PolicyConfig(**c.base(name=name, backend="vllm", dtype=dtype, vllm_kwargs={**kwargs, **extra})))
 
+    def built(name, **extra) -> str:
+        """Build an engine, sample once, close it: what happened, in words (a refusal is an outcome)."""
+        try:
+            pol = engine(name, **extra)
+        except VLLMEngineError as exc:
+            return f"refused: {str(exc)[:60]}…"
+        pol.generate([("p", "1+1=?")], sp, seed=0)
+        pol.close()
+        return "built and sampled"
+
     first = engine("E1")
     res = {"first engine sleeps": first.backend.sleep}
     try:
-        try:
-            second = engine("E2")
-            second.generate([("p", "1+1=?")], sp, seed=0)
-            second.close()
-            res["second engine, default sleep"] = "built and sampled"
-        except VLLMEngineError as exc:
-            res["second engine, default sleep"] = f"refused: {str(exc)[:60]}…"
-        third = engine("E3", sleep=False)  # no sleep mode: no allocator to share
-        third.generate([("p", "1+1=?")], sp, seed=0)
-        third.close()
-        res["second engine, sleep off"] = "built and sampled"
+        res["second engine, default sleep"] = built("E2")
+        res["second engine, sleep off"] = built("E3", sleep=False)  # no sleep mode: no allocator to share
     finally:
         first.close()
-    try:
-        after = engine("E4")
-        after.generate([("p", "1+1=?")], sp, seed=0)
-        after.close()
-        res["sleep-mode engine after close()"] = "built and sampled"
-    except VLLMEngineError as exc:
-        res["sleep-mode engine after close()"] = f"refused: {str(exc)[:60]}…"
+    res["sleep-mode engine after close()"] = built("E4")
     return res
 
 
