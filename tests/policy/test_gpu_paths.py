@@ -348,3 +348,53 @@ def test_a_vllm_rank_is_never_offered_a_shared_gpu():
     assert "share" not in str(err.value)
     with pytest.raises(ResourceError, match="would share them"):
         check_cluster(cfg(1.0, "hf"), cfg(1.0, "hf").policies, nodes=[{"CPU": 8.0, "GPU": 1.0}])
+
+
+def test_a_rank_that_only_pushed_sleeps_too_so_every_rank_pushes_alike(fake_vllm):
+    """Review of issue 32: after a push the KV cache still sleeps; `rest()` (rollout_on_rank0's other
+    ranks) must still put the woken weights to sleep, or those ranks keep them on the GPU and disagree
+    with rank 0 about the next push (a collective)."""
+    rank0 = _backend(sleep=True)
+    FakeLLM.usage = 0  # the other rank's engine lives in its own process
+    rank1 = _backend(sleep=True)
+    for b in (rank0, rank1):
+        b.sync_weights()
+    rank0.generate(PROMPTS, SP, 0)
+    rank1.rest()
+    assert rank0.needs_push and rank1.needs_push
+    assert rank1.sleeping == {"weights", "kv_cache"} and rank1.llm.calls[-1] == ("sleep", 2)
+
+
+def test_level_two_needs_vllms_report_to_be_visible(fake_vllm, monkeypatch):
+    """With vLLM's logging set above WARNING the capture still reads the line; with logging.disable it
+    cannot, and the engine stays at level 1 rather than trust a push it cannot check."""
+    b = _backend(sleep=True)
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
+    logger.setLevel(logging.ERROR)
+    monkeypatch.setattr(FakeLLM, "unloaded", {"lm_head.weight"})
+    try:
+        b.sync_weights()
+    finally:
+        logger.setLevel(logging.NOTSET)
+    assert not b.full_push  # the warning was read although the level hides it
+    logging.disable(logging.WARNING)
+    monkeypatch.setattr(FakeLLM, "unloaded", set())
+    try:
+        b.sync_weights()
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not b.full_push  # nothing could be seen: level 1 stays
+    b.sync_weights()
+    assert b.full_push
+
+
+def test_cuda_under_ray_without_a_gpu_per_rank_is_refused():
+    from graft_rl.engine.config import load_config
+    from graft_rl.engine.distributed import ResourceError, check_cluster
+
+    pols = [{"name": n, "model": "x", "device": "cuda"} for n in ("A", "B")]
+    cfg = load_config({"execution": "ray", "ray": {"num_cpus": 1}, "policies": pols})
+    with pytest.raises(
+        ResourceError, match=r"policy 'A': device cuda under execution: ray needs a GPU .*ray.num_gpus=1"
+    ):
+        check_cluster(cfg, cfg.policies, nodes=[{"CPU": 8.0, "GPU": 2.0}])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -158,3 +159,35 @@ def test_graft_seeds_refuses_runs_that_do_not_belong_in_one_table(tmp_path, make
     with pytest.raises(ValueError, match=r"the runs and the baseline runs differ in data.train"):
         ev.across_runs([g1], [_run(tmp_path, make_cfg, "grpo2", method="grpo", data="math500")])
     check_comparable([other_data], "one run")  # alone, nothing to compare
+
+
+def test_results_of_other_weights_are_not_mixed_and_order_is_kept():
+    """Review: a resumed run's best/ moved to another step; evaluating one benchmark again must not
+    average it with the other weights' numbers. Re-evaluating a benchmark keeps its place."""
+    b = {"pass@1_mean": 0.5, "pass@1_std": 0.0, "pass@1_runs": [0.5], "pass@k": {}, "problems": 1}
+    old = {
+        "samples": 2,
+        "runs": 1,
+        "policies": {"A": {"model": "run/best/A", "step": 4, "benchmarks": {"x": b, "y": b}}},
+    }
+    same = {"samples": 2, "runs": 1, "policies": {"A": {"model": "run/best/A", "step": 4, "benchmarks": {"x": b}}}}
+    merged, _ = merge_eval(old, same)
+    assert list(merged["policies"]["A"]["benchmarks"]) == ["x", "y"]
+    moved = {"samples": 2, "runs": 1, "policies": {"A": {"model": "run/best/A", "step": 8, "benchmarks": {"y": b}}}}
+    merged, notes = merge_eval(old, moved)
+    assert list(merged["policies"]["A"]["benchmarks"]) == ["y"]
+    assert "weights run/best/A (step 4) -> run/best/A (step 8)" in notes[0]
+
+
+def test_a_baseline_of_fewer_policies_is_comparable(tmp_path, make_cfg):
+    g = _run(tmp_path, make_cfg, "g_full")
+    base = tmp_path / "b_one"
+    cfg = to_dict(make_cfg({"name": "grpo"}, run="b_one"))
+    cfg["policies"] = cfg["policies"][:1]
+    (base / "eval").mkdir(parents=True)
+    (base / "config.yaml").write_text(yaml.safe_dump(cfg))
+    res = json.loads((Path(g) / "eval" / "eval.json").read_text())
+    res["policies"] = {"A": res["policies"]["A"]}
+    (base / "eval" / "eval.json").write_text(json.dumps(res))
+    out = ev.across_runs([g], [str(base)])
+    assert set(out["delta"]) == {"A"}

@@ -212,6 +212,19 @@ def eval_defaults(target: str) -> tuple[dict, str]:
     return out, f"the run's validation settings ({cfg_file})"
 
 
+def _checkpoint_step(model: str) -> int | None:
+    """The training step of a checkpoint's weights (its manifest's, or its directory's name), else None."""
+    from graft_rl.engine.rundir import manifest_step
+
+    path = Path(model)
+    if not path.is_dir():
+        return None
+    step = manifest_step(path) if (path / "manifest.json").exists() else manifest_step(path.parent)
+    if step is None and path.parent.name.startswith("step_") and path.parent.name[5:].isdigit():
+        step = int(path.parent.name[5:])
+    return step
+
+
 def _default_benchmarks(defaults: dict, source: str) -> list[str]:
     if defaults["benchmarks"] is None:  # a run without validation on a task the math benchmarks do not fit
         raise DatasetError(source)
@@ -430,6 +443,7 @@ def _evaluate_targets(
         agg_runs = [statistics.fmean(v["pass@1_runs"][r] for v in per.values()) for r in range(runs)]
         results["policies"][pc.name] = {
             "model": pc.model,
+            "step": _checkpoint_step(pc.model),  # with the model, which weights these are (merge_eval)
             "backend": pc.backend,
             "replicas": W,
             "benchmarks": per,
@@ -601,7 +615,7 @@ def across_runs(runs: Sequence[str | Path], baseline: Sequence[str | Path] = ())
                 bench = list(p["benchmarks"])
                 if labels is None:
                     labels = bench
-                elif bench != labels:
+                elif set(bench) != set(labels):  # the order merged files keep may differ
                     raise ValueError(
                         f"{d}: policy {name} was evaluated on {', '.join(bench)}, the first run on {', '.join(labels)}"
                     )
@@ -631,7 +645,7 @@ def across_runs(runs: Sequence[str | Path], baseline: Sequence[str | Path] = ())
     res = {"runs": [str(r) for r in runs], "labels": labels, "policies": method}
     if baseline:
         base, base_labels = block(list(baseline))
-        if base_labels != labels:
+        if set(base_labels) != set(labels):
             raise ValueError(
                 f"the baseline runs were evaluated on {', '.join(base_labels)}, the runs on {', '.join(labels)}"
             )

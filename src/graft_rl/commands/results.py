@@ -79,18 +79,26 @@ def merge_eval(old: dict | None, new: dict) -> tuple[dict, list[str]]:
     for name, entry in new.get("policies", {}).items():
         entry = {**entry, "settings": mine, "benchmarks": dict(entry["benchmarks"])}
         prev = merged["policies"].get(name)
-        if prev is not None and prev["settings"] == mine:
+        same_weights = prev is not None and (prev.get("model"), prev.get("step")) == (
+            entry.get("model"),
+            entry.get("step"),
+        )
+        if prev is not None and prev["settings"] == mine and same_weights:
             again = [b for b in entry["benchmarks"] if b in prev["benchmarks"]]
-            kept = {b: v for b, v in prev["benchmarks"].items() if b not in entry["benchmarks"]}
             if again:
                 notes.append(f"replaced {name}'s earlier {', '.join(again)}")
-            entry["benchmarks"] = {**kept, **entry["benchmarks"]}
+            entry["benchmarks"] = {**prev["benchmarks"], **entry["benchmarks"]}  # earlier ones keep their places
             _average(entry)
         elif prev is not None:
             changed = ", ".join(
                 f"{k} {prev['settings'].get(k)} -> {mine[k]}" for k in SETTINGS if prev["settings"].get(k) != mine[k]
             )
-            notes.append(f"replaced {name}'s earlier results (other settings: {changed})")
+            if not same_weights:
+                was, now = (f"{e.get('model')} (step {e.get('step')})" for e in (prev, entry))
+                changed = ", ".join(x for x in (changed, f"weights {was} -> {now}") if x)
+            notes.append(
+                f"replaced {name}'s earlier results (other {'settings' if same_weights else 'weights or settings'}: {changed})"
+            )
         merged["policies"][name] = entry
     return merged, notes
 
@@ -110,14 +118,15 @@ def _run_facts(run: Path) -> dict:
 
 def differences(runs: Sequence[str | Path], ignore: Sequence[str] = ()) -> list[str]:
     """Each fact (:func:`_run_facts`: method, data, models) on which ``runs`` differ, as
-    ``"KEY: RUN has 'X', RUN has 'Y'"`` (the first run against the first that differs)."""
+    ``"KEY: RUN has 'X', RUN has 'Y'"`` (the first run against the first that differs); a fact some
+    runs lack (a policy a baseline does not train) is compared among those that have it."""
     facts = [{k: v for k, v in _run_facts(Path(r).expanduser()).items() if k not in ignore} for r in runs]
     out = []
     for key in dict.fromkeys(k for f in facts for k in f):
-        if len({str(f.get(key)) for f in facts if f}) > 1:
-            first, ref = next((r, f) for r, f in zip(runs, facts, strict=True) if f)
-            other, f2 = next((r, f) for r, f in zip(runs, facts, strict=True) if f and f.get(key) != ref.get(key))
-            out.append(f"{key}: {first} has {ref.get(key)!r}, {other} has {f2.get(key)!r}")
+        having = [(r, f[key]) for r, f in zip(runs, facts, strict=True) if key in f]  # a run without the policy: n/a
+        if len({str(v) for _, v in having}) > 1:
+            (first, ref), (other, value) = having[0], next((r, v) for r, v in having if v != having[0][1])
+            out.append(f"{key}: {first} has {ref!r}, {other} has {value!r}")
     return out
 
 

@@ -83,7 +83,7 @@ class Checkpointing:
                 "step": step,
                 "method_state": self.method.state_dict(),
                 "config": to_dict(self.cfg),
-                "threads": cpu_threads(self.cfg),
+                "threads": getattr(self, "_threads", None) or cpu_threads(self.cfg),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state))
             # every file's sha256, the step and the run: resume trusts a checkpoint only if they still match
@@ -184,7 +184,9 @@ class Checkpointing:
                 f"{self.run_dir}: the run has done {done} steps (checkpoint {ckpt.name}) and would stop at "
                 f"{self.total_steps}; a resumed run may raise steps (or epochs), not lower them"
             )
-        _check_threads(state.get("threads"), cpu_threads(self.cfg), self.run_dir, ckpt.name)
+        _check_threads(
+            state.get("threads"), getattr(self, "_threads", None) or cpu_threads(self.cfg), self.run_dir, ckpt.name
+        )
         saved = state.get("config")
         if saved is None:
             return  # a checkpoint from before configs were recorded in it

@@ -97,6 +97,11 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
     """
     for pc in policy_configs:
         gpus = policy_bundles(cfg, pc)[0].get("GPU", 0.0)
+        if pc.device.startswith("cuda") and gpus == 0:
+            raise ResourceError(
+                f"policy {pc.name!r}: device cuda under execution: ray needs a GPU per rank actor, and ray.num_gpus is 0 "
+                f"(Ray would assign none); set ray.num_gpus=1"
+            )
         if pc.backend == "vllm" and 0 < gpus < 1:
             raise ResourceError(
                 f"policy {pc.name!r}: a vLLM rank needs a whole GPU, ray.num_gpus gives it {gpus:g} (vLLM's start-up "
@@ -235,11 +240,12 @@ def init_ray(address: str | None, **kw) -> None:
         return
     kw = {"include_dashboard": False, "log_to_driver": False, "ignore_reinit_error": True, **kw}
     import signal
+    import threading
 
     handler = signal.getsignal(signal.SIGTERM)
     ray.init(address=address, **kw)
-    if callable(handler):  # ray.init installs sys.exit on SIGTERM; keep the command's own (SIGTERM as Ctrl-C)
-        signal.signal(signal.SIGTERM, handler)
+    if callable(handler) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)  # ray.init installs sys.exit on SIGTERM; keep the command's own
     if address is None:
         from graft_rl.engine import reaper
 

@@ -32,7 +32,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from graft_rl.data import Problem, load_dataset
-from graft_rl.engine.checkpointing import CheckpointError, Checkpointing
+from graft_rl.engine.checkpointing import CheckpointError, Checkpointing, cpu_threads
 from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.engine.evaluation import families
 from graft_rl.engine.handles import Pending, WorkerHandle, completion_order, start_workers
@@ -97,6 +97,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
     def _init(self, cfg: TrainConfig, resume: bool) -> None:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
+        self._threads = cpu_threads(cfg)  # before any engine changes this process's count (vLLM sets 1)
         self.store = RecordStore(self.run_dir)
         self.data: list[Problem] = load_dataset(cfg.data.train, cfg.data.limit, cfg.data.columns)
         if len(self.data) < cfg.prompt_batch:

@@ -159,7 +159,10 @@ class ShardedPolicy(Policy):
     def sync_rollout_weights(self) -> None:
         """Collective: every rank pushes, or none (a level-2 sleep discards every rank's engine weights
         alike, since every rank's engine sleeps after each generation call: :meth:`generate`)."""
-        if self._synced_version == self.weights_version and not getattr(self.backend, "needs_push", False):
+        if getattr(self, "_pushed_for_call", False):  # Policy.generate inside this class's generate: done
+            return
+        stale = self._synced_version != self.weights_version or getattr(self.backend, "needs_push", False)
+        if not self._max_over_ranks(int(stale)):  # one decision for the group: the push is a collective
             return
         if self.config.backend == "hf":
             copy_sd = self.rollout_model.state_dict() if self.rollout_model is not None else {}
@@ -175,15 +178,19 @@ class ShardedPolicy(Policy):
         """Every rank samples its share (``rank, rank + W, ...``) seeded :func:`rank_seed`; all ranks
         return the whole batch in prompt order (``rollout_on_rank0``: rank 0 samples it all)."""
         self.sync_rollout_weights()  # collective: every rank takes part, sampling or not
-        if self.config.rollout_on_rank0:
-            box = [super().generate(prompts, sampling, seed) if self.rank == 0 else None]
-            if self.rank != 0 and hasattr(self.backend, "rest"):
-                self.backend.rest()  # its engine sleeps as rank 0's does, so all ranks push alike next time
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-        mine = super().generate(
-            [prompts[i] for i in self._local(len(prompts))], sampling, rank_seed(seed, self.rank, self.world)
-        )
+        self._pushed_for_call = True  # the per-rank Policy.generate below must not start another collective
+        try:
+            if self.config.rollout_on_rank0:
+                box = [super().generate(prompts, sampling, seed) if self.rank == 0 else None]
+                if self.rank != 0 and hasattr(self.backend, "rest"):
+                    self.backend.rest()  # its engine sleeps as rank 0's does
+                dist.broadcast_object_list(box, src=0)
+                return box[0]
+            mine = super().generate(
+                [prompts[i] for i in self._local(len(prompts))], sampling, rank_seed(seed, self.rank, self.world)
+            )
+        finally:
+            self._pushed_for_call = False
         parts: list = [None] * self.world
         dist.all_gather_object(parts, mine)
         return [parts[i % self.world][i // self.world] for i in range(len(prompts))]

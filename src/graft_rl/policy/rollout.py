@@ -385,7 +385,8 @@ class VLLMBackend:
         return self.discarded
 
     def _fall_asleep(self) -> None:
-        if self.sleep and not self.sleeping:
+        """Sleep whenever the weights are awake (a push wakes them alone: the KV cache may sleep still)."""
+        if self.sleep and "weights" not in self.sleeping:
             level = 2 if self.full_push else 1
             self.llm.sleep(level=level)
             self.sleep_levels.append(level)
@@ -415,7 +416,7 @@ class VLLMBackend:
         one that leaves weights unloaded after a level-2 sleep is an error (they would be garbage).
         """
         self._wake(("weights",))
-        with _unloaded_weights() as missing:
+        with _unloaded_weights() as (missing, observed):
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": self.weights_fn(), "is_checkpoint_format": True}
             )
@@ -425,7 +426,10 @@ class VLLMBackend:
                 f"{who}the weight push left {', '.join(sorted(missing)[:3])} unloaded after a level-2 sleep "
                 f"discarded them; set vllm_kwargs.sleep: false for this policy and report this"
             )
-        self.full_push = self.full_push or not missing
+        # level 2 only where vLLM can say what a push missed: its check runs for unquantised models, and
+        # its log line must reach us (a logging level above WARNING or logging.disable would hide it)
+        quantized = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "quantization", None)
+        self.full_push = self.full_push or (observed and not missing and quantized is None)
         self.discarded = False
         self.llm.reset_prefix_cache()
 
@@ -501,7 +505,8 @@ def _check_in_process(llm) -> None:
 
 @contextlib.contextmanager
 def _unloaded_weights():
-    """Collect the parameter names vLLM's ``reload_weights`` reports as not loaded (its log line)."""
+    """``(names vLLM's reload_weights reports as not loaded, whether its report can be seen)``, from its
+    log line, read whatever the vLLM logging level (its own handlers still filter what is shown)."""
     import logging
 
     missing: set[str] = set()
@@ -514,11 +519,17 @@ def _unloaded_weights():
 
     handler = _Catch(logging.WARNING)
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
+    level, disabled = logger.level, logger.disabled
+    logger.setLevel(logging.WARNING)  # whatever VLLM_LOGGING_LEVEL says: the line is read here, not shown
+    logger.disabled = False
     logger.addHandler(handler)
+    observed = logging.root.manager.disable < logging.WARNING  # logging.disable(WARNING) hides it from everyone
     try:
-        yield missing
+        yield missing, observed
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.disabled = disabled
 
 
 def _reseed_worker(worker, seed: int) -> None:
