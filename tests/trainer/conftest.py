@@ -89,3 +89,8 @@ def ray_local():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     yield
     ray.shutdown()
+
+
+def quick_eval_args(run_dir, data) -> list[str]:
+    """`graft eval` of a run on ``data`` at the smallest settings: 1 sample, 1 run, 4 new tokens."""
+    return ["eval", str(run_dir), "--benchmarks", str(data), "--samples", "1", "--runs", "1", "--max-new-tokens", "4"]

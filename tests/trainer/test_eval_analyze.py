@@ -13,6 +13,8 @@ from graft_rl.commands.cli import main
 from graft_rl.engine.trainer import Trainer
 from graft_rl.policy import RolloutGroup
 
+from .conftest import quick_eval_args
+
 
 class FakePolicy:
     """Answers problem i correctly in the first c_i of its samples; c_i depends on the seed (run)."""
@@ -265,18 +267,7 @@ def test_eval_keeps_finished_policies_on_ctrl_c_and_checks_its_output_first(
 
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="ctrlc"), show_progress=False)
     tr.run()
-    args = [
-        "eval",
-        str(tr.run_dir),
-        "--benchmarks",
-        str(tiny_data),
-        "--samples",
-        "1",
-        "--runs",
-        "1",
-        "--max-new-tokens",
-        "4",
-    ]
+    args = quick_eval_args(tr.run_dir, tiny_data)
     (tmp_path / "afile").write_text("x")
     assert main([*args, "--out", str(tmp_path / "afile")]) == 2
     assert "is a file; give a directory" in capsys.readouterr().err

@@ -21,6 +21,8 @@ from graft_rl.commands.cli import main
 from graft_rl.engine.config import ConfigError, to_dict
 from graft_rl.engine.trainer import Trainer
 
+from .conftest import quick_eval_args
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,18 +36,7 @@ def test_a_full_disk_under_eval_analyze_and_seeds_is_one_line(make_cfg, fake_rew
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="disk"), show_progress=False)
     tr.run()
     monkeypatch.setattr(rundir, "write_text_atomic", _full_disk)
-    args = [
-        "eval",
-        str(tr.run_dir),
-        "--benchmarks",
-        str(tiny_data),
-        "--samples",
-        "1",
-        "--runs",
-        "1",
-        "--max-new-tokens",
-        "4",
-    ]
+    args = quick_eval_args(tr.run_dir, tiny_data)
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert (

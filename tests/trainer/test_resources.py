@@ -131,13 +131,17 @@ def test_error_inside_an_actor_is_one_line_naming_policy_and_rank(make_cfg, ray_
     assert "\n" not in str(err.value)
 
 
-def test_a_rank_joins_its_process_group_with_the_configured_collective_timeout(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_rank_joins_its_process_group_with_the_configured_collective_timeout(monkeypatch, device):
     """Issue 22: ray.collective_timeout reaches torch.distributed (NCCL's default would abort a rank
-    that waits 10 minutes for its peers' generation shares)."""
+    that waits 10 minutes for its peers' generation shares). Issue 32: a CUDA rank pins its Ray GPU
+    first and passes it to NCCL as ``device_id``."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
+    import graft_rl.engine.distributed as distributed
     from graft_rl.engine.distributed import RankWorker
     from graft_rl.policy import PolicyConfig
 
@@ -151,9 +155,14 @@ def test_a_rank_joins_its_process_group_with_the_configured_collective_timeout(m
         raise Joined
 
     monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(distributed, "pin_actor_gpu", lambda name, rank: seen.setdefault("pinned", (name, rank)))
     with pytest.raises(Joined):
-        RankWorker(1, 2).setup("127.0.0.1", 1234, (PolicyConfig("A", "m", world_size=2),), 5400.0)
-    assert seen["timeout"] == timedelta(seconds=5400) and seen["backend"] == "gloo" and seen["rank"] == 1
+        RankWorker(1, 2).setup("127.0.0.1", 1234, (PolicyConfig("A", "m", world_size=2, device=device),), 5400.0)
+    assert seen["timeout"] == timedelta(seconds=5400) and seen["rank"] == 1
+    if device == "cuda":
+        assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 0) and seen["pinned"] == ("A", 1)
+    else:
+        assert seen["backend"] == "gloo" and seen["device_id"] is None and "pinned" not in seen
 
 
 def test_the_engine_wakes_one_memory_tag_at_a_time_after_emptying_the_cache(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import statistics
@@ -103,6 +104,7 @@ def merge_eval(old: dict | None, new: dict) -> tuple[dict, list[str]]:
     return merged, notes
 
 
+@functools.lru_cache(maxsize=64)  # a run is checked in several groups (runs, baseline, both)
 def _run_facts(run: Path) -> dict:
     """What a run's numbers depend on besides its seed: method, data, each policy's model."""
     from graft_rl.engine.config import load_config

@@ -66,7 +66,7 @@ def _check_threads(saved: dict | None, now: dict[str, int], run_dir: Path, ckpt:
 
 class Checkpointing:
     """Checkpoint writing, choosing and restoring; mixed into the trainer, whose ``cfg``, ``run_dir``,
-    ``policies``, ``store``, ``method``, ``start_step`` and ``_submit``/``_result``/``_call`` it uses."""
+    ``policies``, ``store``, ``method``, ``start_step``, ``_threads`` and ``_submit``/``_result``/``_call`` it uses."""
 
     def save_checkpoint(self, step: int) -> Path:
         """Write ``checkpoints/step_N`` under a temporary name, rename it, then prune old ones."""
@@ -83,7 +83,7 @@ class Checkpointing:
                 "step": step,
                 "method_state": self.method.state_dict(),
                 "config": to_dict(self.cfg),
-                "threads": getattr(self, "_threads", None) or cpu_threads(self.cfg),
+                "threads": self._threads,  # as the run started (Trainer._init)
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state))
             # every file's sha256, the step and the run: resume trusts a checkpoint only if they still match

@@ -356,8 +356,7 @@ class VLLMBackend:
         self.sleep = torch.cuda.is_available() if sleep is None else sleep
         self.sleeping: set[str] = set()  # memory tags vLLM has put to sleep: weights, kv_cache
         self.full_push = False  # a push has reloaded every weight: level-2 sleep from then on
-        self.discarded = False  # the engine's weights were discarded (level 2) and await a push
-        self.sleep_levels: list[int] = []  # the level of each sleep, for diagnostics and tests
+        self.needs_push = False  # the weights were discarded by a level-2 sleep: push before the next generation
         if self.sleep:
             held = _sleep_allocator_usage()
             if held:
@@ -379,19 +378,13 @@ class VLLMBackend:
         _check_in_process(self.llm)
         self._fall_asleep()
 
-    @property
-    def needs_push(self) -> bool:
-        """The engine's weights were discarded by a level-2 sleep: push before the next generation."""
-        return self.discarded
-
     def _fall_asleep(self) -> None:
         """Sleep whenever the weights are awake (a push wakes them alone: the KV cache may sleep still)."""
         if self.sleep and "weights" not in self.sleeping:
             level = 2 if self.full_push else 1
             self.llm.sleep(level=level)
-            self.sleep_levels.append(level)
             self.sleeping = {"weights", "kv_cache"}
-            self.discarded = level == 2
+            self.needs_push = level == 2
 
     def rest(self) -> None:
         """Sleep now (a rank that pushed weights but does not generate: ``rollout_on_rank0``)."""
@@ -420,7 +413,7 @@ class VLLMBackend:
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": self.weights_fn(), "is_checkpoint_format": True}
             )
-        if missing and self.discarded:
+        if missing and self.needs_push:
             who = f"policy {self.name!r}: " if self.name else ""
             raise VLLMEngineError(
                 f"{who}the weight push left {', '.join(sorted(missing)[:3])} unloaded after a level-2 sleep "
@@ -430,11 +423,11 @@ class VLLMBackend:
         # its log line must reach us (a logging level above WARNING or logging.disable would hide it)
         quantized = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "quantization", None)
         self.full_push = self.full_push or (observed and not missing and quantized is None)
-        self.discarded = False
+        self.needs_push = False
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int) -> list[list[Sample]]:
-        if self.discarded:
+        if self.needs_push:
             raise VLLMEngineError(
                 "vLLM engine: generation after a level-2 sleep without a weight push (Policy.sync_rollout_weights)"
             )
