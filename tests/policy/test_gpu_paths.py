@@ -7,9 +7,8 @@ The real engine's paths run in ``tests/policy/test_vllm_backend.py`` (vLLM's CPU
 
 from __future__ import annotations
 
-import logging
 import sys
-import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,98 +17,23 @@ import torch
 
 from graft_rl.policy.types import SamplingParams
 
-# ---------------------------------------------------------------- a fake vLLM (CUDA build behaviour)
-
-
-class InprocClient:
-    pass
-
-
-class MPClient:
-    pass
-
-
-class SyncMPClient(MPClient):
-    pass
-
-
-class FakeLLM:
-    """Seeds as vLLM's V2 runner does; sleep, wake, reload and RPCs recorded."""
-
-    unloaded: set = set()  # names the next reload reports as not loaded
-    core = InprocClient
-    usage = 0  # bytes the sleep-mode allocator holds in this process
-
-    def __init__(self, model, **kw):
-        self.kw, self.calls = kw, []
-        np.random.seed(0)  # gpu_worker.py: every engine resets numpy to the model seed after warm-up
-        self.llm_engine = SimpleNamespace(engine_core=self.core())
-        if kw.get("enable_sleep_mode"):
-            FakeLLM.usage += 1 << 30
-
-    def collective_rpc(self, method, args=(), kwargs=None):
-        if callable(method):
-            return [method(self, *args)]
-        names = [n for n, _ in kwargs["weights_iterator"]]
-        self.calls.append(("reload", len(names)))
-        if self.unloaded:
-            logging.getLogger("vllm.model_executor.model_loader.reload.inplace").warning(
-                "Following weights were not loaded from checkpoint: %s", set(self.unloaded)
-            )
-        return [None]
-
-    def sleep(self, level):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags):
-        self.calls.append(("wake", tuple(tags)))
-
-    def reset_prefix_cache(self):
-        pass
-
-    def generate(self, prompts, params, use_tqdm=False):
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        outs = []
-        for p in params:
-            # V2 add_request: an unseeded request gets a seed from numpy's global RNG; parallel sampling
-            # seeds child i with seed + i
-            seed = p.seed if p.seed is not None else int(np.random.randint(-(2**62), 2**62))
-            children = []
-            for i in range(p.n):
-                rng = np.random.default_rng((seed + i) % 2**63)
-                ids = rng.integers(0, 1000, size=p.max_tokens).tolist()
-                lps = [{t: SimpleNamespace(logprob=-1.0)} for t in ids]
-                children.append(SimpleNamespace(token_ids=ids, logprobs=lps, finish_reason="length"))
-            outs.append(SimpleNamespace(outputs=children))
-        return outs
-
-
-class FakeVSP:
-    def __init__(self, n=1, seed=None, max_tokens=16, **kw):
-        self.n, self.seed, self.max_tokens, self.kw = n, seed, max_tokens, kw
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_vllm as fv  # noqa: E402
+from fake_vllm import FakeLLM, SyncMPClient  # noqa: E402
 
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    vllm = types.ModuleType("vllm")
-    vllm.__version__ = "0.33.0"
-    vllm.LLM, vllm.SamplingParams = FakeLLM, FakeVSP
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
-    alloc = types.ModuleType("vllm.device_allocator")
-    alloc.get_mem_allocator_instance = lambda: SimpleNamespace(get_current_usage=lambda: FakeLLM.usage)
-    for name, mod in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.device_allocator", alloc)):
-        monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(FakeLLM, "usage", 0)
-    monkeypatch.setattr(FakeLLM, "unloaded", set())
-    monkeypatch.setattr(FakeLLM, "core", InprocClient)
-    return vllm
+    return fv.install(monkeypatch)
 
 
-def _backend(sleep=False, name="A"):
-    from graft_rl.policy.rollout import VLLMBackend
+def _backend(sleep=False, name="A", model=None, **kw):
+    from graft_rl.policy.vllm_backend import VLLMBackend
 
-    return VLLMBackend(torch.nn.Linear(2, 2), "model_dir", sleep=sleep, name=name)
+    torch.manual_seed(0)
+    model = model or torch.nn.Linear(2, 2)
+    FakeLLM.source = model  # the engine loads what the trainer loaded
+    return VLLMBackend(model, "model_dir", sleep=sleep, name=name, **kw)
 
 
 SP = SamplingParams(n=4, max_new_tokens=8)
@@ -124,7 +48,7 @@ def _tokens(backend, seed):
 
 
 def test_every_request_carries_its_own_seed_derived_from_the_calls(fake_vllm):
-    from graft_rl.policy.rollout import request_seeds
+    from graft_rl.policy.vllm_backend import request_seeds
 
     seen = []
     b = _backend()
@@ -156,7 +80,7 @@ def test_same_seed_same_samples_and_rank_seeds_differ_under_the_v2_runner(fake_v
 def test_the_worker_reseed_reaches_numpy_the_v2_runners_fallback():
     """The seed path V2 takes for an unseeded request, in isolation: numpy's global RNG, which the
     reseed callable now sets from the call's seed (it only seeded torch)."""
-    from graft_rl.policy.rollout import _reseed_worker
+    from graft_rl.policy.vllm_backend import _reseed_worker
 
     draws = []
     for seed in (5, 6, 5):
@@ -177,14 +101,14 @@ def test_eval_runs_on_different_replicas_sample_differently(fake_vllm):
 
 
 def test_a_second_sleep_mode_engine_in_one_process_is_refused_in_one_line(fake_vllm):
-    from graft_rl.policy.rollout import VLLMEngineError
+    from graft_rl.policy.vllm_backend import VLLMEngineError
 
     _backend(sleep=True, name="A")
     with pytest.raises(VLLMEngineError) as err:
         _backend(sleep=True, name="B")
     msg = str(err.value)
-    assert "policy 'B'" in msg and "execution: ray" in msg and "sleep: false" in msg and "\n" not in msg
-    _backend(sleep=False, name="C")  # an engine without sleep mode does not use the allocator
+    assert "policy 'B'" in msg and "execution: ray" in msg and "\n" not in msg
+    assert "sleep: false" not in msg  # issue 39: no message recommends a second engine in the process
 
 
 def test_a_closed_engine_lets_the_next_one_start(fake_vllm, monkeypatch):
@@ -212,27 +136,38 @@ def test_level_one_until_a_push_reloads_every_weight_then_level_two_and_a_push_b
     assert [c for c in b.llm.calls if c[0] == "sleep"] == [("sleep", 1), ("sleep", 2), ("sleep", 2)]
 
 
-def test_a_push_that_leaves_weights_unloaded_keeps_level_one(fake_vllm, monkeypatch):
-    from graft_rl.policy.rollout import VLLMEngineError
+def test_a_push_that_misses_a_weight_is_refused_at_level_one_and_nothing_is_sampled(fake_vllm, monkeypatch):
+    """Issue 39.1: the old check raised only after a level-2 sleep, which a push that missed weights
+    never reached: the engine sampled from its old weights at level 1 for ever, silently."""
+    from graft_rl.policy.training import PolicyTraining
+    from graft_rl.policy.vllm_backend import VLLMEngineError
 
     b = _backend(sleep=True)
-    monkeypatch.setattr(FakeLLM, "unloaded", {"lm_head.weight"})
-    b.sync_weights()
-    b.generate(PROMPTS, SP, 0)
-    assert [c for c in b.llm.calls if c[0] == "sleep"] == [("sleep", 1), ("sleep", 1)] and not b.needs_push
-    # had the engine slept at level 2, the weights the push missed would be garbage: refused
-    b.needs_push = True
-    with pytest.raises(VLLMEngineError, match=r"lm_head.weight unloaded after a level-2 sleep"):
+    with torch.no_grad():
+        b.model.weight.add_(1.0)  # an update
+    monkeypatch.setattr(FakeLLM, "unloaded", {"weight"})
+    with pytest.raises(
+        VLLMEngineError, match=r"policy 'A': .*weight differs from the trainer's weight \(2 of 2 rows\)"
+    ):
         b.sync_weights()
+    assert b.needs_push and not b.full_push
+    with pytest.raises(VLLMEngineError, match="not the trainer's"):
+        b.generate(PROMPTS, SP, 0)  # nothing is sampled from the stale engine
+    monkeypatch.setattr(FakeLLM, "unloaded", set())
+    pol = SimpleNamespace(backend=b, weights_version=1, _synced_version=1)
+    PolicyTraining.sync_rollout_weights(pol)  # needs_push: pushed although the version is unchanged
+    assert not b.needs_push and b.full_push
+    b.generate(PROMPTS, SP, 0)
+    assert [c for c in b.llm.calls if c[0] == "sleep"] == [("sleep", 1), ("sleep", 2)]
 
 
 def test_generation_after_a_level_two_sleep_without_a_push_is_refused(fake_vllm):
-    from graft_rl.policy.rollout import VLLMEngineError
+    from graft_rl.policy.vllm_backend import VLLMEngineError
 
     b = _backend(sleep=True)
     b.sync_weights()
     b.generate(PROMPTS, SP, 0)
-    with pytest.raises(VLLMEngineError, match="without a weight push"):
+    with pytest.raises(VLLMEngineError, match="without a verified weight push"):
         b.generate(PROMPTS, SP, 0)
 
 
@@ -242,7 +177,7 @@ def test_generation_after_a_level_two_sleep_without_a_push_is_refused(fake_vllm)
 def test_the_engine_is_kept_in_process_whatever_the_environment_says(fake_vllm, monkeypatch):
     import os
 
-    from graft_rl.policy.rollout import VLLMEngineError
+    from graft_rl.policy.vllm_backend import VLLMEngineError
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     _backend()
@@ -269,18 +204,39 @@ def _two_vllm(execution="local", sleep_b=None):
     )
 
 
-def test_local_execution_with_two_sleeping_vllm_engines_is_refused_before_anything_loads():
+def test_local_execution_with_two_vllm_engines_on_cuda_is_refused_before_anything_loads():
+    """Issue 39.2: whatever their sleep settings (a second engine without sleep mode would reuse the first
+    one's rotary cache from its sleep pool), naming execution: ray with a fractional GPU share."""
     from graft_rl.engine.config import ConfigError
-    from graft_rl.engine.plan import check_sleep_engines, format_plan, plan
+    from graft_rl.engine.plan import check_vllm_engines, format_plan, plan
 
-    cfg = _two_vllm()
-    with pytest.raises(ConfigError) as err:
-        check_sleep_engines(cfg)
-    assert "execution: ray" in str(err.value) and "A, B" in str(err.value) and "\n" not in str(err.value)
-    check_sleep_engines(_two_vllm("ray"))
-    check_sleep_engines(_two_vllm(sleep_b=False))
-    assert "NOT supported as configured" in format_plan(plan(cfg), shared=True)
-    assert "NOT supported" not in format_plan(plan(_two_vllm(sleep_b=False)), shared=True)
+    for cfg in (_two_vllm(), _two_vllm(sleep_b=False)):
+        with pytest.raises(ConfigError) as err:
+            check_vllm_engines(cfg)
+        msg = str(err.value)
+        assert "execution: ray" in msg and "ray.num_gpus=0.5" in msg and "A, B" in msg and "\n" not in msg
+        assert "sleep" not in msg.split("execution: ray")[1]  # no second engine in the process is suggested
+        assert "NOT supported as configured" in format_plan(plan(cfg), shared=True)
+    check_vllm_engines(_two_vllm("ray"))
+
+
+def test_a_vllm_policy_on_a_gpu_other_than_cuda_0_under_local_execution_is_refused():
+    from graft_rl.engine.config import ConfigError, load_config
+    from graft_rl.engine.plan import check_vllm_engines
+
+    pols = [{"name": "A", "model": "m", "device": "cuda:1", "backend": "vllm"}, {"name": "B", "model": "m"}]
+    with pytest.raises(ConfigError, match=r"policy 'A': device cuda:1 .*CUDA_VISIBLE_DEVICES=1.*execution: ray"):
+        check_vllm_engines(load_config({"execution": "local", "policies": pols}))
+    pols[0]["backend"] = "hf"
+    check_vllm_engines(load_config({"execution": "local", "policies": pols}))
+
+
+def test_the_backend_refuses_cuda_1_itself(fake_vllm):
+    from graft_rl.policy.vllm_backend import VLLMEngineError
+
+    with pytest.raises(VLLMEngineError, match=r"device cuda:1 .*CUDA_VISIBLE_DEVICES=1"):
+        _backend(device="cuda:1")
+    assert FakeLLM.built == []  # refused before an engine is built
 
 
 # ---------------------------------------------------------------- 4: device placement
@@ -310,21 +266,23 @@ def test_a_rank_actor_pins_its_ray_gpu_as_the_only_visible_device(monkeypatch):
         pin_actor_gpu("A", 1)
 
 
-def test_a_vllm_rank_is_never_offered_a_shared_gpu():
+def test_a_vllm_rank_shares_a_gpu_only_with_an_engine_share_that_fits():
+    """Issue 39.2: two vLLM policies on one GPU run under execution: ray with ray.num_gpus=0.5 (each in its
+    own process), as long as each engine asks for less than its share (vLLM's start-up check)."""
     from graft_rl.engine.config import load_config
     from graft_rl.engine.distributed import ResourceError, check_cluster
 
-    def cfg(num_gpus, backend="vllm"):
-        pols = [{"name": n, "model": "x", "device": "cuda", "backend": backend} for n in ("A", "B")]
+    def cfg(num_gpus, backend="vllm", util=None):
+        kw = {"vllm_kwargs": {"gpu_memory_utilization": util}} if util is not None else {}
+        pols = [{"name": n, "model": "x", "device": "cuda", "backend": backend, **kw} for n in ("A", "B")]
         return load_config({"execution": "ray", "ray": {"num_cpus": 1, "num_gpus": num_gpus}, "policies": pols})
 
-    with pytest.raises(ResourceError, match=r"policy 'A': a vLLM rank needs a whole GPU.*ray.num_gpus=1"):
-        check_cluster(cfg(0.5), cfg(0.5).policies, nodes=[{"CPU": 8.0, "GPU": 1.0}])
-    with pytest.raises(ResourceError) as err:  # too few GPUs: no "would share them" hint for vLLM
-        check_cluster(cfg(1.0), cfg(1.0).policies, nodes=[{"CPU": 8.0, "GPU": 1.0}])
-    assert "share" not in str(err.value)
-    with pytest.raises(ResourceError, match="would share them"):
-        check_cluster(cfg(1.0, "hf"), cfg(1.0, "hf").policies, nodes=[{"CPU": 8.0, "GPU": 1.0}])
+    one_gpu = [{"CPU": 8.0, "GPU": 1.0}]
+    check_cluster(cfg(0.5), cfg(0.5).policies, nodes=one_gpu)  # default share 0.4 of the GPU each
+    with pytest.raises(ResourceError, match=r"policy 'A': .*ray.num_gpus=0.5.*gpu_memory_utilization at most 0.4"):
+        check_cluster(cfg(0.5, util=0.6), cfg(0.5, util=0.6).policies, nodes=one_gpu)
+    with pytest.raises(ResourceError, match=r"ray.num_gpus=0.5 would share them, each vLLM engine's"):
+        check_cluster(cfg(1.0), cfg(1.0).policies, nodes=one_gpu)
 
 
 def test_a_rank_that_only_pushed_sleeps_too_so_every_rank_pushes_alike(fake_vllm):
@@ -340,29 +298,6 @@ def test_a_rank_that_only_pushed_sleeps_too_so_every_rank_pushes_alike(fake_vllm
     rank1.rest()
     assert rank0.needs_push and rank1.needs_push
     assert rank1.sleeping == {"weights", "kv_cache"} and rank1.llm.calls[-1] == ("sleep", 2)
-
-
-def test_level_two_needs_vllms_report_to_be_visible(fake_vllm, monkeypatch):
-    """With vLLM's logging set above WARNING the capture still reads the line; with logging.disable it
-    cannot, and the engine stays at level 1 rather than trust a push it cannot check."""
-    b = _backend(sleep=True)
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
-    logger.setLevel(logging.ERROR)
-    monkeypatch.setattr(FakeLLM, "unloaded", {"lm_head.weight"})
-    try:
-        b.sync_weights()
-    finally:
-        logger.setLevel(logging.NOTSET)
-    assert not b.full_push  # the warning was read although the level hides it
-    logging.disable(logging.WARNING)
-    monkeypatch.setattr(FakeLLM, "unloaded", set())
-    try:
-        b.sync_weights()
-    finally:
-        logging.disable(logging.NOTSET)
-    assert not b.full_push  # nothing could be seen: level 1 stays
-    b.sync_weights()
-    assert b.full_push
 
 
 def test_cuda_under_ray_without_a_gpu_per_rank_is_refused():

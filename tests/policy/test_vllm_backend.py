@@ -60,7 +60,7 @@ def test_vllm_identical_prompts_get_independent_groups_and_a_seed_reproduces_a_c
     """Issues 22, 32: every request carries its own seed (request_seeds): two copies of one prompt in a
     call get different groups, the same seed gives the same groups, another seed others; the engine's
     global generators are not what decides (the CUDA build's V2 runner never reads torch's)."""
-    from graft_rl.policy.rollout import request_seeds
+    from graft_rl.policy.vllm_backend import request_seeds
 
     sp = SamplingParams(n=4, max_new_tokens=12)
     same = [("x1", "What is 2+3?"), ("x2", "What is 2+3?")]
@@ -122,3 +122,40 @@ def test_vllm_ends_responses_at_the_policys_stop_strings(vllm_policy):
         vllm_policy.backend.stop = []
     assert all("a" not in t[:-1] for t in got.texts)
     assert any(t.endswith("a") and f == "stop" for t, f in zip(got.texts, got.finish_reasons, strict=True))
+
+
+def test_vllm_a_push_missing_a_decoder_layer_or_zeroing_a_tensor_is_refused_then_a_full_push_works(vllm_policy):
+    """Issue 39: on the CPU build (no sleep: the level-1 case) a push that leaves out one decoder layer's
+    weights, or sends one tensor zeroed, is refused before any sample is drawn from it; vLLM's reload
+    keeps the missing layer's old weights, so nothing but the digest would show it."""
+    from graft_rl.policy.vllm_backend import VLLMEngineError
+
+    backend = vllm_policy.backend
+    stream = backend.weights_fn
+    sampled = []
+    real = backend._generate
+    backend._generate = lambda *a: (sampled.append(1), real(*a))[1]
+    try:
+        for fault, name in (
+            (lambda s: [(n, t) for n, t in s if not n.startswith("model.layers.1.")], "model.layers.1."),
+            (lambda s: [(n, torch.zeros_like(t) if n.endswith("mlp.up_proj.weight") else t) for n, t in s], "up_proj"),
+        ):
+            with torch.no_grad():  # an update that moves every weight (an earlier test zeroed them)
+                for p in vllm_policy.model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            vllm_policy.weights_version += 1
+            backend.weights_fn = lambda fault=fault: fault(stream())  # after the trainer's digest is taken
+            with pytest.raises(VLLMEngineError, match=rf"policy 'A': .*after the push are not the trainer's: .*{name}"):
+                vllm_policy.generate([("p1", "What is 2+3?")], SamplingParams(n=2, max_new_tokens=4), seed=0)
+            with pytest.raises(VLLMEngineError, match="not the trainer's"):
+                backend.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=2), 0)
+            assert sampled == []  # nothing was drawn from the unverified engine
+            backend.weights_fn = stream
+            groups = vllm_policy.generate([("p1", "What is 2+3?")], SamplingParams(n=2, max_new_tokens=6), seed=0)
+            lp, mask = vllm_policy.token_logprobs(vllm_policy.encode_own(groups))
+            gen = torch.tensor(groups[0].gen_logprobs[0])
+            assert torch.allclose(lp[0, : len(gen)], gen, atol=1e-4)  # the full push reached the engine
+            sampled.clear()
+    finally:
+        backend._generate = real
+        backend.weights_fn = stream

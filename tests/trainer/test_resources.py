@@ -169,7 +169,7 @@ def test_the_engine_wakes_one_memory_tag_at_a_time_after_emptying_the_cache(monk
     """Issue 22: torch.cuda.empty_cache() before each wake_up (weights, then KV cache), as verl does."""
     import torch
 
-    from graft_rl.policy.rollout import VLLMBackend
+    from graft_rl.policy.vllm_backend import VLLMBackend
 
     calls = []
 

@@ -102,10 +102,12 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
                 f"policy {pc.name!r}: device cuda under execution: ray needs a GPU per rank actor, and ray.num_gpus is 0 "
                 f"(Ray would assign none); set ray.num_gpus=1"
             )
-        if pc.backend == "vllm" and 0 < gpus < 1:
+        share = float(pc.vllm_kwargs.get("gpu_memory_utilization", 0.4))
+        if pc.backend == "vllm" and 0 < gpus < 1 and share > gpus - 0.05:
             raise ResourceError(
-                f"policy {pc.name!r}: a vLLM rank needs a whole GPU, ray.num_gpus gives it {gpus:g} (vLLM's start-up "
-                f"free-memory check and its sleep mode fail when another process shares the GPU); set ray.num_gpus=1"
+                f"policy {pc.name!r}: a vLLM rank with ray.num_gpus={gpus:g} shares its GPU, and its engine asks for "
+                f"gpu_memory_utilization={share:g} of it (vLLM refuses to start when another process holds that "
+                f"much); set vllm_kwargs.gpu_memory_utilization at most {max(gpus - 0.1, 0.05):.2g}, or ray.num_gpus=1"
             )
     if nodes is None:
         import ray
@@ -159,7 +161,10 @@ def _fit_hint(cfg, bundle: dict, have: dict, ranks: int) -> str:
                 share = math.floor(have.get(key, 0) / ranks / _GRID) * _GRID
                 vllm = any(pc.backend == "vllm" for pc in cfg.policies)
                 return f"lower policies.N.world_size (each rank takes {bundle[key]:g} GPU) or add GPUs" + (
-                    "" if vllm or share <= 0 else f" ({what}={share:g} would share them)"
+                    ""
+                    if share <= 0
+                    else f" ({what}={share:g} would share them"
+                    + (", each vLLM engine's gpu_memory_utilization below it)" if vllm else ")")
                 )
             fit = math.floor(have.get(key, 0) / ranks / _GRID) * _GRID
             return (

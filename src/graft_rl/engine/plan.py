@@ -55,7 +55,7 @@ __all__ = [
     "plan",
     "format_plan",
     "check_resources",
-    "check_sleep_engines",
+    "check_vllm_engines",
     "KNOWN_SHAPES",
     "eval_estimate",
     "EVAL_TOKENS_PER_GPU_S",
@@ -304,13 +304,9 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = 
             f"up to {p.rollout_tokens / 1e6:.2f} M per rank per step (every response at max_new_tokens): {verdict}."
         )
     if shared:
-        sleepers = [p.name for p in plans if p.vllm_share and p.sleep]
-        if len(sleepers) > 1:
-            lines.append(
-                f"execution local: NOT supported as configured: {', '.join(sleepers)} would each hold a vLLM engine "
-                f"with sleep mode in one process, and vLLM allows one per process; use execution: ray, or "
-                f"vllm_kwargs.sleep=false for all but one (that engine then keeps its share of the GPU while training)."
-            )
+        engines = [p.name for p in plans if p.vllm_share]
+        if len(engines) > 1:
+            lines.append(f"execution local: NOT supported as configured: {_one_engine_per_process(engines)}.")
         peak = sum(p.peak(G) for p in plans)
         lines.append(
             f"execution local: the policies share one device, about {peak / GiB:.1f} GiB at peak in all "
@@ -360,26 +356,32 @@ def eval_estimate(
     )
 
 
-def sleeping_engines(cfg: TrainConfig) -> list[str]:
-    """The policies whose vLLM engine sleeps on a GPU (sleep mode is on by default there)."""
-    return [
-        pc.name
-        for pc in cfg.policies
-        if pc.backend == "vllm" and pc.device.startswith("cuda") and pc.vllm_kwargs.get("sleep", True) is not False
-    ]
+def _one_engine_per_process(names: list[str]) -> str:
+    return (
+        f"policies {', '.join(names)}: execution: local puts their vLLM engines in one process, and vLLM keeps its "
+        f"sleep allocator and rotary cache per process (one engine's sleep unmaps memory the other uses); use "
+        f"execution: ray, each policy in its own process (on a single GPU ray.num_gpus=0.5, with "
+        f"vllm_kwargs.gpu_memory_utilization at most 0.4 each)"
+    )
 
 
-def check_sleep_engines(cfg: TrainConfig) -> None:
-    """``execution: local`` holds every policy in one process, and vLLM's sleep-mode allocator is one per
-    process: it refuses a second engine with sleep mode (``CuMem allocator can only be used for one
-    instance per process``). One line before anything loads."""
-    names = sleeping_engines(cfg)
-    if cfg.execution == "local" and len(names) > 1:
-        raise ConfigError(
-            f"policies {', '.join(names)}: execution: local puts their vLLM engines in one process, and vLLM's "
-            f"sleep mode allows one engine per process; use execution: ray (each policy in its own process), or "
-            f"set policies.N.vllm_kwargs.sleep=false for all but one of them"
-        )
+def check_vllm_engines(cfg: TrainConfig) -> None:
+    """Before anything loads, in one line: ``execution: local`` holds every policy in one process, so on
+    CUDA it takes one vLLM policy at most (:mod:`graft_rl.policy.vllm_backend`: what vLLM keeps per
+    process), and that one on ``cuda`` or ``cuda:0`` (vLLM binds ``cuda:local_rank``)."""
+    if cfg.execution != "local":
+        return
+    gpu_engines = [pc for pc in cfg.policies if pc.backend == "vllm" and pc.device.startswith("cuda")]
+    for pc in gpu_engines:
+        index = pc.device.partition(":")[2]
+        if index not in ("", "0"):
+            raise ConfigError(
+                f"policy {pc.name!r}: device {pc.device} with backend vllm under execution: local: vLLM puts its "
+                f"engine on cuda:0 of the visible devices; run with CUDA_VISIBLE_DEVICES={index} and device cuda, "
+                f"or use execution: ray"
+            )
+    if len(gpu_engines) > 1:
+        raise ConfigError(_one_engine_per_process([pc.name for pc in gpu_engines]))
 
 
 #: Planning figure for the update phase: achieved bf16 FLOP/s per GPU in forward + backward passes
@@ -515,7 +517,7 @@ def check_resources(cfg: TrainConfig) -> None:
             f"(`graft plan CONFIG` shows what the config needs, `graft preflight CONFIG` rehearses it here "
             f"at toy size; {cpu} runs it on the CPU as it is)"
         )
-    check_sleep_engines(cfg)
+    check_vllm_engines(cfg)
     need = sum(pc.world_size for pc in gpu_policies) if cfg.execution == "ray" else 1
     if torch.cuda.device_count() < need:
         raise ConfigError(

@@ -10,8 +10,9 @@ from graft_rl.policy.policy import (
     saved_policy_config,
     token_logprobs_from_logits,
 )
-from graft_rl.policy.rollout import HFBackend, RolloutBackend, Sample, VLLMBackend, make_backend, sampling_logprobs
+from graft_rl.policy.rollout import HFBackend, RolloutBackend, Sample, make_backend, sampling_logprobs
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
+from graft_rl.policy.vllm_backend import VLLMBackend
 
 __all__ = [
     "POLICY_SETTINGS",

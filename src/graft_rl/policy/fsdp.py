@@ -77,8 +77,8 @@ class ShardedPolicy(Policy):
             )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # the unsharded rollout copy of the hf backend, on every rank that samples (vLLM engines hold their own)
-        samples = self.rank == 0 or not self.config.rollout_on_rank0
-        self.rollout_model = copy.deepcopy(self.model).eval() if self.config.backend == "hf" and samples else None
+        self.samples = self.rank == 0 or not self.config.rollout_on_rank0
+        self.rollout_model = copy.deepcopy(self.model).eval() if self.config.backend == "hf" and self.samples else None
         self.model = shard_model(self.model, self.compute_dtype)
         # the sharded (DTensor) parameters: after a forward, FSDP2 may leave the root's parameters
         # registered unsharded on the module, so the optimiser, clipping and digests use these
@@ -195,6 +195,45 @@ class ShardedPolicy(Policy):
         dist.all_gather_object(parts, mine)
         return [parts[i % self.world][i // self.world] for i in range(len(prompts))]
 
+    def push_digest(self, dtypes: dict | None) -> dict[str, torch.Tensor]:
+        """Collective: the full tensors' row digests from each rank's shard (a ``Shard(0)`` shard is a block
+        of rows, so each rank fills its rows and one all-reduce sums them). Under ``rollout_on_rank0``
+        rank 0's engine decides the dtypes and the other ranks (``dtypes=None``) receive them."""
+        from graft_rl.policy.pushcheck import row_digest
+
+        if self.config.rollout_on_rank0:
+            box = [dtypes]
+            dist.broadcast_object_list(box, src=0)
+            dtypes = box[0]
+        state = self.model.state_dict()
+        names = sorted(dtypes or {})
+        parts = [self._shard_rows(state[n], dtypes[n], row_digest) for n in names]
+        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        flat = flat.to(self._comm_device())
+        dist.all_reduce(flat)
+        return dict(zip(names, flat.cpu().split([len(p) for p in parts]), strict=True))
+
+    def _shard_rows(self, t: torch.Tensor, dtype: torch.dtype, row_digest) -> torch.Tensor:
+        """This rank's rows of ``t``'s full row digest, zeros elsewhere (a replicated tensor: rank 0's)."""
+        rows = t.shape[0] if t.dim() else 1
+        out = torch.zeros(rows, dtype=torch.int64)
+        if not hasattr(t, "to_local"):
+            if self.rank == 0:
+                out[:] = row_digest(t, dtype)
+            return out
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = t.to_local()
+        sharded = any(isinstance(p, Shard) and p.dim == 0 for p in t.placements)
+        if sharded:
+            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            if local.numel():
+                out[offset[0] : offset[0] + local.shape[0]] = row_digest(local, dtype)
+        elif self.rank == 0:
+            out[:] = row_digest(local, dtype)
+        return out
+
     def param_digest(self) -> list[float]:
         sums = torch.tensor(
             [float(p.detach().to_local().double().sum()) for p in self.sharded_params],
@@ -214,6 +253,15 @@ class ShardedPolicy(Policy):
         )
         ref = self._load_model(path, gguf).to(self.config.device).eval().requires_grad_(False)
         self.reference = shard_model(ref, self.compute_dtype)
+
+    def reference_logprobs(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`Policy.reference_logprobs`, then the reference is resharded: FSDP2 keeps the root's
+        parameters unsharded after forward for the backward that follows, which a frozen reference never
+        runs, so without this its root (embeddings, LM head) would stay whole on every rank."""
+        try:
+            return super().reference_logprobs(batch)
+        finally:
+            self.reference.reshard()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, out_dir: str | Path) -> Path:

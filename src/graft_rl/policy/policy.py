@@ -19,10 +19,11 @@ import torch
 
 from graft_rl.data import PROMPT_SUFFIX, prompt_chat
 from graft_rl.policy import zoo
-from graft_rl.policy.rollout import make_backend, shield_from_vllm_patches
+from graft_rl.policy.rollout import make_backend
 from graft_rl.policy.scoring import PASS_OVERHEAD, PolicyScoring, length_micro_batches, token_logprobs_from_logits
 from graft_rl.policy.training import POLICY_SETTINGS, PolicyTraining
 from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
+from graft_rl.policy.vllm_backend import shield_from_vllm_patches
 
 __all__ = [
     "POLICY_SETTINGS",

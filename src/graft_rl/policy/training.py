@@ -98,6 +98,23 @@ class PolicyTraining:
         if callable(close):
             close()
 
+    #: This process samples (a rank of a sharded policy under ``rollout_on_rank0`` may only push).
+    samples = True
+
+    def push_digest(self, dtypes: dict | None) -> dict[str, torch.Tensor]:
+        """The reference a weight push is verified against: the row digest of each trainer tensor named in
+        ``dtypes``, cast to its engine dtype (:mod:`graft_rl.policy.pushcheck`), from the parameters
+        themselves rather than the pushed stream."""
+        from graft_rl.policy.pushcheck import state_digest
+
+        return state_digest(self.model.state_dict(), dtypes)
+
+    def tied_names(self) -> set[str]:
+        """State-dict names that alias another's tensor (tied embeddings): pushed, held once by an engine."""
+        from graft_rl.policy.pushcheck import tied_names
+
+        return tied_names(self.model.state_dict())
+
     def param_digest(self) -> list[float]:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
         return [float(p.detach().double().sum()) for p in self.model.parameters()]

@@ -1,0 +1,233 @@
+"""Verify a weight push into a rollout engine against the trainer's own parameters (docs/design.md,
+layer 3; SPEC §1.10).
+
+A push streams the trainer's tensors into the engine, which renames, fuses (``q_proj``, ``k_proj``,
+``v_proj`` → ``qkv_proj``; ``gate_proj``, ``up_proj`` → ``gate_up_proj``), pads (vocabulary rows) and
+casts them. Whether every engine tensor then holds the trainer's values is checked with a
+**row digest**: per row (dim 0) of a tensor, the integer sum of the bit patterns of its values in the
+engine's dtype (a 1-D tensor: one row per element). It is
+
+- *exact*: a value that differs in any bit (a stale bf16 value, a zeroed or uninitialised tensor)
+  changes its row's sum, unless the changes of one row cancel exactly;
+- *additive*: the rows of an engine tensor fused along dim 0 are the concatenated rows of its parts,
+  and the rows of an FSDP2 shard (``Shard(0)``) are a block of the full tensor's, so sharded ranks
+  and fused tensors compose to the same figures without gathering a weight.
+
+The reference is the trainer's parameters themselves, cast to each engine tensor's dtype (not the
+stream the push sent, which would verify a corrupted stream against itself). Quantised engines
+(fp8) store other values than the trainer's, so only *coverage* is checked there: every engine tensor
+whose trainer tensors changed since the last push changed too (:func:`stale_coverage`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "BIT_VIEWS",
+    "EngineLayout",
+    "engine_layout",
+    "engine_digest",
+    "row_digest",
+    "compare",
+    "stale_coverage",
+    "state_digest",
+    "tied_names",
+]
+
+#: Integer dtype of the same width as each float dtype: its bit pattern, summed exactly in int64.
+BIT_VIEWS = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float64: torch.int64,
+}
+
+#: Elements digested at a time (bounds the int64 copy a digest makes: 512 MB).
+_CHUNK = 1 << 26
+
+
+def row_digest(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Int64 ``[rows]``: each row's sum of the bit patterns of ``t`` cast to ``dtype`` (default: its own).
+
+    ``t`` 2-D or more: rows are dim 0; 1-D: each element a row; 0-D: one row. Float dtypes are read
+    through :data:`BIT_VIEWS`; integer and 8-bit dtypes (fp8) as their own bytes. Exact: no rounding,
+    and the sum of ``2**26`` int32 patterns fits int64 with room to spare.
+    """
+    x = t.detach()
+    if dtype is not None and x.dtype != dtype:
+        x = x.to(dtype)
+    if x.dim() == 0:
+        x = x.reshape(1)
+    x = x.reshape(x.shape[0], x[0].numel() if x.shape[0] else 0) if x.dim() > 1 else x.reshape(-1, 1)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    view = BIT_VIEWS.get(x.dtype) or (torch.int8 if x.element_size() == 1 else None)
+    bits = x.view(view) if view is not None else x
+    out = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+    rows = max(1, _CHUNK // max(1, x.shape[1]))
+    for s in range(0, x.shape[0], rows):
+        out[s : s + rows] = bits[s : s + rows].to(torch.int64).sum(dim=1)
+    return out.cpu()
+
+
+@dataclass
+class EngineLayout:
+    """Where each trainer tensor lands in the engine (computed once, in the engine's worker).
+
+    ``parts[engine name]``: the trainer names whose rows the engine tensor holds, in row order (one
+    name, or the parts of a fused tensor); ``dtypes[engine name]``; ``ignored``: trainer names the
+    engine's loader drops (its name mapper maps them to nothing, e.g. rotary buffers);
+    ``unplaced``: trainer names with no engine tensor at all; ``quantized``: values are not compared.
+    """
+
+    parts: dict[str, list[str]] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+    unplaced: list[str] = field(default_factory=list)
+    quantized: bool = False
+
+    def trainer_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype each placed trainer tensor is digested in: its engine tensor's."""
+        return {t: self.dtypes[e] for e, ts in self.parts.items() for t in ts}
+
+
+def _model_of(worker) -> torch.nn.Module:
+    runner = worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def engine_layout(model: torch.nn.Module, trainer_names: Iterable[str], quantized: bool = False) -> EngineLayout:
+    """Place each trainer tensor name in ``model``'s parameters as vLLM's own loader does: the model's
+    ``hf_to_vllm_mapper`` (renames; ``None`` = dropped), then its ``packed_modules_mapping`` (a part's
+    rows at its index among the fused tensor's parts)."""
+    params = dict(model.named_parameters())
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    packed: Mapping[str, list[str]] = getattr(model, "packed_modules_mapping", None) or {}
+    slots: dict[str, dict[int, str]] = {}
+    layout = EngineLayout(dtypes={n: p.dtype for n, p in params.items()}, quantized=quantized)
+    for t in trainer_names:
+        name = mapper.map_name(t) if mapper is not None and hasattr(mapper, "map_name") else t
+        if name is None:
+            layout.ignored.append(t)
+            continue
+        placed = _place(name, t, params, packed)
+        if placed is None:
+            layout.unplaced.append(t)
+            continue
+        eng, index = placed
+        slots.setdefault(eng, {})[index] = t
+    layout.parts = {e: [by_index[i] for i in sorted(by_index)] for e, by_index in slots.items()}
+    for e in params:  # an engine tensor nothing is pushed into: listed with no parts
+        layout.parts.setdefault(e, [])
+    return layout
+
+
+def _place(name: str, original: str, params: Mapping, packed: Mapping[str, list[str]]) -> tuple[str, int] | None:
+    """``(engine tensor, index among its fused parts)`` for one mapped trainer name, or None."""
+    for fused, parts in packed.items():
+        for i, part in enumerate(parts):
+            seg = f".{part}."
+            if seg in f".{original}" or seg in f".{name}":  # a part: its fused tensor, at its index
+                cand = f".{name}".replace(seg, f".{fused}.", 1)[1:] if seg in f".{name}" else name
+                if cand in params:
+                    return cand, i
+    if name in params:
+        return name, 0
+    return None
+
+
+def engine_digest(worker, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Run in the engine's worker (``collective_rpc``): the row digest of each of its parameters
+    (``names``: those only), in its own dtype, on CPU."""
+    model = _model_of(worker)
+    keep = set(names) if names is not None else None
+    return {n: row_digest(p) for n, p in model.named_parameters() if keep is None or n in keep}
+
+
+def compare(layout: EngineLayout, trainer: Mapping[str, torch.Tensor], engine: Mapping[str, torch.Tensor]) -> list[str]:
+    """What differs between the engine's digests and the trainer's, one phrase per engine tensor.
+
+    An engine tensor's rows must equal its parts' concatenated trainer rows; extra engine rows
+    (vocabulary padding, never sampled) are not compared. Empty when the push is verified."""
+    problems = []
+    for eng, parts in layout.parts.items():
+        if not parts:
+            problems.append(f"{eng} receives no trainer tensor")
+            continue
+        if any(p not in trainer for p in parts):
+            problems.append(f"{eng} has no trainer digest for {', '.join(p for p in parts if p not in trainer)}")
+            continue
+        want = torch.cat([trainer[p] for p in parts])
+        got = engine.get(eng)
+        if got is None:
+            problems.append(f"{eng} was not digested in the engine")
+        elif got.numel() < want.numel():
+            problems.append(f"{eng} has {got.numel()} rows, the trainer's {', '.join(parts)} {want.numel()}")
+        else:
+            bad = (got[: want.numel()] != want).nonzero().flatten()
+            if bad.numel():
+                problems.append(f"{eng} differs from the trainer's {_which(parts, trainer, bad)}")
+    return problems
+
+
+def _which(parts: list[str], trainer: Mapping[str, torch.Tensor], bad: torch.Tensor) -> str:
+    """``name (k of n rows)`` for each trainer part whose rows differ."""
+    out, start = [], 0
+    for p in parts:
+        n = trainer[p].numel()
+        k = int(((bad >= start) & (bad < start + n)).sum())
+        if k:
+            out.append(f"{p} ({k} of {n} rows)")
+        start += n
+    return ", ".join(out)
+
+
+def stale_coverage(
+    layout: EngineLayout,
+    trainer_now: Mapping[str, torch.Tensor],
+    trainer_before: Mapping[str, torch.Tensor],
+    engine_now: Mapping[str, torch.Tensor],
+    engine_before: Mapping[str, torch.Tensor],
+) -> list[str]:
+    """Coverage for a quantised engine: each engine tensor one of whose trainer tensors changed since the
+    last push must have changed too (digests in each side's own dtype)."""
+    problems = []
+    for eng, parts in layout.parts.items():
+        if not parts:
+            continue  # scales and other quantisation state: not pushed
+        moved = any(not torch.equal(trainer_now[p], trainer_before[p]) for p in parts if p in trainer_before)
+        if moved and eng in engine_before and torch.equal(engine_now[eng], engine_before[eng]):
+            problems.append(f"{eng} did not change although the trainer's {', '.join(parts)} did")
+    return problems
+
+
+def state_digest(state: dict, dtypes: dict | None) -> dict[str, torch.Tensor]:
+    """Row digests (:func:`row_digest`) of ``state``'s tensors named in
+    ``dtypes``, each in its engine dtype; aliases (tied weights) digested once."""
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, torch.Tensor] = {}
+    for n, dt in (dtypes or {}).items():
+        t = state[n]
+        key = (t.data_ptr(), tuple(t.shape), dt)
+        if key not in seen:
+            seen[key] = row_digest(t, dt)
+        out[n] = seen[key]
+    return out
+
+
+def tied_names(state: dict) -> set[str]:
+    """Names in ``state`` whose tensor is another name's (tied weights: ``lm_head.weight`` and the
+    embedding); the engine holds such a tensor once."""
+    first: dict[tuple, str] = {}
+    tied = set()
+    for n, t in state.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        key = (local.data_ptr(), tuple(t.shape))
+        if local.numel() and key in first:
+            tied.add(n)
+        first.setdefault(key, n)
+    return tied

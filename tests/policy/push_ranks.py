@@ -1,0 +1,57 @@
+"""One rank of the push test (run by tests/policy/test_push_ranks.py under torchrun, gloo, CPU, with
+the fake vLLM of ``fake_vllm.py``): a sharded vLLM policy under ``rollout_on_rank0`` whose rank 1
+builds no engine yet takes part in every collective of each verified push; the KL reference resharded
+after its forward; ``close()`` keeping the FSDP group. Writes what it saw to ``OUT.rank<r>.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_vllm  # noqa: E402
+
+fake_vllm.install()
+
+from graft_rl.policy import PolicyConfig, SamplingParams  # noqa: E402
+from graft_rl.policy.fsdp import ShardedPolicy  # noqa: E402
+
+
+def _is_sharded(module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) for p in module.parameters())
+
+
+def run(model: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pol = ShardedPolicy(PolicyConfig("A", model, lr=1e-2, world_size=2, backend="vllm", rollout_on_rank0=True))
+    seen = {"backend": type(pol.backend).__name__, "engines": len(fake_vllm.FakeLLM.built)}
+    pol.init_reference()
+    batch = pol.encode_texts(["Q", "Q"], ["1+1=2", "no"], [True, True])
+    pol.reference_logprobs(batch)
+    seen["reference resharded"] = _is_sharded(pol.reference)
+    texts = []
+    for step in range(2):
+        lp, mask = pol.token_logprobs(batch)
+        pol.update(batch, lambda lp, mask, rows: (-(lp * mask).sum() / mask.sum(), {}))
+        groups = pol.generate([("p1", "1+1=?"), ("p2", "2+2=?")], SamplingParams(n=2, max_new_tokens=4), seed=step)
+        texts.append([g.texts for g in groups])
+    seen["texts"] = texts
+    if rank == 0:
+        seen["reloads"] = [c for c in pol.backend.llm.calls if c[0] == "reload"]
+    pol.close()
+    seen["group kept"] = dist.is_initialized()
+    seen["scores after close"] = pol.token_logprobs(batch)[0].tolist()
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(seen))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(*sys.argv[1:3])
