@@ -53,6 +53,7 @@ import copy
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,8 +76,11 @@ ROWS = {
     "pure": "update, pure bf16 (opt-in)",
     "fsdp": "update, FSDP2 (world 1, ShardedPolicy)",
     "trainer": "trainer: GRAFT, tiny pair, 3 steps",
-    "vllm": "vLLM: update → push → wake → generate → sleep",
-    "vllm_seeds": "vLLM default runner (CUDA graphs): sampling seeds",
+    "vllm": "vLLM: 2 × update → push → generate (sleep 1 → 2), eager",
+    "vllm_graphs": "vLLM: 2 × update → push → generate, CUDA graphs",
+    "vllm_seeds": "vLLM: per-request seeds alone (no global reseed)",
+    "vllm_missing": "vLLM: a push with one tensor held back",
+    "vllm_fsdp": "vLLM beside FSDP2 (world 1, NCCL device_id)",
     "vllm_two": "vLLM: two engines in one process",
     "vllm_transformers": "vLLM Transformers backend (SmolLM3) beside the trainer",
 }
@@ -419,70 +423,6 @@ def need_vllm() -> None:
         raise
 
 
-def row_vllm(c: Check) -> dict:
-    need_vllm()
-    c.pol = None
-    gpu = c.device.startswith("cuda")
-    # on a GPU: the paper's bf16 compute, a bounded share of the GPU, no CUDA-graph capture (start-up
-    # time); on CPU (vLLM's CPU build) float32 so the trainer/engine comparison is exact to ~1e-5
-    kwargs = {"max_model_len": 1024}
-    if gpu:
-        kwargs.update(gpu_memory_utilization=0.3, enforce_eager=True)
-    dtype = "bfloat16" if gpu else "float32"
-    lr = 1e-3 if c.smoke else 1e-5  # smoke: a large step, so the weights visibly move
-    t0 = time.perf_counter()
-    pol = Policy(PolicyConfig(**c.base(name="V", backend="vllm", dtype=dtype, lr=lr, vllm_kwargs=kwargs)))
-    start = time.perf_counter() - t0
-    try:
-        return _update_push_generate(c, pol, start, lr, dtype)
-    finally:
-        pol.close()  # frees the engine (and vLLM's one-per-process sleep allocator) for the next rows
-
-
-def _update_push_generate(c: Check, pol: Policy, start: float, lr: float, dtype: str) -> dict:
-    pushes = []
-    push = pol.backend.sync_weights
-    pol.backend.sync_weights = lambda: (pushes.append(1), push())[1]
-
-    initial = copy.deepcopy(pol.model).eval().requires_grad_(False)
-    batch = c.batch.select(range(min(2, len(c.batch))))
-    old, mask = pol.token_logprobs(batch)
-    stats = pol.update(batch, loss_fn(old, torch.tensor([1.0, -1.0])[: len(batch)], float(mask.sum())))
-    if stats.get("skipped"):
-        raise RuntimeError(f"the update was skipped (non-finite loss or gradient): {stats}")
-
-    prompts = [("p1", "What is 2+3?"), ("p2", "6*7?")]
-    groups, gen_s = timed(
-        lambda: pol.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, top_p=1.0), seed=0),
-        c.device,
-    )
-    asleep = pol.backend.sleeping == {"weights", "kv_cache"} if pol.backend.sleep else "n/a (sleep off)"
-
-    own = pol.encode_own(groups)
-    lp, mask = pol.token_logprobs(own)
-    lp0, _ = pol.token_logprobs(own, model=initial)
-    gen = torch.zeros_like(lp)
-    for i, row in enumerate(x for g in groups for x in g.gen_logprobs):
-        gen[i, : len(row)] = torch.tensor(row)
-    m = mask.bool()
-    d_new, d_init, d_train = (lp - gen).abs()[m], (lp0 - gen).abs()[m], (lp - lp0).abs()[m]
-    return {
-        "tokens": int(m.sum()),
-        "seconds": gen_s,
-        "fused head": pol.fused_head,
-        "vLLM dtype": dtype,
-        "engine start s": start,
-        "update lr": lr,
-        "weight pushes": len(pushes),
-        "max |Δ logp| vLLM vs trainer": float(d_new.max()),
-        "mean |Δ logp| vLLM vs trainer": float(d_new.mean()),
-        "max |Δ logp| vLLM vs initial weights": float(d_init.max()),
-        "mean |Δ logp| vLLM vs initial weights": float(d_init.mean()),
-        "max |Δ logp| trainer updated vs initial": float(d_train.max()),
-        "engine asleep after generate": asleep,
-    }
-
-
 def _vllm_kwargs(c: Check, **extra) -> tuple[dict, str]:
     """Engine arguments at vLLM's defaults (on a GPU: its default model runner, CUDA graphs captured)."""
     gpu = c.device.startswith("cuda")
@@ -496,74 +436,209 @@ def _runner(worker) -> str:
     return f"{r.__module__.replace('vllm.v1.worker.', '')}.{r.__name__}"
 
 
-def row_vllm_seeds(c: Check) -> dict:
-    need_vllm()
-    from graft_rl.seeding import rank_seed
+#: |Δ logp| per token, engine vs trainer, a correct push stays under (bf16 on a GPU, float32 on CPU)
+TOL_MEAN = {"bfloat16": 2e-2, "float32": 1e-3}
 
-    kwargs, dtype = _vllm_kwargs(c)
+
+def _engine(c: Check, name: str, lr: float = 1e-3, **extra) -> tuple[Policy, float]:
+    kwargs, dtype = _vllm_kwargs(c, **extra)
     t0 = time.perf_counter()
-    pol = Policy(PolicyConfig(**c.base(name="S", backend="vllm", dtype=dtype, vllm_kwargs=kwargs)))
-    start = time.perf_counter() - t0
+    pol = Policy(PolicyConfig(**c.base(name=name, backend="vllm", dtype=dtype, lr=lr, vllm_kwargs=kwargs)))
+    return pol, time.perf_counter() - t0
+
+
+def _logp_gap(pol: Policy, groups, model=None) -> torch.Tensor:
+    """Per-token |generation log-prob - trainer log-prob| of the engine's samples (``model``: other weights)."""
+    lp, mask = pol.token_logprobs(pol.encode_own(groups), model=model)
+    gen = torch.zeros_like(lp)
+    for i, row in enumerate(x for g in groups for x in g.gen_logprobs):
+        gen[i, : len(row)] = torch.tensor(row)
+    return (lp - gen).abs()[mask.bool()]
+
+
+def _cycles(c: Check, eager: bool) -> dict:
+    """Two update → push → generate cycles; on a GPU the first push is followed by a level-1 sleep, the
+    second generation wakes from level 2 (the weights discarded) and pushes again."""
+    need_vllm()
+    pol, start = _engine(c, "V", **({"enforce_eager": True} if eager else {}))
     try:
-        sp = SamplingParams(n=4, max_new_tokens=16)
-        prompts = [("p1", "What is 2+3?"), ("p2", "What is 2+3?"), ("p3", "6*7?")]
-
-        def ids(seed):
-            return [g.token_ids for g in pol.generate(prompts, sp, seed=seed)]
-
-        a, b = ids(5), ids(5)
-        torch.manual_seed(1)  # global generators do not decide a call's samples
-        __import__("numpy").random.seed(1)
-        again = ids(5)
-        r0, r1 = ids(rank_seed(5, 0, 2)), ids(rank_seed(5, 1, 2))
-        res = {
-            "engine start s": start,
-            "model runner": pol.backend.llm.collective_rpc(_runner)[0],
-            "enforce_eager": bool(kwargs.get("enforce_eager", False)),
-            "same seed → identical": a == b == again,
-            "rank seeds → different": r0 != r1,
-            "identical prompts → different groups": a[0] != a[1],
-        }
-        if not (
-            res["same seed → identical"]
-            and res["rank seeds → different"]
-            and res["identical prompts → different groups"]
-        ):
-            raise RuntimeError(f"sampling is not seeded as graft-rl needs: {res}")
+        levels, pushes = [], []
+        if pol.backend.sleep:
+            sleep = pol.backend.llm.sleep
+            pol.backend.llm.sleep = lambda level: (levels.append(level), sleep(level=level))[1]
+        push = pol.backend.sync_weights
+        pol.backend.sync_weights = lambda: (pushes.append(1), push())[1]
+        batch = c.batch.select(range(min(2, len(c.batch))))
+        prompts = [("p1", "What is 2+3?"), ("p2", "6*7?")]
+        sp = SamplingParams(n=2, max_new_tokens=16)
+        res = {"engine start s": start, "model runner": pol.backend.llm.collective_rpc(_runner)[0]}
+        for cycle in (1, 2):
+            before = copy.deepcopy(pol.model).eval().requires_grad_(False)
+            old, mask = pol.token_logprobs(batch)
+            stats = pol.update(batch, loss_fn(old, torch.tensor([1.0, -1.0])[: len(batch)], float(mask.sum())))
+            if stats.get("skipped"):
+                raise RuntimeError(f"the update was skipped (non-finite loss or gradient): {stats}")
+            groups = pol.generate(prompts, sp, seed=cycle)
+            now, stale = _logp_gap(pol, groups), _logp_gap(pol, groups, model=before)
+            res[f"cycle {cycle} mean |Δ logp| vs trainer"] = float(now.mean())
+            res[f"cycle {cycle} max |Δ logp| vs trainer"] = float(now.max())
+            res[f"cycle {cycle} mean |Δ logp| vs pre-update weights"] = float(stale.mean())
+            del before
+        res.update({"weight pushes": len(pushes), "sleep levels": levels or "n/a (sleep off)"})
+        res["tolerance"] = TOL_MEAN[pol.config.dtype]
         return res
     finally:
         pol.close()
 
 
-def row_vllm_two(c: Check) -> dict:
+def row_vllm(c: Check) -> dict:
+    return _cycles(c, eager=True)
+
+
+def row_vllm_graphs(c: Check) -> dict:
+    return _cycles(c, eager=False)
+
+
+def row_vllm_seeds(c: Check) -> dict:
+    """Only the per-request seeds can make two calls agree: graft-rl's reseed of the workers' global
+    generators is off, and torch's and numpy's global generators are set to other values before each call."""
     need_vllm()
-    from graft_rl.policy.rollout import VLLMEngineError
+    import numpy as np
 
-    kwargs, dtype = _vllm_kwargs(c)
-    sp = SamplingParams(n=2, max_new_tokens=8)
+    from graft_rl.seeding import rank_seed
 
-    def engine(name, **extra):
-        return Policy(PolicyConfig(**c.base(name=name, backend="vllm", dtype=dtype, vllm_kwargs={**kwargs, **extra})))
-
-    def built(name, **extra) -> str:
-        """Build an engine, sample once, close it: what happened, in words (a refusal is an outcome)."""
-        try:
-            pol = engine(name, **extra)
-        except VLLMEngineError as exc:
-            return f"refused: {str(exc)[:60]}…"
-        pol.generate([("p", "1+1=?")], sp, seed=0)
-        pol.close()
-        return "built and sampled"
-
-    first = engine("E1")
-    res = {"first engine sleeps": first.backend.sleep}
+    pol, start = _engine(c, "S")
+    pol.backend.reseed_globals = False
     try:
-        res["second engine, default sleep"] = built("E2")
-        res["second engine, sleep off"] = built("E3", sleep=False)  # no sleep mode: no allocator to share
+        sp = SamplingParams(n=4, max_new_tokens=16)
+        prompts = [("p1", "What is 2+3?"), ("p2", "What is 2+3?"), ("p3", "6*7?")]
+
+        def ids(seed, noise):
+            torch.manual_seed(noise)
+            np.random.seed(noise)
+            pol.backend.llm.collective_rpc(_set_globals, args=(noise,))
+            return [g.token_ids for g in pol.generate(prompts, sp, seed=seed)]
+
+        a, b = ids(5, 1), ids(5, 2)
+        r0, r1 = ids(rank_seed(5, 0, 2), 3), ids(rank_seed(5, 1, 2), 3)
+        return {
+            "engine start s": start,
+            "model runner": pol.backend.llm.collective_rpc(_runner)[0],
+            "same seed, other global state → identical": a == b,
+            "rank seeds, same global state → different": r0 != r1,
+            "identical prompts → different groups": a[0] != a[1],
+        }
+    finally:
+        pol.close()
+
+
+def _set_globals(worker, seed: int) -> None:
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+def row_vllm_missing(c: Check) -> dict:
+    """A push with one tensor held back must be refused (before anything is sampled); a full push then works."""
+    need_vllm()
+    from graft_rl.policy.vllm_backend import VLLMEngineError
+
+    pol, start = _engine(c, "M")
+    try:
+        stream = pol.backend.weights_fn
+        held = next(n for n, _ in stream() if ".layers.1." in n and n.endswith("down_proj.weight"))
+        with torch.no_grad():
+            for p in pol.model.parameters():
+                p.add_(1e-2 * torch.randn_like(p))
+        pol.weights_version += 1
+        pol.backend.weights_fn = lambda: ((n, t) for n, t in stream() if n != held)
+        try:
+            pol.generate([("p", "1+1=?")], SamplingParams(n=2, max_new_tokens=8), seed=0)
+            refused = "not refused"
+        except VLLMEngineError as exc:
+            refused = str(exc)
+        pol.backend.weights_fn = stream
+        groups = pol.generate([("p", "1+1=?")], SamplingParams(n=2, max_new_tokens=8), seed=0)
+        gap = _logp_gap(pol, groups)
+        return {
+            "engine start s": start,
+            "held back": held,
+            "refused": refused[:120],
+            "names the tensor": held in refused,
+            "full push: mean |Δ logp| vs trainer": float(gap.mean()),
+            "tolerance": TOL_MEAN[pol.config.dtype],
+        }
+    finally:
+        pol.close()
+
+
+def row_vllm_fsdp(c: Check) -> dict:
+    """A world-size-1 FSDP2 policy with its vLLM engine under NCCL with ``device_id`` (gloo on CPU): a
+    verified push from the shards, and ``close()`` keeps the process group."""
+    need_vllm()
+    import torch.distributed as dist
+
+    from graft_rl.policy.fsdp import ShardedPolicy
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    gpu = c.device.startswith("cuda")
+    dist.init_process_group(
+        "nccl" if gpu else "gloo", rank=0, world_size=1, device_id=torch.device(c.device) if gpu else None
+    )
+    try:
+        kwargs, dtype = _vllm_kwargs(c, enforce_eager=True)
+        cfg = c.base(name="F", backend="vllm", dtype=dtype, lr=1e-3, world_size=1, vllm_kwargs=kwargs)
+        pol = ShardedPolicy(PolicyConfig(**cfg))
+        batch = c.batch.select(range(min(2, len(c.batch))))
+        old, mask = pol.token_logprobs(batch)
+        pol.update(batch, loss_fn(old, torch.tensor([1.0, -1.0])[: len(batch)], float(mask.sum())))
+        groups = pol.generate([("p1", "What is 2+3?"), ("p2", "6*7?")], SamplingParams(n=2, max_new_tokens=16), 0)
+        gap = _logp_gap(pol, groups)
+        pol.close()
+        kept = dist.is_initialized()
+        return {
+            "backend": dist.get_backend() if kept else "destroyed",
+            "mean |Δ logp| vs trainer": float(gap.mean()),
+            "tolerance": TOL_MEAN[dtype],
+            "process group kept after close()": kept,
+        }
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def row_vllm_two(c: Check) -> dict:
+    """The rule: on CUDA one open engine per process wherever one sleeps (a second is refused in one line);
+    engines one after another are allowed once the first is closed, and the second samples from its own
+    weights (log-probs match the trainer's: no rotary cache or memory of the first reused). On CPU (no
+    sleep) two engines may be open at once."""
+    need_vllm()
+    from graft_rl.policy.vllm_backend import VLLMEngineError
+
+    gpu = c.device.startswith("cuda")
+    first, _ = _engine(c, "E1")
+    try:
+        try:
+            second, _ = _engine(c, "E2", sleep=False)
+            second.close()
+            beside = "built"
+        except VLLMEngineError as exc:
+            beside = f"refused: {str(exc)[:80]}"
     finally:
         first.close()
-    res["sleep-mode engine after close()"] = built("E4")
-    return res
+    after, _ = _engine(c, "E3")
+    try:
+        gap = _logp_gap(after, after.generate([("p", "1+1=?")], SamplingParams(n=2, max_new_tokens=8), seed=0))
+    finally:
+        after.close()
+    return {
+        "second engine while the first is open": beside,
+        "expected": "refused" if gpu else "built",
+        "engine after close(): mean |Δ logp| vs trainer": float(gap.mean()),
+        "tolerance": TOL_MEAN["bfloat16" if gpu else "float32"],
+    }
 
 
 def row_vllm_transformers(c: Check) -> dict:
@@ -606,6 +681,7 @@ def row_vllm_transformers(c: Check) -> dict:
         d = (lp - gen).abs()[mask.bool()]
         return {
             "engine start s": start,
+            "gpu": c.device.startswith("cuda"),
             "model runner": pol.backend.llm.collective_rpc(_runner)[0],
             "tokens": int(mask.sum()),
             "max |Δ logp| vLLM vs trainer": float(d.max()),
@@ -624,9 +700,76 @@ ROW_FNS = {
     "fsdp": row_fsdp,
     "trainer": row_trainer,
     "vllm": row_vllm,
+    "vllm_graphs": row_vllm_graphs,
     "vllm_seeds": row_vllm_seeds,
+    "vllm_missing": row_vllm_missing,
+    "vllm_fsdp": row_vllm_fsdp,
     "vllm_two": row_vllm_two,
     "vllm_transformers": row_vllm_transformers,
+}
+
+
+def _cycle_rules(r: dict) -> list[tuple[str, bool]]:
+    out = []
+    for k in (1, 2):
+        now, stale = r[f"cycle {k} mean |Δ logp| vs trainer"], r[f"cycle {k} mean |Δ logp| vs pre-update weights"]
+        out.append((f"cycle {k}: mean |Δ logp| vs trainer ≤ tolerance", now <= r["tolerance"]))
+        out.append((f"cycle {k}: vs pre-update weights ≥ 5 × vs trainer", stale >= 5 * now))
+    out.append(("one push per cycle", r["weight pushes"] == 2))
+    if isinstance(r["sleep levels"], list):
+        out.append(
+            (
+                "slept at level 1, then level 2 after the verified push",
+                r["sleep levels"][:1] == [1] and 2 in r["sleep levels"],
+            )
+        )
+    return out
+
+
+#: Each row's pass/fail rules over its figures (docs/benchmarks.md "gpu_check" lists them beside the rows):
+#: a row whose rule fails is a failed row, whatever its figures look like.
+RULES = {
+    "generate": lambda r: [("tokens generated > 0", r["tokens"] > 0)],
+    "score": lambda r: [("chunked LM head taken", r["fused head"] is True)],
+    "naive": lambda r: [("max |Δ logp| vs chunked ≤ 5e-2 (bf16)", r["max |Δ logp| vs chunked"] <= 5e-2)],
+    "update": lambda r: [
+        ("≥ 99 % of weights with a gradient changed (fp32 master)", r["changed after 3 steps @ lr 1e-6"] >= 0.99)
+    ],
+    "pure": lambda r: [
+        ("pure bf16 changes < 50 % (what the fp32 master avoids)", r["changed after 3 steps @ lr 1e-6"] < 0.5)
+    ],
+    "fsdp": lambda r: [("max |Δ logp| vs single process ≤ 5e-2", r["max |Δ logp| vs single process"] <= 5e-2)],
+    "trainer": lambda r: [
+        ("3 steps × 2 policies logged, losses finite", r["metric lines"] >= 6 and r["finite losses"])
+    ],
+    "vllm": _cycle_rules,
+    "vllm_graphs": _cycle_rules,
+    "vllm_seeds": lambda r: [
+        ("same seed, other global state → identical", r["same seed, other global state → identical"]),
+        ("rank seeds → different", r["rank seeds, same global state → different"]),
+        ("identical prompts → different groups", r["identical prompts → different groups"]),
+    ],
+    "vllm_missing": lambda r: [
+        ("refused, naming the tensor", r["names the tensor"]),
+        ("full push: mean |Δ logp| ≤ tolerance", r["full push: mean |Δ logp| vs trainer"] <= r["tolerance"]),
+    ],
+    "vllm_fsdp": lambda r: [
+        ("mean |Δ logp| vs trainer ≤ tolerance", r["mean |Δ logp| vs trainer"] <= r["tolerance"]),
+        ("process group kept after close()", r["process group kept after close()"]),
+    ],
+    "vllm_two": lambda r: [
+        ("second open engine: " + r["expected"], r["second engine while the first is open"].startswith(r["expected"])),
+        (
+            "engine after close(): mean |Δ logp| ≤ tolerance",
+            r["engine after close(): mean |Δ logp| vs trainer"] <= r["tolerance"],
+        ),
+    ],
+    "vllm_transformers": lambda r: [
+        (
+            "mean |Δ logp| vs trainer ≤ tolerance",
+            r["mean |Δ logp| vLLM vs trainer"] <= TOL_MEAN["bfloat16" if r.get("gpu") else "float32"],
+        )
+    ],
 }
 
 
@@ -648,7 +791,7 @@ def fmt(v) -> str:
 
 
 def to_markdown(results: list[dict], env: dict) -> str:
-    cols = ["row", "status", "tokens", "seconds", "tok/s", "peak GiB", "fused head"]
+    cols = ["row", "status", "checks", "tokens", "seconds", "tok/s", "peak GiB", "fused head"]
     extra = [k for r in results for k in r if k not in cols and k not in ("error", "skipped")]
     cols += list(dict.fromkeys(extra))
 
@@ -703,6 +846,11 @@ def run_row(key: str, c: Check) -> dict:
     row = {"row": ROWS[key]}
     try:
         row.update(ROW_FNS[key](c))
+        rules = RULES[key](row)
+        row["checks"] = f"{sum(ok for _, ok in rules)}/{len(rules)} pass"
+        failed = [label for label, ok in rules if not ok]
+        if failed:
+            row["error"] = "fails: " + "; ".join(failed)
     except Skip as exc:
         row["skipped"] = str(exc)
     except Exception as exc:
@@ -721,12 +869,42 @@ def run_row(key: str, c: Check) -> dict:
     return row
 
 
+def run_row_isolated(key: str, args, timeout: float) -> dict:
+    """A vLLM row in a process of its own (vLLM keeps allocator, rotary cache and process group per process),
+    under ``timeout`` seconds: a row that hangs or crashes the process is a failed row, and the rest still run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, __file__, "--one", key, "--json", str(out), "--device", args.device]
+        cmd += ["--smoke"] if args.smoke else []
+        try:
+            res = subprocess.run(cmd, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"row": ROWS[key], "error": f"timed out after {timeout:g} s (its process was killed)"}
+        if out.is_file():
+            return json.loads(out.read_text(encoding="utf-8"))
+        return {"row": ROWS[key], "error": f"its process exited with status {res.returncode} and no result"}
+
+
+def verdict(rows: list[dict]) -> str:
+    failed = [r["row"] for r in rows if "error" in r]
+    ok = sum(1 for r in rows if "error" not in r and "skipped" not in r)
+    skipped = sum(1 for r in rows if "skipped" in r)
+    if failed:
+        return f"gpu_check verdict: FAIL — {len(failed)} of {len(rows)} rows failed: {'; '.join(failed)}"
+    return f"gpu_check verdict: PASS — {ok} rows passed their rules, {skipped} skipped"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (seconds): checks the script itself")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.md / .json (default: $OUT)")
     ap.add_argument("--skip", default="", help=f"comma-separated rows to skip: {','.join(ROWS)}")
+    ap.add_argument(
+        "--row-timeout", type=float, default=None, help="seconds per vLLM row (default 240 on a GPU, 900 on CPU)"
+    )
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one row here (a vLLM row's own process)
+    ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     for stream in (sys.stdout, sys.stderr):  # row names have → and Δ: never die printing them
         with contextlib.suppress(AttributeError, ValueError):
@@ -734,7 +912,7 @@ def main() -> int:
     skip = set(filter(None, (s.strip() for s in args.skip.split(","))))
     if skip - set(ROWS):
         ap.error(f"--skip: unknown row(s) {', '.join(sorted(skip - set(ROWS)))}; rows: {', '.join(ROWS)}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not device.startswith("cuda"):  # GiB of KV cache per vLLM CPU engine (its default, 4, x several engines)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env = {
@@ -748,21 +926,30 @@ def main() -> int:
         env["vllm"] = version("vllm")
     except Exception:
         pass
+    if args.one:
+        with tempfile.TemporaryDirectory() as tmp:
+            row = run_row(args.one, Check(args.smoke, device, Path(tmp), env))
+        Path(args.json).write_text(json.dumps(row), encoding="utf-8")
+        return 0
     print(f"gpu_check on {env['device']} (torch {env['torch']}, transformers {env['transformers']})", flush=True)
+    timeout = args.row_timeout or (240.0 if device.startswith("cuda") else 900.0)
 
     report = Report(env, args.out, len(ROWS))
     with tempfile.TemporaryDirectory() as tmp:
         check = Check(args.smoke, device, Path(tmp), env)
         for key in ROWS:
-            report.add({"row": ROWS[key], "skipped": "--skip"} if key in skip else run_row(key, check))
+            if key in skip:
+                report.add({"row": ROWS[key], "skipped": "--skip"})
+            elif key.startswith("vllm"):
+                report.add(run_row_isolated(key, args, timeout))
+            else:
+                report.add(run_row(key, check))
         check.pol = None
 
     print(to_markdown(report.rows, env), flush=True)
-    failed = [r["row"] for r in report.rows if "error" in r]
-    if failed:
-        print(f"gpu_check: {len(failed)} row(s) failed: {'; '.join(failed)}", flush=True)
-        return 1
-    return 0
+    line = verdict(report.rows)
+    print(line, flush=True)
+    return 1 if "FAIL" in line else 0
 
 
 if __name__ == "__main__":
