@@ -1,6 +1,6 @@
 """One rank of the push test (run by tests/policy/test_push_ranks.py under torchrun, gloo, CPU, with
-the fake vLLM of ``fake_vllm.py``): a sharded vLLM policy under ``rollout_on_rank0`` whose rank 1
-builds no engine yet takes part in every collective of each verified push; the KL reference resharded
+the fake vLLM of ``fake_vllm.py``): a sharded vLLM policy under ``rollout_on_rank0`` whose pushes are
+verified collectively; the KL reference resharded
 after its forward; ``close()`` keeping the FSDP group. Writes what it saw to ``OUT.rank<r>.json``."""
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ def run(model: str, out: str) -> None:
         groups = pol.generate([("p1", "1+1=?"), ("p2", "2+2=?")], SamplingParams(n=2, max_new_tokens=4), seed=step)
         texts.append([g.texts for g in groups])
     seen["texts"] = texts
-    if rank == 0:
-        seen["reloads"] = [c for c in pol.backend.llm.calls if c[0] == "reload"]
+    seen["reloads"] = [c for c in pol.backend.llm.calls if c[0] == "reload"]
     pol.close()
     seen["group kept"] = dist.is_initialized()
     seen["scores after close"] = pol.token_logprobs(batch)[0].tolist()

@@ -77,8 +77,8 @@ class ShardedPolicy(Policy):
             )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # the unsharded rollout copy of the hf backend, on every rank that samples (vLLM engines hold their own)
-        self.samples = self.rank == 0 or not self.config.rollout_on_rank0
-        self.rollout_model = copy.deepcopy(self.model).eval() if self.config.backend == "hf" and self.samples else None
+        samples = self.rank == 0 or not self.config.rollout_on_rank0
+        self.rollout_model = copy.deepcopy(self.model).eval() if self.config.backend == "hf" and samples else None
         self.model = shard_model(self.model, self.compute_dtype)
         # the sharded (DTensor) parameters: after a forward, FSDP2 may leave the root's parameters
         # registered unsharded on the module, so the optimiser, clipping and digests use these

@@ -257,11 +257,11 @@ def make_backend(kind: str, policy) -> RolloutBackend:
             decode=lambda ids: policy.tokenizer.decode(ids, skip_special_tokens=True),
         )  # as the texts are
     if kind == "vllm":
-        from graft_rl.policy.vllm_backend import PushOnlyBackend, VLLMBackend
+        from graft_rl.policy.vllm_backend import VLLMBackend
 
+        # every rank builds its engine, rollout_on_rank0 included: vLLM's start-up creates its groups with
+        # new_group over the existing default group, a collective every rank must join
         weights_fn = getattr(policy, "rollout_weights", None)  # a sharded policy's gathered full weights
-        if not getattr(policy, "samples", True):  # rollout_on_rank0: this rank only takes part in pushes
-            return PushOnlyBackend(weights_fn, policy.push_digest)
         return VLLMBackend(
             policy.model,
             policy.model_dir,

@@ -98,9 +98,6 @@ class PolicyTraining:
         if callable(close):
             close()
 
-    #: This process samples (a rank of a sharded policy under ``rollout_on_rank0`` may only push).
-    samples = True
-
     def push_digest(self, dtypes: dict | None) -> dict[str, torch.Tensor]:
         """The reference a weight push is verified against: the row digest of each trainer tensor named in
         ``dtypes``, cast to its engine dtype (:mod:`graft_rl.policy.pushcheck`), from the parameters

@@ -36,7 +36,6 @@ from graft_rl.seeding import derive_seed
 __all__ = [
     "VLLMBackend",
     "VLLMEngineError",
-    "PushOnlyBackend",
     "request_seeds",
     "shield_from_vllm_patches",
     "VLLM_VERSIONS",
@@ -386,33 +385,6 @@ class VLLMBackend:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-class PushOnlyBackend:
-    """A rank that does not generate (``rollout_on_rank0``, ranks > 0): no engine and nothing loaded,
-    but it takes part in every collective of a push, as the generating rank's engine does — the
-    trainer digest (one all-reduce) and the weight stream (an all-gather per tensor)."""
-
-    sleep = False
-    needs_push = False
-
-    def __init__(self, weights_fn, digest_fn):
-        self.weights_fn, self.digest_fn = weights_fn, digest_fn
-        self.digest_fn(None)  # the generating rank verifies its engine as loaded
-
-    def sync_weights(self) -> None:
-        self.digest_fn(None)
-        for _ in self.weights_fn():
-            pass
-
-    def rest(self) -> None:
-        pass
-
-    def generate(self, prompt_ids, sampling, seed):
-        raise VLLMEngineError("this rank holds no vLLM engine (rollout_on_rank0: rank 0 samples)")
-
-    def close(self) -> None:
-        pass
 
 
 @contextlib.contextmanager
