@@ -19,19 +19,19 @@ then measures, each in its own row of a Markdown table (``--skip`` name in brack
    log-prob agreement with the single-process path;
 7. [trainer] a 3-step GRAFT run of the trainer on the tiny heterogeneous pair, on the device
    (needs ``pyarrow``, for the rollout store);
-8. [vllm] vLLM: update → push → wake → generate → sleep (only where ``import vllm`` works): one
-   optimiser step, then ``Policy.generate`` (pushes the weights once, wakes the engine, samples,
-   puts it back to sleep on a GPU), then the trainer re-scores vLLM's responses: max/mean |Δ logp|
-   against the updated weights (small: the push reached the engine) and against the weights before
-   the update (larger), the trainer's own log-prob change from the update, and the engine's sleep state;
-9. [vllm_seeds] vLLM at its defaults (on a GPU: its default model runner, V2 in vLLM 0.32/0.33, with
-   CUDA graphs): the same seed twice gives identical samples (global generators reseeded between),
-   two ranks' seeds different ones, two copies of a prompt different groups;
-10. [vllm_two] two engines in one process: a second sleep-mode engine is refused in one line (not a
-   crash), one without sleep mode runs beside it, and after ``close()`` a sleep-mode engine starts again;
-11. [vllm_transformers] vLLM's Transformers backend (``model_impl="transformers"``, the path SmolLM3
-   takes) beside the trainer: the trainer's forward pass after the engine patched transformers'
-   classes, and its log-probs of the engine's samples.
+8. [vllm] two update → push → generate cycles, eager: every push verified against the trainer; on a
+   GPU sleep level 1, then level 2 after the first verified push (only where ``import vllm`` works);
+9. [vllm_graphs] the same with CUDA graphs (no ``enforce_eager``);
+10. [vllm_seeds] per-request seeds alone: graft-rl's worker reseed off and the global generators set
+   to other values before each call;
+11. [vllm_missing] a push with one tensor held back must be refused, naming it;
+12. [vllm_fsdp] a world-1 FSDP2 policy with its engine (NCCL with ``device_id``; gloo on CPU);
+13. [vllm_two] the one-engine-per-process rule and an engine after ``close()``;
+14. [vllm_transformers] vLLM's Transformers backend (``model_impl="transformers"``, the path SmolLM3
+   takes) beside the trainer.
+
+Each row is judged by its rules (``RULES``; docs/benchmarks.md lists them); each vLLM row runs in a
+process of its own under ``--row-timeout``. The run ends with one ``gpu_check verdict: PASS|FAIL`` line.
 
 The columns "fused head" say which scoring path each policy really took (``Policy.fused_head``).
 
@@ -39,7 +39,7 @@ Every row runs on its own: a row that raises records ``error: <type>: <first lin
 on stderr) and the others still run; a row whose optional package is missing records
 ``skipped: needs <package>``. Each row is printed as it finishes, and with ``--out DIR`` (or
 ``$OUT``) ``gpu_check.md`` / ``gpu_check.json`` are rewritten after every row, so a crash or a
-timeout keeps the rows done so far. Exit status 0 when no row raised, 1 otherwise.
+timeout keeps the rows done so far. Exit status 0 when no row failed, 1 otherwise.
 
 Module-level imports are torch + transformers (+ their own dependencies) only; pyarrow, vllm and
 other optional packages are imported inside the row that needs them.

@@ -202,6 +202,7 @@ class VLLMBackend:
         self.sleeping: set[str] = set()  # memory tags vLLM has put to sleep: weights, kv_cache
         self.full_push = False  # a push was verified: level-2 sleep from then on
         self.needs_push = False  # the engine's weights are not the trainer's: push before the next generation
+        self._last: tuple[dict, dict] | None = None  # quantised engines: (trainer, engine) digests of the last push
         self._refuse_second_engine()
         self._keeps_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         _clear_rotary_cache()  # nothing of an earlier engine's memory may be reused
@@ -262,7 +263,7 @@ class VLLMBackend:
     def _check(self, ref: dict, what: str) -> None:
         got = self.llm.collective_rpc(pushcheck.engine_digest, args=(list(self.layout.parts),))[0]
         if self.layout.quantized:
-            before = getattr(self, "_last", None)
+            before = self._last
             problems = pushcheck.stale_coverage(self.layout, ref, before[0], got, before[1]) if before else []
             self._last = (ref, got)
         else:
