@@ -49,6 +49,7 @@ def run(model: str, out: str) -> None:
     seen["group kept"] = dist.is_initialized()
     seen["scores after close"] = pol.token_logprobs(batch)[0].tolist()
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(seen))
+    dist.barrier()  # both ranks done with every collective before gloo tears down (else an abort at exit)
     dist.destroy_process_group()
 
 

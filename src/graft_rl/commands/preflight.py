@@ -634,7 +634,7 @@ def _placement(toy: Toy) -> str:
 def _shutdown_ray() -> None:
     import sys
 
-    if "ray" in sys.modules:
+    if sys.modules.get("ray") is not None:  # imported (and importable): it may have a session to end
         import ray
 
         if ray.is_initialized():

@@ -95,6 +95,8 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
     per resource, the sum over every rank of every policy against the cluster, and each bundle
     against the largest node (a bundle never spans nodes); names the override that would fit.
     """
+    from graft_rl.policy.vllm_backend import VLLM_MEMORY_SHARE
+
     for pc in policy_configs:
         gpus = policy_bundles(cfg, pc)[0].get("GPU", 0.0)
         if pc.device.startswith("cuda") and gpus == 0:
@@ -102,7 +104,7 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
                 f"policy {pc.name!r}: device cuda under execution: ray needs a GPU per rank actor, and ray.num_gpus is 0 "
                 f"(Ray would assign none); set ray.num_gpus=1"
             )
-        share = float(pc.vllm_kwargs.get("gpu_memory_utilization", 0.4))
+        share = float(pc.vllm_kwargs.get("gpu_memory_utilization", VLLM_MEMORY_SHARE))
         if pc.backend == "vllm" and 0 < gpus < 1 and share > gpus - 0.05:
             raise ResourceError(
                 f"policy {pc.name!r}: a vLLM rank with ray.num_gpus={gpus:g} shares its GPU, and its engine asks for "

@@ -48,6 +48,7 @@ from pathlib import Path
 from graft_rl.engine.config import ConfigError, TrainConfig
 from graft_rl.policy import PolicyConfig
 from graft_rl.policy.policy import auto_micro_batch_tokens, uses_fused_head
+from graft_rl.policy.vllm_backend import VLLM_MEMORY_SHARE
 
 __all__ = [
     "ModelShape",
@@ -233,7 +234,7 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
     act = act_ckpt if pc.gradient_checkpointing else act_full
     logits = chunk if uses_fused_head(pc.fused_logprobs, s.vocab, budget_tokens) else naive
     vllm = c * N if pc.backend == "vllm" else 0.0
-    share = float(pc.vllm_kwargs.get("gpu_memory_utilization", 0.4)) if pc.backend == "vllm" else 0.0
+    share = float(pc.vllm_kwargs.get("gpu_memory_utilization", VLLM_MEMORY_SHARE)) if pc.backend == "vllm" else 0.0
     sleep = bool(pc.vllm_kwargs.get("sleep", True))
     reference = 4 * N / W if cfg.method.kl_coef > 0 else 0.0
     hf_copy = 4 * N if pc.backend == "hf" and W > 1 else 0.0  # one process samples from its own model

@@ -79,14 +79,12 @@ class EngineLayout:
     """Where each trainer tensor lands in the engine (computed once, in the engine's worker).
 
     ``parts[engine name]``: the trainer names whose rows the engine tensor holds, in row order (one
-    name, or the parts of a fused tensor); ``dtypes[engine name]``; ``ignored``: trainer names the
-    engine's loader drops (its name mapper maps them to nothing, e.g. rotary buffers);
-    ``unplaced``: trainer names with no engine tensor at all; ``quantized``: values are not compared.
+    name, or the parts of a fused tensor); ``dtypes[engine name]``; trainer names the engine's loader
+    drops (its name mapper maps them to nothing, e.g. rotary buffers) are left out; ``unplaced``: trainer names with no engine tensor at all; ``quantized``: values are not compared.
     """
 
     parts: dict[str, list[str]] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
-    ignored: list[str] = field(default_factory=list)
     unplaced: list[str] = field(default_factory=list)
     quantized: bool = False
 
@@ -111,8 +109,7 @@ def engine_layout(model: torch.nn.Module, trainer_names: Iterable[str], quantize
     layout = EngineLayout(dtypes={n: p.dtype for n, p in params.items()}, quantized=quantized)
     for t in trainer_names:
         name = mapper.map_name(t) if mapper is not None and hasattr(mapper, "map_name") else t
-        if name is None:
-            layout.ignored.append(t)
+        if name is None:  # dropped by the engine's loader
             continue
         placed = _place(name, t, params, packed)
         if placed is None:
@@ -140,12 +137,10 @@ def _place(name: str, original: str, params: Mapping, packed: Mapping[str, list[
     return None
 
 
-def engine_digest(worker, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """Run in the engine's worker (``collective_rpc``): the row digest of each of its parameters
-    (``names``: those only), in its own dtype, on CPU."""
-    model = _model_of(worker)
-    keep = set(names) if names is not None else None
-    return {n: row_digest(p) for n, p in model.named_parameters() if keep is None or n in keep}
+def engine_digest(worker) -> dict[str, torch.Tensor]:
+    """Run in the engine's worker (``collective_rpc``): the row digest of each of its parameters, in
+    its own dtype, on CPU."""
+    return {n: row_digest(p) for n, p in _model_of(worker).named_parameters()}
 
 
 def compare(layout: EngineLayout, trainer: Mapping[str, torch.Tensor], engine: Mapping[str, torch.Tensor]) -> list[str]:

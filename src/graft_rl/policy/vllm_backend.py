@@ -134,6 +134,11 @@ def _engine_kwargs(sleep: bool, kwargs: dict) -> dict:
     return kwargs
 
 
+#: The share of its GPU a vLLM engine takes unless ``vllm_kwargs.gpu_memory_utilization`` says otherwise
+#: (the backend's default; ``graft plan`` and the Ray resource check read the same number).
+VLLM_MEMORY_SHARE = 0.4
+
+
 class VLLMBackend:
     """vLLM engine for one policy (or one rank of a sharded policy), beside the trainer.
 
@@ -167,7 +172,7 @@ class VLLMBackend:
         model,
         model_dir: str,
         dtype: str = "float32",
-        gpu_memory_utilization: float = 0.4,
+        gpu_memory_utilization: float = VLLM_MEMORY_SHARE,
         sleep: bool | None = None,
         weights_fn=None,
         digest_fn=None,
@@ -261,7 +266,7 @@ class VLLMBackend:
         self._check(ref, what)
 
     def _check(self, ref: dict, what: str) -> None:
-        got = self.llm.collective_rpc(pushcheck.engine_digest, args=(list(self.layout.parts),))[0]
+        got = self.llm.collective_rpc(pushcheck.engine_digest)[0]
         if self.layout.quantized:
             before = self._last
             problems = pushcheck.stale_coverage(self.layout, ref, before[0], got, before[1]) if before else []
