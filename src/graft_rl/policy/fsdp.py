@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from graft_rl.policy.policy import Policy, PolicyError, length_micro_batches
+from graft_rl.policy.training import load_state_file
 from graft_rl.policy.types import TokenBatch
 from graft_rl.seeding import rank_seed
 
@@ -195,18 +196,14 @@ class ShardedPolicy(Policy):
         dist.all_gather_object(parts, mine)
         return [parts[i % self.world][i // self.world] for i in range(len(prompts))]
 
-    def push_digest(self, dtypes: dict | None) -> dict[str, torch.Tensor]:
+    def push_digest(self, dtypes: dict) -> dict[str, torch.Tensor]:
         """Collective: the full tensors' row digests from each rank's shard (a ``Shard(0)`` shard is a block
-        of rows, so each rank fills its rows and one all-reduce sums them). Under ``rollout_on_rank0``
-        rank 0's engine decides the dtypes and the other ranks (``dtypes=None``) receive them."""
+        of rows, so each rank fills its rows and one all-reduce sums them). ``dtypes``: from this rank's
+        engine layout; every rank builds its engine (under ``rollout_on_rank0`` too), so they agree."""
         from graft_rl.policy.pushcheck import row_digest
 
-        if self.config.rollout_on_rank0:
-            box = [dtypes]
-            dist.broadcast_object_list(box, src=0)
-            dtypes = box[0]
         state = self.model.state_dict()
-        names = sorted(dtypes or {})
+        names = sorted(dtypes)
         parts = [self._shard_rows(state[n], dtypes[n], row_digest) for n in names]
         flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
         flat = flat.to(self._comm_device())
@@ -290,7 +287,7 @@ class ShardedPolicy(Policy):
             raise PolicyError(
                 f"policy {self.name!r}: {path} is missing; resume with the world_size the run was saved with"
             )
-        state = torch.load(path, weights_only=False)
+        state = load_state_file(path)
         if state.get("world_size") != self.world:
             raise PolicyError(
                 f"policy {self.name!r}: checkpoint saved with world_size={state.get('world_size')}, now {self.world}"

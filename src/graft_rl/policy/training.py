@@ -12,12 +12,35 @@ from pathlib import Path
 
 import torch
 
-from graft_rl.policy.types import SamplingParams, TokenBatch
+from graft_rl.policy.types import PolicyError, SamplingParams, TokenBatch
 
-__all__ = ["POLICY_SETTINGS", "PolicyTraining"]
+__all__ = ["POLICY_SETTINGS", "PolicyTraining", "StateFileError", "load_state_file"]
 
 #: File in every saved policy directory holding the policy's settings (prompt format etc.).
 POLICY_SETTINGS = "graft_policy.json"
+
+
+class StateFileError(PolicyError):
+    """A ``policy_state*.pt`` that holds anything but tensors and plain values (it could run code)."""
+
+
+def load_state_file(path: str | Path) -> dict:
+    """A checkpoint's optimiser and RNG state, read with ``weights_only=True``: tensors, numbers,
+    strings and containers only. A pickle that names anything else (a function, a class to build) is
+    refused in one line and nothing of it runs (docs/reliability.md, "Security")."""
+    import pickle
+
+    try:
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StateFileError(
+            f"{path}: refused, it holds more than tensors and plain values and loading it could run code "
+            f"({first[:160]}); a checkpoint graft-rl wrote never does: resume from one you trust"
+        ) from None
+    if not isinstance(state, dict):
+        raise StateFileError(f"{path}: expected a dict of optimiser and RNG state, got {type(state).__name__}")
+    return state
 
 
 class PolicyTraining:
@@ -189,6 +212,6 @@ class PolicyTraining:
 
     def load_state(self, ckpt_dir: str | Path) -> None:
         """Restore optimiser and RNG from :meth:`save` (weights come from loading the directory)."""
-        state = torch.load(Path(ckpt_dir) / "policy_state.pt", weights_only=False)
+        state = load_state_file(Path(ckpt_dir) / "policy_state.pt")
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])

@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RolloutGroup", "TokenBatch", "SamplingParams"]
+__all__ = ["RolloutGroup", "TokenBatch", "SamplingParams", "PolicyError"]
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be built as configured; the message names the field or path."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["ContractError", "load_target", "user_score", "check_scores"]
+__all__ = ["ContractError", "PICKLE_PREFIX", "load_target", "user_score", "check_scores"]
 
 _CACHE: dict[str, Callable] = {}
 
@@ -32,13 +32,39 @@ class ContractError(TypeError):
         super().__init__(f"{CONTRACT}: {message}")
 
 
+#: A reward target that is a pickled callable the trainer wrote for its verifier workers.
+PICKLE_PREFIX = "pickle:"
+
+
+def _private_payload(path: Path) -> bytes:
+    """The bytes of a pickled callable, only from where :func:`graft_rl.rewards.functions._payload_target`
+    writes them: a folder this user owns that nobody else can enter or write (mode 0700), a file this
+    user owns, named by the sha256 of its content. Anything else is refused: unpickling runs code."""
+    import hashlib
+    import os
+    import stat
+
+    folder = path.parent
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise PermissionError(
+            f"{folder}: not a private folder of this user (owner {st.st_uid}, mode {oct(st.st_mode)})"
+        )
+    fst = path.lstat()
+    if not stat.S_ISREG(fst.st_mode) or fst.st_uid != os.getuid():
+        raise PermissionError(f"{path}: not a regular file of this user")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest()[:24] != path.stem:
+        raise PermissionError(f"{path}: its content is not what was written (sha256 differs from its name)")
+    return data
+
+
 def load_target(target: str) -> Callable:
     """The callable a reward target names (imported once per process)."""
     if target in _CACHE:
         return _CACHE[target]
-    if target.startswith("pickle:"):
-        with open(target.removeprefix("pickle:"), "rb") as f:
-            fn = pickle.load(f)  # written by this package for this run (cloudpickle's output loads with pickle)
+    if target.startswith(PICKLE_PREFIX):
+        fn = pickle.loads(_private_payload(Path(target.removeprefix(PICKLE_PREFIX))))  # cloudpickle's output
     else:
         mod_name, _, attr = target.rpartition(":")
         if mod_name.endswith(".py"):

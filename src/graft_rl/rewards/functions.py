@@ -14,10 +14,12 @@ is ``>= data.success_threshold`` (default 1.0: a binary reward's 1).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -25,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from graft_rl.rewards.custom import CONTRACT, load_target
+from graft_rl.rewards.custom import CONTRACT, PICKLE_PREFIX, load_target
 from graft_rl.rewards.pool import Outcome, VerifierPool, VerifyStats
 from graft_rl.rewards.verifiers import _finish, score_responses
 
@@ -63,16 +65,30 @@ def registered_rewards() -> list[str]:
     return [*BUILTIN_REWARDS, *sorted(_REGISTRY)]
 
 
+_PRIVATE: dict[int, Path] = {}  # pid -> this process's private folder of pickled callables
+
+
+def _private_folder() -> Path:
+    """This process's folder for pickled callables: made by ``mkdtemp`` (mode 0700, a fresh random
+    name, so no other user can have made it first or write into it), removed at exit."""
+    folder = _PRIVATE.get(os.getpid())
+    if folder is None or not folder.is_dir():
+        folder = Path(tempfile.mkdtemp(prefix="graft_rl_rewards_"))
+        _PRIVATE[os.getpid()] = folder
+        atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
 def _payload_target(payload: bytes) -> str:
-    """A pickled callable as a file the verifier workers load (one per content, written atomically)."""
-    folder = Path(tempfile.gettempdir()) / f"graft_rl_rewards_{os.getuid() if hasattr(os, 'getuid') else 0}"
-    folder.mkdir(parents=True, exist_ok=True)
+    """A pickled callable as a file the verifier workers load (named by its sha256, written atomically,
+    in :func:`_private_folder`; :func:`~graft_rl.rewards.custom.load_target` checks all three)."""
+    folder = _private_folder()
     path = folder / f"{hashlib.sha256(payload).hexdigest()[:24]}.pkl"
     if not path.is_file():
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(payload)
         os.replace(tmp, path)
-    return f"pickle:{path}"
+    return f"{PICKLE_PREFIX}{path}"
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,7 @@ class Reward:
     threshold: float = 1.0
     payload: bytes | None = field(default=None, repr=False)
     root: str = ""  # the folder a module target is imported from (sys.path entry), for the workers
+    source_sha256: str | None = None  # a Python function's: sha256 of its code (what a resume compares)
 
     @property
     def builtin(self) -> bool:
@@ -190,7 +207,25 @@ def _from_callable(fn: Callable, threshold: float, name: str | None = None) -> R
         raise RewardError(
             f"reward {label}: cannot be sent to the verifier workers ({type(exc).__name__}: {exc})"
         ) from None
-    return Reward(label, "", threshold, payload)
+    return Reward(label, "", threshold, payload, source_sha256=_code_sha256(fn))
+
+
+def _code_sha256(fn: Callable) -> str | None:
+    """sha256 of a Python function's code: its bytecode, constants (nested functions' code too), names and
+    arguments; not where it sits (file, line, column), so a call edited around a lambda keeps it."""
+    code = getattr(fn, "__code__", None) or getattr(type(fn).__dict__.get("__call__"), "__code__", None)
+    if code is None:
+        return None
+    h = hashlib.sha256()
+
+    def add(c) -> None:
+        h.update(c.co_code)
+        h.update(repr((c.co_names, c.co_varnames, c.co_argcount, c.co_kwonlyargcount)).encode())
+        for k in c.co_consts:
+            add(k) if hasattr(k, "co_code") else h.update(repr(k).encode())
+
+    add(code)
+    return h.hexdigest()
 
 
 def resolve_reward(spec: str | Callable | Reward, threshold: float = 1.0) -> Reward:
@@ -204,6 +239,11 @@ def resolve_reward(spec: str | Callable | Reward, threshold: float = 1.0) -> Rew
         raise RewardError(f"data.reward: expected a name or module:function, got {spec!r}")
     if spec in BUILTIN_REWARDS:
         return Reward(spec, spec, threshold)
+    if spec.startswith(PICKLE_PREFIX):  # only ever made by this process for a Python callable
+        raise RewardError(
+            f"data.reward {spec!r}: a pickled callable is not a reward a config can name (loading it could run "
+            "any code); name a module:function or file.py:function"
+        )
     if spec.startswith("python:"):  # recorded for a function given to Trainer(reward=...) that no import path names
         raise RewardError(
             f"data.reward {spec}: the run was scored by a Python function given to Trainer(reward=...); "
