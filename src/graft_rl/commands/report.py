@@ -7,7 +7,7 @@ from pathlib import Path
 
 from graft_rl.engine.rundir import read_log
 
-__all__ = ["read_metrics", "run_summary", "family_summary", "print_run_summary"]
+__all__ = ["read_metrics", "run_summary", "family_summary", "print_run_summary", "reward_call_problems"]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -104,6 +104,21 @@ def family_summary(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def reward_call_problems(run_dir: str | Path) -> str | None:
+    """One line when reward calls of the run's training steps timed out, failed or were left unchecked
+    (each scored 0; a timed-out call's worker was killed with every process it started), else None."""
+    lines = read_metrics(run_dir)
+    n = {k: sum(ln.get(k) or 0 for ln in lines) for k in ("verify_timeouts", "verify_errors", "verify_over_budget")}
+    if not any(n.values()):
+        return None
+    parts = [
+        f"{n['verify_timeouts']} timed out (data.verify_timeout; each call's processes were ended)",
+        f"{n['verify_errors']} raised or crashed",
+        f"{n['verify_over_budget']} left unchecked (data.verify_budget)",
+    ]
+    return "reward calls scored 0: " + ", ".join(p for p, v in zip(parts, n.values(), strict=True) if v)
+
+
 def _pooled_admitted(lines: list[dict]) -> float | None:
     """Admitted fraction pooled over the run: peer responses with weight > 0 / all grafted peer
     responses (the definition `graft analyze` uses; a step with many grafted responses counts more)."""
@@ -154,6 +169,9 @@ def print_run_summary(run_dir: str | Path, width: int | None = None) -> None:
         )
     console = Console(width=width) if width else Console()
     console.print(table)
+    calls = reward_call_problems(run_dir)
+    if calls:
+        console.print(calls, soft_wrap=True)  # one line: grep finds it
     fam_rows = family_summary(run_dir)
     if fam_rows:
         ft = Table(

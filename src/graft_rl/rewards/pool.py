@@ -8,6 +8,11 @@ So each worker is a plain ``python -m graft_rl.rewards._worker`` subprocess spea
 lines over pipes. An item that exceeds its timeout gets its worker killed (SIGKILL, then
 reaped: no zombies) and replaced; a worker that dies mid-item (segfault, OOM kill, ``os._exit``)
 is detected by end-of-file and replaced. Either way the item scores 0 and is counted.
+
+Each worker leads its own session (process group), and it is the *group* that is killed: whatever
+a reward started (a subprocess that hangs, a background job it left running) ends with its worker,
+on a timeout, a crash, and when the pool closes (at the latest when the run's process exits). Only
+a process that leaves the group itself (``setsid``, a daemon's double fork) escapes (docs/tasks.md).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -68,6 +74,7 @@ class _Worker:
         # the child must import graft_rl exactly as this process does (installed, editable, or sys.path)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("OMP_NUM_THREADS", "1")
+        env["GRAFT_RL_POOL_PID"] = str(os.getpid())  # the worker ends its group once this process is gone
         self.proc = subprocess.Popen(
             [sys.executable, "-u", "-m", "graft_rl.rewards._worker", *preload],
             stdin=subprocess.PIPE,
@@ -75,6 +82,7 @@ class _Worker:
             stderr=subprocess.DEVNULL,
             env=env,
             close_fds=True,
+            start_new_session=True,  # its own process group: killed whole, with what the reward started
         )
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
@@ -96,7 +104,16 @@ class _Worker:
             return line + b"\n"
         return None
 
+    def end_group(self) -> None:
+        """SIGKILL the worker's whole process group: the worker and every process a reward started in it.
+        Only while the worker is unreaped (its pid, the group's id, cannot be anyone else's then)."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
     def kill(self) -> None:
+        """End the worker's process group (:meth:`end_group`), then reap the worker."""
+        self.end_group()
         if self.proc.poll() is None:
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):  # a process that survives SIGKILL
@@ -172,7 +189,8 @@ class VerifierPool:
         line = w.read_line()
         if line is None:
             return
-        if line == b"":  # the worker died
+        if line == b"":  # the worker died: end its group while its pid (the group's id) is still unreaped
+            w.end_group()
             if w in busy:
                 i, _ = busy.pop(w)
                 code = w.proc.poll()
