@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graft_rl.commands.report import read_metrics, read_validation
-from graft_rl.engine.rundir import best_steps
+from graft_rl.engine.provenance import CHANGES
+from graft_rl.engine.rundir import best_steps, read_log
 from graft_rl.engine.store import RecordStore
 
 __all__ = [
@@ -246,6 +247,7 @@ def compute(run_dir: str | Path, compare: list[str] | None = None, cases: int = 
         best,
     )
     a.summary = _summary(a, metrics)
+    a.summary["changes"] = read_log(run / CHANGES)[0]  # what a resume went on with (--allow-changed)
     return a
 
 
@@ -372,14 +374,21 @@ def plot(a: Analysis, out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, out / "clipping.png")
-    _plot_curves(a.curves, out / "curves.png")
+    _plot_curves(a.curves, out / "curves.png", a.summary.get("changes", []))
 
 
-def _plot_curves(curves: list[tuple[Path, list[dict], list[dict]]], path: Path) -> None:
-    """Training reward and validation score of every run (per prompt family too), overlaid."""
+def _plot_curves(curves: list[tuple[Path, list[dict], list[dict]]], path: Path, changes: list[dict] = ()) -> None:
+    """Training reward and validation score of every run (per prompt family too), overlaid; a dotted
+    vertical line where a resume went on with a changed reward or data file (``changes``)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for step in sorted({c["step"] for c in changes}):
+        kinds = " + ".join(sorted({c["kind"] for c in changes if c["step"] == step}))
+        for ax in axes:
+            ax.axvline(
+                step - 0.5, color="crimson", linestyle=":", linewidth=1.5, label=f"{kinds} changed (step {step})"
+            )
     for rdir, ms, vs in curves:
         for p in dict.fromkeys(m["policy"] for m in ms):
             mine = [m for m in ms if m["policy"] == p]
@@ -459,6 +468,9 @@ def report(a: Analysis) -> str:
             f"{s['zero_peer_clip_steps']} |"
         )
     lines += ["", "## Case studies (Appendix I)", ""] + _report_cases(a.cases)
+    if a.summary.get("changes"):
+        lines += ["", "## Changed during the run (resumed with --allow-changed)", ""]
+        lines += [f"- from step {c['step']}: {c['change']}" for c in a.summary["changes"]]
     return "\n".join(lines + ["", "## Compute (Table 5)", ""] + _report_compute(a)) + "\n"
 
 
@@ -581,4 +593,8 @@ def print_summary(summary: dict) -> None:
         "after balancing; admitted: grafted peer responses with weight > 0 (pooled); clip: clipped token fractions; "
         "best@: best validation step; s: training seconds."
     )
+    for c in summary.get("changes", []):
+        console.print(
+            f"[bold]changed from step {c['step']}[/bold]: {c['change']} (resumed with --allow-changed)", soft_wrap=True
+        )
     console.print(f"report and plots: {summary['out']}", soft_wrap=True)

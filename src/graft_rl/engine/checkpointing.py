@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from graft_rl.engine.config import ConfigError, load_config, to_dict
+from graft_rl.engine.provenance import CHANGE_KINDS, CHANGES, changes
 from graft_rl.engine.rundir import (
     HARMLESS_KEYS,
     RunDirError,
@@ -84,6 +85,7 @@ class Checkpointing:
                 "method_state": self.method.state_dict(),
                 "config": to_dict(self.cfg),
                 "threads": self._threads,  # as the run started (Trainer._init)
+                "provenance": self.provenance,  # the rewards' sources and data files (engine/provenance.py)
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state))
             # every file's sha256, the step and the run: resume trusts a checkpoint only if they still match
@@ -199,9 +201,43 @@ class Checkpointing:
                 f"a resumed run may change only {', '.join(HARMLESS_KEYS[1:])}"
             )
 
+    def _check_provenance(self, ckpt: Path) -> None:
+        """Compare what the checkpoint was trained on and with (:func:`~graft_rl.engine.provenance.fingerprint`)
+        with today's: a new version of a built-in verifier's package is reported; a changed reward source
+        or data file is refused in one line unless ``allow_changed`` names it, then kept for
+        :meth:`_record_changes` (``changes.jsonl``, which ``graft analyze`` marks)."""
+        saved = (_read_json(ckpt / "trainer_state.json") or {}).get("provenance")
+        self._changes: list[tuple[str, str]] = []
+        if saved is None:  # a checkpoint from before runs recorded it
+            return
+        found = changes(saved, self.provenance)
+        for kind, what in found:
+            if kind == "version":
+                print(f"graft train: {what} since checkpoint {ckpt.name} (reported; a resume goes on with it)")
+        refused = [(k, w) for k, w in found if k in CHANGE_KINDS and k not in self.allow_changed]
+        if refused:
+            kind, what = refused[0]
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            raise ConfigError(
+                f"{self.run_dir}: {what} since checkpoint {ckpt.name}{more}; its results would mix two {kind}s. "
+                f"Restore it, or resume with --allow-changed {kind} to go on with it (the change is recorded)"
+            )
+        self._changes = [(k, w) for k, w in found if k in CHANGE_KINDS]
+
+    def _record_changes(self, step: int) -> None:
+        """``changes.jsonl``: one line per change a resume went on with, at the first step it affects;
+        lines after the checkpoint (from an interrupted resume) are dropped first, as the logs are."""
+        path = self.run_dir / CHANGES
+        records = [r for r in read_log(path)[0] if r["step"] < step]
+        records += [{"step": step, "kind": k, "change": w} for k, w in getattr(self, "_changes", [])]
+        for _, what in getattr(self, "_changes", []):
+            print(f"graft train: {what}; going on with it from step {step} (--allow-changed, recorded in {CHANGES})")
+        if records or path.exists():
+            rewrite_log(path, records)
+
     def _restart_from_scratch(self) -> None:
         """A run with no checkpoint: drop its logs, records, validation and best, as a fresh run would."""
-        for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl"):
+        for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl", self.run_dir / CHANGES):
             log.unlink(missing_ok=True)
         self.store.truncate_after(0)
         remove_dir(self.run_dir / "best")
@@ -214,6 +250,7 @@ class Checkpointing:
         # the method's per-step state (e.g. HACPO's capability window; older checkpoints name it success_history)
         self.method.load_state_dict(state.get("method_state", {"success_history": state.get("success_history", {})}))
         self.start_step = step + 1
+        self._record_changes(self.start_step)
         # drop what the interrupted run wrote after the checkpoint: it is recomputed identically
         for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl"):
             records, torn = read_log(log)
