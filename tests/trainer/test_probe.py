@@ -65,3 +65,21 @@ def test_graft_probe_command(make_cfg, fake_rewards, tmp_path, capsys):
     assert main(["probe", str(path), "--limit", "8", "--out", str(tmp_path / "out"), "--no-progress", "n=4"]) == 0
     out = capsys.readouterr().out
     assert "GRAFT would graft ~" in out and f"written: {tmp_path / 'out' / 'probe.json'}" in out
+
+
+def test_probe_families_cover_every_step_s_prompts(make_cfg, fake_rewards, tmp_path):
+    """The trainer keeps only recent steps' rows; the probe keeps each prompt's family as drawn, so a
+    probe of many batches counts the first batch's prompts under their family, never '?'."""
+    import json
+
+    data = tmp_path / "fam.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "problem": f"{i}+{i}=?", "answer": str(2 * i), "subject": "ab"[i % 2]}) + "\n"
+            for i in range(8)
+        )
+    )
+    cfg = make_cfg(run="fams", prompt_batch=2, data={"train": str(data)})
+    res = probe(cfg, limit=8, out_dir=tmp_path / "p", show=False)  # 4 batches of 2
+    fams = {f for d in res["directions"].values() for f in d.get("by_family", {})}
+    assert fams == {"a", "b"}

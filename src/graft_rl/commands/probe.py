@@ -113,10 +113,13 @@ def probe(
     cand_rows: dict[tuple[str, str], list[dict]] = defaultdict(list)  # every candidate's peer rows
     per_step: list[dict] = []
     groups_all: dict[str, list] = defaultdict(list)
+    family: dict[str, str] = {}  # prompt id -> family, kept as drawn (the trainer keeps only recent steps' rows)
     try:
         bar = tqdm(range(1, pcfg.steps + 1), desc="graft probe", unit="batch", disable=not show)
         for step in bar:
             groups, lines = tr.rollouts(step)
+            if tr._family:
+                family.update({g.prompt_id: tr._family[g.prompt_id] for gs in groups.values() for g in gs})
             for name in tr.policies:
                 tr.store.write(step, groups[name])
             for name, gs in groups.items():
@@ -150,7 +153,7 @@ def probe(
     finally:
         tr.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    res = _summarise(cfg, pcfg, method, limit, names, groups_all, scored, cand_rows, per_step, comp, tr._family)
+    res = _summarise(cfg, pcfg, method, limit, names, groups_all, scored, cand_rows, per_step, comp, family)
     res["reward"], res["success_threshold"] = tr.reward.name, cfg.data.success_threshold
     write_text_atomic(out / "probe.json", json.dumps(res, indent=1))
     plot_probe(res, scored, cand_rows, out / "probe.png")

@@ -34,6 +34,7 @@ __all__ = [
     "BENCHMARKS",
     "load_jsonl",
     "load_dataset",
+    "load_table",
     "make_prompt",
     "prompt_messages",
     "prompt_chat",
@@ -259,8 +260,6 @@ def load_dataset(
     or a JSONL / parquet / CSV / JSON file or ``save_to_disk`` folder by path; ``limit``: its first N
     problems (>= 1; None for all); ``columns``: our field (``id``, ``problem``, ``answer``, ...) -> the
     data's column, for data whose columns are named otherwise."""
-    from graft_rl.data import sources
-
     if limit is not None and limit < 1:
         raise DatasetError(f"{name_or_path}: limit must be >= 1 (or null for every problem), got {limit}")
     if name_or_path in BUILTIN:
@@ -272,13 +271,12 @@ def load_dataset(
     if name_or_path.startswith("reasoning_gym:"):
         rows = _reasoning_gym(name_or_path)
         return rows[:limit] if limit is not None else rows
-    if name_or_path.startswith("hf:"):
-        return problems_from_rows(sources.read_hub(name_or_path), name_or_path, columns, limit)
     path = Path(name_or_path).expanduser()
     if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
-        return load_jsonl(path, limit, columns)
-    if sources.is_table(path):
-        return problems_from_rows(sources.read_table(path), str(path), columns, limit)
+        return load_jsonl(path, limit, columns)  # line by line: an error names its line
+    table = load_table(name_or_path, limit, columns)
+    if table is not None:
+        return list(table)
     if path.is_file():
         return load_jsonl(path, limit, columns)
     raise DatasetError(
@@ -286,6 +284,39 @@ def load_dataset(
         ".jsonl(.gz) / .parquet / .csv / .json file or a save_to_disk folder, hf:ORG/NAME[:CONFIG][:SPLIT], "
         "or reasoning_gym:NAME[:SIZE[:SEED]]"
     )
+
+
+#: A JSONL file at least this large is read by pyarrow's reader into a table (:func:`load_table`).
+JSONL_TABLE_BYTES = 8 << 20
+
+
+def load_table(name_or_path: str, limit: int | None = None, columns: Mapping[str, str] | None = None):
+    """A dataset as a :class:`~graft_rl.data.table.ProblemTable` (Arrow columns, no Python object per
+    row) where it is a table: a parquet / CSV / JSON / Arrow file, a ``save_to_disk`` folder,
+    ``hf:...``, or a JSONL file of :data:`JSONL_TABLE_BYTES` or more whose every row has every key
+    (:func:`~graft_rl.data.sources.read_jsonl_table`); else None (:func:`load_dataset` reads it line by
+    line). The training data of a run is read this way (docs/tasks.md)."""
+    from graft_rl.data import sources
+    from graft_rl.data.table import from_arrow
+
+    if limit is not None and limit < 1:
+        raise DatasetError(f"{name_or_path}: limit must be >= 1 (or null for every problem), got {limit}")
+    if name_or_path in BUILTIN or name_or_path in TESTBED_DATA or name_or_path.startswith("reasoning_gym:"):
+        return None
+    if name_or_path.startswith("hf:"):
+        return from_arrow(sources.read_hub(name_or_path), name_or_path, columns, limit)
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".jsonl" and path.is_file() and path.stat().st_size >= JSONL_TABLE_BYTES:
+        table = sources.read_jsonl_table(path)  # None unless pyarrow reads exactly what the line reader would
+        try:
+            return None if table is None else from_arrow(table, str(path), columns, limit)
+        except DatasetError:
+            return None  # the line reader names the line at fault
+    if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
+        return None
+    if sources.is_table(path):
+        return from_arrow(sources.read_table(path), str(path), columns, limit)
+    return None
 
 
 def _reasoning_gym(spec: str) -> list[Problem]:
@@ -343,23 +374,42 @@ def check_answers(problems: list[Problem], verifier: str, name: str) -> None:
     number, by the rule responses are held to (:func:`~graft_rl.rewards.extract.parse_whole_number`:
     ``1/2``, ``12-5``, ``3 or 4`` or ``2^{10}`` are not one number, and a response's boxed ``1``
     must not match them). ``gym`` answers are scored by reasoning-gym itself."""
+    from graft_rl.data.table import ProblemTable
+
+    if isinstance(problems, ProblemTable):  # each distinct answer once, then the first row holding a bad one
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        answers = problems.column("answer")
+        bad = [a for a in answers.unique().to_pylist() if _unmatchable(a, verifier)]
+        if bad:
+            mask = pc.is_in(answers, value_set=pa.array(bad, pa.string())).to_numpy(zero_copy_only=False)
+            problems = [problems[int(mask.nonzero()[0][0])]]
+        else:
+            return
+    for p in problems:
+        if _unmatchable(p.answer, verifier) and verifier == "gsm8k":
+            raise DatasetError(
+                f"{name}: problem {p.id!r} has answer {p.answer!r}, which is not one number; the gsm8k "
+                f"verifier compares a response's one number with it, so it could never score"
+            )
+        if _unmatchable(p.answer, verifier):
+            raise DatasetError(
+                f"{name}: problem {p.id!r} has answer {p.answer!r}; the math verifier could never match it"
+            )
+
+
+def _unmatchable(answer: str, verifier: str) -> bool:
+    """Whether a reference answer is one the verifier could never match (see :func:`check_answers`)."""
     import math
 
     from graft_rl.rewards.extract import parse_whole_number
 
-    for p in problems:
-        text = p.answer.strip()
-        if verifier == "gsm8k":
-            value = parse_whole_number(text)
-            if value is None or not math.isfinite(value):
-                raise DatasetError(
-                    f"{name}: problem {p.id!r} has answer {p.answer!r}, which is not one number; the gsm8k "
-                    f"verifier compares a response's one number with it, so it could never score"
-                )
-        elif verifier == "math" and (not text or text.lower() in ("nan", "none", "null")):
-            raise DatasetError(
-                f"{name}: problem {p.id!r} has answer {p.answer!r}; the math verifier could never match it"
-            )
+    text = answer.strip()
+    if verifier == "gsm8k":
+        value = parse_whole_number(text)
+        return value is None or not math.isfinite(value)
+    return verifier == "math" and (not text or text.lower() in ("nan", "none", "null"))
 
 
 def make_prompt(problem: str, suffix: str | None = PROMPT_SUFFIX) -> str:

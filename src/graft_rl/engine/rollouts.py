@@ -37,7 +37,7 @@ class Rollouts:
         g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 1, epoch))
         perm = torch.randperm(len(self.data), generator=g)
         idx = perm[pos * self.cfg.prompt_batch : (pos + 1) * self.cfg.prompt_batch].tolist()
-        return [(self.data[i].id, self.data[i].problem) for i in idx]
+        return self._rows.draw(idx, step)  # the rows a reward gets for them are kept for the step
 
     # ------------------------------------------------------------------ rewards
     def _run_reward(self, cfg, given) -> Reward:
@@ -101,8 +101,8 @@ class Rollouts:
         keep = [g for g in groups if rfilter.keep(g)]
         extra_rollouts = 0
         g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 3, step, self.names.index(name)))
-        used = {pid for pid, _ in prompts}
-        pool = [p for p in torch.randperm(len(self.data), generator=g).tolist() if self.data[p].id not in used]
+        used = {self._rows.index(pid) for pid, _ in prompts}  # table indices: no per-row lookups over the table
+        pool = [p for p in torch.randperm(len(self.data), generator=g).tolist() if p not in used]
         cap = rfilter.max_batches
         batches = 1
         while len(keep) < self.cfg.prompt_batch:
@@ -114,8 +114,8 @@ class Rollouts:
                 )
             if not pool:  # every prompt drawn once in this step: another pass over those not kept (a prompt
                 # is in a step's batch once), as DAPO's next epoch would
-                kept = {gr.prompt_id for gr in keep}
-                pool = [p for p in torch.randperm(len(self.data), generator=g).tolist() if self.data[p].id not in kept]
+                kept = {self._rows.index(gr.prompt_id) for gr in keep}
+                pool = [p for p in torch.randperm(len(self.data), generator=g).tolist() if p not in kept]
                 if not pool:
                     raise DynamicSamplingError(
                         f"step {step}: policy {name!r} has {len(keep)} of {self.cfg.prompt_batch} prompts with mixed rewards, "
@@ -124,7 +124,7 @@ class Rollouts:
             batches += 1
             size = rfilter.refill_factor * self.cfg.prompt_batch  # DAPO's gen_prompt_bsz
             take, pool = pool[:size], pool[size:]
-            more_prompts = [(self.data[i].id, self.data[i].problem) for i in take]
+            more_prompts = self._rows.draw(take, step)
             seed = derive_seed(self.cfg.seed, 4, step, self.names.index(name), batches - 1)
             more, gen_s = self._call(name, "generate_timed", more_prompts, self.samplings[name], seed)
             times["time_generate"] += gen_s

@@ -24,21 +24,22 @@ import math
 import signal
 import statistics
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import yaml
 from tqdm.auto import tqdm
 
-from graft_rl.data import Problem, load_dataset
+from graft_rl.data import Problem
 from graft_rl.engine.checkpointing import CheckpointError, Checkpointing, cpu_threads
 from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
-from graft_rl.engine.evaluation import families
 from graft_rl.engine.handles import Pending, WorkerHandle, completion_order, start_workers
 from graft_rl.engine.plan import check_resources
+from graft_rl.engine.prompts import PromptRows, check_prompts, prompt_families, training_data
+from graft_rl.engine.provenance import check_allowed, fingerprint
 from graft_rl.engine.rollouts import DynamicSamplingError, Rollouts
-from graft_rl.engine.rundir import RunLock, clean_stale, finite_json, write_text_atomic
+from graft_rl.engine.rundir import RunLock, append_lines, clean_stale, finite_json, write_text_atomic
 from graft_rl.engine.store import RecordStore
 from graft_rl.engine.trackers import Trackers, completion_rows
 from graft_rl.engine.validation import Validation
@@ -63,6 +64,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         reward: str | Callable | Reward | None = None,
         scorer: Callable[[list[RolloutGroup]], dict] | None = None,
         workers: Callable[[TrainConfig, list[PolicyConfig]], dict[str, WorkerHandle]] = start_workers,
+        allow_changed: Sequence[str] = (),
     ):
         """``reward``: the run's reward in place of ``data.reward`` -- a name, ``module:function``, or a
         Python function ``(responses, problems) -> list[float]`` (docs/tasks.md); it scores training,
@@ -70,25 +72,30 @@ class Trainer(Rollouts, Checkpointing, Validation):
         ``scorer``: scores a step's groups in place (sets each group's ``rewards``) and returns its
         counts (``verify_timeouts``, ...), bypassing the reward (tests, preflight); default :meth:`score_groups`.
         ``workers``: builds each policy's :class:`~graft_rl.engine.handles.WorkerHandle` from the config and
-        the policies' configs; default: in-process or Ray actors, as ``execution`` says."""
+        the policies' configs; default: in-process or Ray actors, as ``execution`` says.
+        ``allow_changed``: on resume, go on although the reward's source (``"reward"``) or a data file
+        (``"data"``) changed since the checkpoint (:mod:`~graft_rl.engine.provenance`); recorded."""
         check_resources(cfg)  # one line, before any model or data is touched, if e.g. no GPU is there
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.show_progress = show_progress
         self.scorer, self._reward_arg = scorer, reward  # no bound method stored: no cycle keeps Ray actors alive
         self._start_workers = workers
+        self.allow_changed = check_allowed(allow_changed)
         self.workers: dict[str, WorkerHandle] = {}
         self.lock = RunLock(self.run_dir)
         if not resume:
             _check_fresh_run_dir(self.run_dir)
         created = not self.run_dir.exists()
         self.lock.acquire()  # before anything is written: a second run on this directory stops here
+        for name in START_LEFTOVERS[1:]:  # a start killed mid-write (the lock is ours now: nobody writes them)
+            (self.run_dir / name).unlink(missing_ok=True)
         try:
             self._init(cfg, resume)
         except BaseException:
             self.close()
             if not resume:  # bad input leaves nothing behind in a fresh run directory
-                for f in (self.run_dir / "config.yaml", self.run_dir / ".lock"):
+                for f in (self.run_dir / "config.yaml", *(self.run_dir / n for n in START_LEFTOVERS)):
                     f.unlink(missing_ok=True)
                 if created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
                     self.run_dir.rmdir()
@@ -99,14 +106,13 @@ class Trainer(Rollouts, Checkpointing, Validation):
             torch.set_num_threads(cfg.torch_threads)
         self._threads = cpu_threads(cfg)  # before any engine changes this process's count (vLLM sets 1)
         self.store = RecordStore(self.run_dir)
-        self.data: list[Problem] = load_dataset(cfg.data.train, cfg.data.limit, cfg.data.columns)
-        if len(self.data) < cfg.prompt_batch:
-            raise ConfigError(
-                f"data.train {cfg.data.train!r} has {len(self.data)} problems, fewer than prompt_batch={cfg.prompt_batch}"
-            )
-        self._rows = {p.id: p.row() for p in self.data}  # what the reward gets for a prompt: every column
-        self._family = families(self.data)  # prompt id -> family, when the data names a few (testbed kinds)
+        self.data: Sequence[Problem] = training_data(cfg)  # a table file stays Arrow columns
+        self._rows = PromptRows(self.data)  # what the reward gets for a prompt, for the prompts drawn lately
         self.reward = self._run_reward(cfg, self._reward_arg)
+        self._load_validation(cfg)  # each set and its reward (checked now: one line before any model loads)
+        # prompt id -> family, when the data names a few; validation sets scored per family too
+        self._family, self._val_family = prompt_families(self._rows, self.data, self.val_sets)
+        self.provenance = fingerprint(cfg, {"train": self.reward, **self.val_rewards})
         self.steps_per_epoch = len(self.data) // cfg.prompt_batch
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
         self.method = build_method(cfg.method)  # the driver's side of it: exchange, per-step state, filter
@@ -123,6 +129,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
             ckpt = self._latest_checkpoint(announce=True)
             if ckpt is not None:
                 self._check_config(ckpt)
+                self._check_provenance(ckpt)  # before anything is rewritten: a refusal changes nothing
             else:  # killed before its first checkpoint: start again from step 1 with the saved config
                 print(f"graft train: {self.run_dir} has no checkpoint yet; starting the run from step 1")
                 self._restart_from_scratch()
@@ -147,26 +154,18 @@ class Trainer(Rollouts, Checkpointing, Validation):
         if ckpt is not None:
             self._restore(ckpt)
         self.trackers = Trackers(cfg.trackers, self.run_dir, to_dict(cfg), cfg.tracking)
-        self._load_validation(cfg)
         # every prompt fits every policy's context (and max_prompt_tokens): one line now, not a crash mid-run
         # and a response never runs past it: a policy whose context cannot hold the longest prompt plus
-        # max_new_tokens samples at most what it leaves, and says so (a learned-position model would crash)
-        every = self.data + [p for ps in self.val_sets.values() for p in ps]
-        for handle in [self._submit(name, "prompt_budget", every, 1) for name in self.policies]:
-            self._result(handle)
-        # the training responses' budget from the training prompts (validation clamps its own per call)
-        budgets = {name: self._submit(name, "prompt_budget", self.data, cfg.max_new_tokens) for name in self.policies}
+        # max_new_tokens samples at most what it leaves, and says so (a learned-position model would crash).
+        # Only prompts whose size could reach a limit are tokenised (engine/prompts.py); validation clamps per call
+        budgets = check_prompts(
+            self._submit, self._result, list(self.policies), self.data, list(self.val_sets.values()), cfg.max_new_tokens
+        )
         self.samplings = {}
-        for name, handle in budgets.items():
-            budget, note = self._result(handle)
+        for name, (budget, note) in budgets.items():
             if note:
                 print(f"graft train: {note}")
             self.samplings[name] = dataclasses.replace(self.sampling, max_new_tokens=budget)
-        self._val_family = {name: bool(families(ps)) for name, ps in self.val_sets.items()}  # scored per family too
-        if not self._family:  # a pool of one family that validation scores among others (the lookup pair)
-            val_fams = {p.subject for name, ps in self.val_sets.items() if self._val_family[name] for p in ps}
-            if len({p.subject for p in self.data}) == 1 and self.data[0].subject in val_fams:
-                self._family = {p.id: p.subject for p in self.data}
         self.best: dict[str, dict] = self._best_from_log()
         if ckpt is not None:
             self._reconcile_best()  # best/ as the truncated validation log names it
@@ -330,14 +329,21 @@ class Trainer(Rollouts, Checkpointing, Validation):
         self.workers = {}
 
     def _write_metrics(self, lines: list[dict]) -> None:
-        with (self.run_dir / "metrics.jsonl").open("a") as f:
-            for line in lines:
-                f.write(json.dumps(finite_json(line), default=_json_default) + "\n")
+        append_lines(
+            self.run_dir / "metrics.jsonl", [json.dumps(finite_json(ln), default=_json_default) for ln in lines]
+        )
         self.trackers.log(lines)
 
     @classmethod
-    def resume(cls, run_dir: str | Path, show_progress: bool = True, overrides: list[str] | None = None) -> Trainer:
-        """Continue a run; ``overrides`` may change only :data:`~graft_rl.engine.rundir.HARMLESS_KEYS` (e.g. ``steps=200``)."""
+    def resume(
+        cls,
+        run_dir: str | Path,
+        show_progress: bool = True,
+        overrides: list[str] | None = None,
+        allow_changed: Sequence[str] = (),
+    ) -> Trainer:
+        """Continue a run; ``overrides`` may change only :data:`~graft_rl.engine.rundir.HARMLESS_KEYS` (e.g.
+        ``steps=200``); ``allow_changed``: ``"reward"``, ``"data"`` (see :class:`Trainer`)."""
         cfg_path = _saved_config(Path(run_dir))
         try:
             load_config(cfg_path, [f"run_dir={run_dir}"], saved=True)
@@ -345,14 +351,14 @@ class Trainer(Rollouts, Checkpointing, Validation):
         except ConfigError as exc:  # torn or edited config.yaml: every checkpoint holds the config it ran with
             source = _config_from_checkpoints(Path(run_dir), cfg_path, exc)
         cfg = load_config(source, [*(overrides or []), f"run_dir={run_dir}"], saved=True)
-        return cls(cfg, resume=True, show_progress=show_progress)
+        return cls(cfg, resume=True, show_progress=show_progress, allow_changed=allow_changed)
 
 
 def _saved_config(run_dir: Path) -> Path:
     """``RUN_DIR/config.yaml``, or one line: a run stopped before writing it has nothing to resume."""
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
-        left = run_dir.is_dir() and not any(p.name not in (".lock", "config.yaml.tmp") for p in run_dir.iterdir())
+        left = run_dir.is_dir() and not any(p.name not in START_LEFTOVERS for p in run_dir.iterdir())
         raise ConfigError(
             f"{run_dir}: stopped before its config was written (nothing to resume); start it again with "
             f"graft train CONFIG run_dir={run_dir}"
@@ -412,13 +418,18 @@ class _GracefulStop:
         self.previous = {}
 
 
+#: What a start killed at its very first writes leaves (the lock's pid file, mid-write or whole, and a
+#: config mid-write): such a directory is started again by the same command, and these are removed.
+START_LEFTOVERS = (".lock", ".lock.tmp", "config.yaml.tmp")
+
+
 def _check_fresh_run_dir(run_dir: Path) -> None:
     """A fresh run needs an absent or empty run directory (or one left by an immediately failed start)."""
     if not run_dir.exists():
         return
     if not run_dir.is_dir():
         raise ConfigError(f"run_dir {run_dir} exists and is not a directory")
-    held = sorted(p.name for p in run_dir.iterdir() if p.name != ".lock" and p.name != "config.yaml.tmp")
+    held = sorted(p.name for p in run_dir.iterdir() if p.name not in START_LEFTOVERS)
     if held:
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise ConfigError(f"run_dir {run_dir} already holds a run ({shown}); use --resume {run_dir} or another run_dir")

@@ -130,6 +130,11 @@ class PolicyWorker:
     def prompt_budget(self, problems, max_new_tokens: int) -> tuple[int, str | None]:
         return prompt_budget(self.policy, problems, max_new_tokens)
 
+    def prompt_bound(self) -> dict:
+        from graft_rl.policy.policy import prompt_bound
+
+        return prompt_bound(self.policy)
+
     def state_digest(self) -> list[float]:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
         return self.policy.param_digest()

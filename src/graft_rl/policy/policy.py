@@ -22,7 +22,7 @@ from graft_rl.policy import zoo
 from graft_rl.policy.rollout import make_backend
 from graft_rl.policy.scoring import PASS_OVERHEAD, PolicyScoring, length_micro_batches, token_logprobs_from_logits
 from graft_rl.policy.training import POLICY_SETTINGS, PolicyTraining
-from graft_rl.policy.types import RolloutGroup, SamplingParams, TokenBatch
+from graft_rl.policy.types import PolicyError, RolloutGroup, SamplingParams, TokenBatch
 from graft_rl.policy.vllm_backend import shield_from_vllm_patches
 
 __all__ = [
@@ -57,10 +57,6 @@ def saved_policy_config(model_dir: str | Path, **overrides) -> PolicyConfig | No
     kw.update(model=str(model_dir), world_size=1)
     kw.update(overrides)
     return PolicyConfig(**kw)
-
-
-class PolicyError(ValueError):
-    """A policy that cannot be built as configured; the message names the field or path."""
 
 
 class PromptTooLongError(PolicyError):
@@ -227,6 +223,61 @@ def _quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+#: Normalisers after which a text's UTF-8 bytes grow at most threefold (NFC's bound; a replacement
+#: by no more characters than it replaces; a prefix); others (NFKC, NFKD, NFD, BERT's) may grow more.
+_BOUNDED_NORMALIZERS = {"NFC", "Lowercase", "Strip", "Prepend", "Replace"}
+
+
+def token_factor(tokenizer) -> int | None:
+    """``k`` such that a text of ``b`` UTF-8 bytes has at most ``k * b`` tokens (plus what a
+    post-processor adds): every token of a byte-level, BPE, WordPiece, Unigram or WordLevel model
+    covers at least one character or one byte of the normalised text, so ``k`` is 1 without a
+    normaliser and 3 after one of :data:`_BOUNDED_NORMALIZERS`; None where no bound is known (a slow
+    tokenizer, another normaliser)."""
+    import json as _json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = _json.loads(backend.to_str()).get("normalizer")
+    kinds = []
+    stack = [spec]
+    while stack:
+        n = stack.pop()
+        if not n:
+            continue
+        if n.get("type") == "Sequence":
+            stack.extend(n.get("normalizers", []))
+            continue
+        if n.get("type") == "Replace":
+            pattern = (n.get("pattern") or {}).get("String")
+            if pattern is None or len(n.get("content", "")) > len(pattern):
+                return None
+        kinds.append(n.get("type"))
+    if not kinds:
+        return 1
+    return 3 if set(kinds) <= _BOUNDED_NORMALIZERS else None
+
+
+def prompt_bound(policy) -> dict:
+    """What bounds a policy's prompt lengths from text sizes alone: a prompt of ``b`` UTF-8 bytes has
+    at most ``factor * (overhead + b) + slack`` tokens (:func:`token_factor`; ``overhead``: the
+    template's and suffix's bytes, measured), so only prompts whose bound reaches a limit need
+    tokenising (:mod:`graft_rl.engine.prompts`). ``factor`` None: no such bound (a slow tokenizer, an
+    expanding normaliser, a template that rewrites or escapes the problem); every prompt is tokenised."""
+    sizes = []
+    for text in ("graft sentinel 1", 'graft "sentinel" <2> & \\ é\n\t x'):  # escaping templates differ
+        sizes.append(len(policy.format_prompt(text).encode()) - len(text.encode()))
+    verbatim = sizes[0] == sizes[1]
+    return {
+        "overhead": max(sizes) + 1,  # + 1: a template that trims the problem keeps fewer bytes, never more
+        "factor": token_factor(policy.tokenizer) if verbatim else None,
+        "slack": 8,  # special tokens a post-processor adds, a prefix space
+        "context": policy.context_length(),
+        "max_prompt_tokens": policy.config.max_prompt_tokens,
+    }
 
 
 class Policy(PolicyScoring, PolicyTraining):
