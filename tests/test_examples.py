@@ -40,6 +40,15 @@ def test_the_example_config_data_and_reward(in_repo):
     assert scores == [1.0, 1.0, 0.5, 0.0] and reward.successes(scores) == [True, True, False, False]
 
 
+def _have(module: str) -> bool:
+    """Whether an optional package imports (the track extra's trackers are optional)."""
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
 def test_one_graft_step_on_the_example(in_repo, tiny_pair, tmp_path, capsys):
     cfg = load_config(
         EXAMPLE / "graft.yaml",
@@ -47,7 +56,7 @@ def test_one_graft_step_on_the_example(in_repo, tiny_pair, tmp_path, capsys):
             f"run_dir={tmp_path / 'run'}",
             "steps=1",
             "n=2",
-            "report_to=[mlflow]",
+            *(["report_to=[mlflow]"] if _have("mlflow") else []),  # the tracker: only with the track extra
             "validation.limit=4",
             "validation.samples=1",
             f"policies.0.model={tiny_pair[0]}",
@@ -61,5 +70,6 @@ def test_one_graft_step_on_the_example(in_repo, tiny_pair, tmp_path, capsys):
     finally:
         tr.close()
     assert len(lines) == 2 and all(ln["groups/first"] + ln["groups/upper"] == 8 for ln in lines)
-    assert (tmp_path / "run" / "mlruns").is_dir()
-    assert "failed" not in capsys.readouterr().out  # the tracker took every metric, per-family ones too
+    if _have("mlflow"):
+        assert (tmp_path / "run" / "mlruns").is_dir()
+        assert "failed" not in capsys.readouterr().out  # the tracker took every metric, per-family ones too

@@ -243,7 +243,7 @@ def test_the_backend_refuses_cuda_1_itself(fake_vllm):
 
 
 def test_a_rank_actor_pins_its_ray_gpu_as_the_only_visible_device(monkeypatch):
-    import ray
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
     from graft_rl.engine.distributed import ActorError, pin_actor_gpu
 

@@ -513,7 +513,7 @@ def test_disk_full_while_logging_is_one_line(cfg_for, fake_rewards, monkeypatch,
     path.write_text(yaml.safe_dump(to_dict(cfg_for("enospc", validation={"data": []}))))
     assert main(["train", str(path), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].endswith("metrics.jsonl: No space left on device")
+    assert len(err) == 1 and "metrics.jsonl: No space left on device; free space or write elsewhere" in err[0]
 
 
 def test_best_matches_the_logs_after_a_resume_that_drops_later_validations(cfg_for, fake_eval, monkeypatch, capsys):
@@ -704,6 +704,7 @@ def test_every_change_a_resume_allows_gives_the_uninterrupted_run(change, cfg_fo
 
 
 def test_a_resume_with_another_thread_count_is_refused_naming_the_override(cfg_for, fake_rewards):
+    pytest.importorskip("ray", reason="the override moves the run to execution: ray (the ray extra)")
     """Issue 33: `--resume execution=ray ray.num_cpus=0.5` on a local run of 2 threads gave 1 thread per
     actor: sums rounded differently and steps 4+ diverged. The thread count is checked, with the override."""
     tr = Trainer(cfg_for("threads", validation={"data": []}, torch_threads=2), show_progress=False)

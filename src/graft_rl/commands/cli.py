@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
 import sys
 import threading
@@ -24,6 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="RUN_DIR",
         help="continue a run from its last complete checkpoint (overrides may raise steps/epochs)",
+    )
+    t.add_argument(
+        "--allow-changed",
+        metavar="WHAT",
+        action="append",
+        default=[],
+        help="with --resume: go on although the reward's source (reward) or a data file (data) changed since the "
+        "checkpoint; the change is recorded (changes.jsonl) and graft analyze marks its step",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_eval(sub)
@@ -174,8 +183,12 @@ def _train(ns) -> int:
         if ns.resume:
             if config is not None:  # `graft train --resume RUN_DIR steps=200`: the first override landed in `config`
                 overrides.insert(0, config)
-            trainer = Trainer.resume(ns.resume, show_progress=not ns.no_progress, overrides=overrides)
+            trainer = Trainer.resume(
+                ns.resume, show_progress=not ns.no_progress, overrides=overrides, allow_changed=ns.allow_changed
+            )
         else:
+            if ns.allow_changed:
+                raise ConfigError("--allow-changed goes with --resume RUN_DIR (a new run has nothing to compare)")
             if config is None:
                 from graft_rl.commands.defaults import default_config
 
@@ -196,16 +209,17 @@ def _train(ns) -> int:
     ) as exc:
         print(f"graft train: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # read-only run directory, disk full, ...
-        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
-        print(
-            f"graft train: cannot write{where}: {exc.strerror}" if exc.strerror else f"graft train: {exc}",
-            file=sys.stderr,
-        )
+    except OSError as exc:  # read-only run directory, disk full, ...: the file, else the run directory
+        if not exc.filename and exc.errno in _WRITE_ERRNOS and (trainer is not None or ns.resume):
+            exc.filename = str(trainer.run_dir if trainer is not None else ns.resume)
+        print(f"graft train: {_write_failed(exc)}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:
+    except (RuntimeError, MemoryError) as exc:
         from graft_rl.engine.distributed import ActorError, ResourceError
 
+        if _out_of_memory(exc) is not None and not isinstance(exc, ActorError):
+            print(f"graft train: {_out_of_memory(exc)}", file=sys.stderr)
+            return 2
         if not isinstance(exc, ActorError):
             raise
         print(f"graft train: {exc}", file=sys.stderr)
@@ -262,9 +276,12 @@ def _eval(ns) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C: what finished is on disk (EvalInterrupted says where)
         print(f"\ngraft eval: {exc or 'interrupted'}", file=sys.stderr)
         return 130
-    except RuntimeError as exc:
+    except (RuntimeError, MemoryError) as exc:
         from graft_rl.engine.distributed import ActorError
 
+        if _out_of_memory(exc) is not None and not isinstance(exc, ActorError):
+            print(f"graft eval: {_out_of_memory(exc)}", file=sys.stderr)
+            return 2
         if not isinstance(exc, ActorError):
             raise
         print(f"graft eval: {exc}", file=sys.stderr)
@@ -297,6 +314,11 @@ def _probe(ns) -> int:
     except KeyboardInterrupt:
         print("\ngraft probe: interrupted (nothing written)", file=sys.stderr)
         return 130
+    except (RuntimeError, MemoryError) as exc:
+        if _out_of_memory(exc) is None:
+            raise
+        print(f"graft probe: {_out_of_memory(exc)}", file=sys.stderr)
+        return 2
     print(format_probe(res))
     print(f"written: {', '.join(res['written'])}")
     return 0
@@ -363,17 +385,47 @@ def main(argv: list[str] | None = None) -> int:
         return commands[ns.command](ns)  # graft train handles SIGTERM itself (the step finishes, then a checkpoint)
     # SIGTERM as Ctrl-C: each command's interrupt handling runs (one line, temporary directories removed)
     previous = signal.signal(signal.SIGTERM, _terminated)
+    _Signal.received = None
     try:
-        return commands[ns.command](ns)
+        return _exit_code(commands[ns.command](ns))
     except KeyboardInterrupt:  # one that arrived outside a command's own handling (e.g. while printing)
         print(f"\ngraft {ns.command}: interrupted", file=sys.stderr)
-        return 130
+        return _exit_code(130)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
+class _Signal:
+    """The signal that interrupted a command (SIGTERM raises KeyboardInterrupt, as Ctrl-C does)."""
+
+    received: int | None = None
+
+
 def _terminated(signum, frame):
+    _Signal.received = signum
     raise KeyboardInterrupt("terminated (SIGTERM)")
+
+
+def _exit_code(rc: int) -> int:
+    """A command's exit code; an interrupted one exits 128 + the signal (143 for SIGTERM, 130 for
+    SIGINT), which batch schedulers (Slurm requeue, Kubernetes) read."""
+    if rc == 130 and _Signal.received is not None:
+        return 128 + _Signal.received
+    return rc
+
+
+_OOM = ("can't allocate memory", "Cannot allocate memory", "out of memory", "CUDA out of memory")
+
+
+def _out_of_memory(exc: BaseException) -> str | None:
+    """One line for a process out of memory (``MemoryError``, or torch's allocator failing), else None."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if not isinstance(exc, MemoryError) and not any(k in str(exc) for k in _OOM):
+        return None
+    return (
+        f"out of memory ({text[:160]}); lower prompt_batch, n, max_new_tokens or policies.N.micro_batch_tokens, "
+        "or run where more memory is free (written results and checkpoints are intact)"
+    )
 
 
 def _seeds(ns) -> int:
@@ -399,12 +451,14 @@ def _seeds(ns) -> int:
     return 0
 
 
+#: OS errors of a write that failed (a full disk, a read-only directory, a quota, a file too large).
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG)
+
+
 def _write_failed(exc: OSError) -> str:
     """One line for an OSError: for a write that failed (a full disk, a read-only directory), where and why."""
-    import errno
-
     where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
-    if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG):
+    if exc.errno not in _WRITE_ERRNOS:
         return f"{where}{exc.strerror or exc}"
     return f"cannot write {where}{exc.strerror or exc}; free space or write elsewhere (earlier results are intact)"
 

@@ -139,7 +139,8 @@ def _benchmarks(items: list, target: str, reward=None) -> dict[str, dict]:
     """Each benchmark as ``label -> {data, reward, columns}``. Items: built-in names, paths,
     ``hf:``/``reasoning_gym:`` specs, or a run's validation sets (mappings). A set's reward: its own,
     else ``reward`` (given to ``run_eval``/``--reward``), else its dataset's verifier, else the run's
-    ``data.reward`` (``target`` a run directory), else math."""
+    ``data.reward`` (``target`` a run directory), else math. A file without columns of its own is read
+    with the run's ``data.columns`` (a held-out file with the training file's column names)."""
     from graft_rl.engine.config import ValidationConfig, load_config
 
     cfg_file = Path(target).expanduser() / "config.yaml"
@@ -162,14 +163,28 @@ def _benchmarks(items: list, target: str, reward=None) -> dict[str, dict]:
                 f"{target}: its reward {spec} was a Python function; evaluate from Python with run_eval(..., reward=FUNCTION)"
             )
         threshold = run.success_threshold if run is not None else 1.0
-        out[vs["name"]] = {"data": name, "reward": resolve_reward(spec or "math", threshold), "columns": vs["columns"]}
+        # a file of the user's own named on the command line, without our column names: the run's
+        fallback = run.columns if run is not None and name not in named and not vs["columns"] else None
+        out[vs["name"]] = {
+            "data": name,
+            "reward": resolve_reward(spec or "math", threshold),
+            "columns": vs["columns"],
+            "run_columns": fallback or None,
+        }
     return out
 
 
 def _load_benchmarks(items, target, reward, limit) -> tuple[dict, dict]:
     """The benchmarks (:func:`_benchmarks`) and their problems, each checked against its reward."""
     bench = _benchmarks(items, target, reward)
-    data = {label: load_dataset(b["data"], limit, b["columns"]) for label, b in bench.items()}
+    data = {}
+    for label, b in bench.items():
+        try:
+            data[label] = load_dataset(b["data"], limit, b["columns"])
+        except DatasetError as exc:
+            if not b["run_columns"] or "row has no" not in str(exc):
+                raise
+            data[label] = load_dataset(b["data"], limit, b["run_columns"])  # the training file's column names
     for label, b in bench.items():
         if b["reward"].builtin:
             check_answers(data[label], b["reward"].target, b["data"])
@@ -210,6 +225,24 @@ def eval_defaults(target: str) -> tuple[dict, str]:
     if v.data:
         out.update(benchmarks=list(v.data), temperature=v.temperature, top_p=v.top_p, max_new_tokens=v.max_new_tokens)
     return out, f"the run's validation settings ({cfg_file})"
+
+
+def _print_header(target: str, labels: list[str], settings: str, source: str, targets: list[PolicyConfig]) -> None:
+    """What is evaluated: the benchmarks' labels (a run's validation sets may be mappings), the settings
+    and where they came from, and for a run directory the checkpoint each policy is evaluated with."""
+    print(f"graft eval: {', '.join(labels)}; {settings} (defaults: {source})")
+    if (Path(target).expanduser() / "config.yaml").is_file():
+        for pc in targets:
+            print(f"graft eval: {pc.name}: {_which_checkpoint(Path(pc.model))}")
+
+
+def _which_checkpoint(model: Path) -> str:
+    """Which of a run's checkpoints a policy is evaluated with, and why, for the header."""
+    step = _checkpoint_step(str(model))
+    at = f" (step {step})" if step is not None else ""
+    if model.parent.name == "best":
+        return f"{model}{at}, the best validation checkpoint"
+    return f"{model}{at}, the latest checkpoint: the run has no best/ (it did not validate)"
 
 
 def _checkpoint_step(model: str) -> int | None:
@@ -322,15 +355,11 @@ def run_eval(
     temperature = defaults["temperature"] if temperature is None else temperature
     top_p = defaults["top_p"] if top_p is None else top_p
     max_new_tokens = max_new_tokens or defaults["max_new_tokens"]
-    if show:
-        print(
-            f"graft eval: {', '.join(benchmarks)}; {samples} samples x {runs} runs, T={temperature}, top-p={top_p}, "
-            f"max_new_tokens={max_new_tokens}"
-            + (f", first {limit} problems" if limit else "")
-            + f" (defaults: {source})"
-        )
     bench, data = _load_benchmarks(benchmarks, target, reward, limit)
     targets = resolve_targets(target, policy, **(policy_overrides or {}))
+    if show:
+        header = f"{samples} samples x {runs} runs, T={temperature}, top-p={top_p}, max_new_tokens={max_new_tokens}"
+        _print_header(target, list(bench), header + (f", first {limit} problems" if limit else ""), source, targets)
     out = (
         Path(out_dir)
         if out_dir

@@ -474,6 +474,20 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
+def _yaml_where(exc) -> str:
+    """``LINE:COLUMN:`` (1-based) of a YAML error, where PyYAML marks it."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    return f"{mark.line + 1}:{mark.column + 1}:" if mark is not None else ""
+
+
+def _yaml_problem(exc) -> str:
+    """What is wrong, in PyYAML's words, and for a tab the usual cause."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if "\\t" in problem or "\t" in problem:  # escaped as PyYAML prints it, or a real tab
+        problem += "; YAML indents with spaces, not tabs"
+    return problem
+
+
 def _read_yaml(p: Path, depth: int = 0) -> dict:
     """Read a YAML config; a ``base: FILE`` key (relative to this file) is loaded first and deep-merged under it."""
     if p.is_dir():
@@ -485,7 +499,7 @@ def _read_yaml(p: Path, depth: int = 0) -> dict:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}); a config is a YAML file") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"{p}:{_yaml_where(exc)} not valid YAML ({_yaml_problem(exc)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: a config must be a mapping of keys to values")
     if "base" in data:

@@ -36,12 +36,14 @@ __all__ = [
     "HARMLESS_KEYS",
     "best_steps",
     "write_text_atomic",
+    "append_lines",
     "finite_json",
     "write_manifest",
     "manifest_problem",
     "manifest_step",
     "run_identity",
     "MANIFEST",
+    "file_sha256",
 ]
 
 
@@ -174,7 +176,8 @@ def _loadable_torch_file(path: Path) -> bool:
 MANIFEST = "manifest.json"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 4 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -204,7 +207,7 @@ def write_manifest(directory: Path, step: int | None = None, run: str | None = N
     """Record every file under ``directory`` (size, sha256) in its ``manifest.json`` (atomically), with
     the ``step`` it holds and the ``run`` (:func:`run_identity`) that wrote it."""
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
     write_text_atomic(directory / MANIFEST, json.dumps({"step": step, "run": run, "files": entries}, indent=0))
 
 
@@ -235,7 +238,7 @@ def manifest_problem(
             return f"{rel} is missing"
         if f.stat().st_size != want["bytes"]:
             return f"{rel} has {f.stat().st_size} bytes, {want['bytes']} when written"
-        if _sha256(f) != want["sha256"]:
+        if file_sha256(f) != want["sha256"]:
             return f"{rel} differs from what was written (sha256)"
     return None
 
@@ -340,6 +343,17 @@ def best_steps(validation: list[dict], select_initial: bool = False) -> dict[str
         if b is None or d["val/score"] > b["score"]:
             best[d["policy"]] = {"step": d["step"], "score": d["val/score"]}
     return best
+
+
+def append_lines(path: Path, lines: list[str]) -> None:
+    """Append whole lines to a log; an OS error (a full disk) names the file (``OSError.filename``)."""
+    try:
+        with path.open("a") as f:
+            f.write("".join(line + "\n" for line in lines))
+    except OSError as exc:
+        if exc.filename:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -72,7 +72,11 @@ def _write_atomic(table: pa.Table, out: Path) -> Path:
     """Write a Parquet file under a temporary name and rename it: a crash never leaves half a file (docs/design.md, layer 4; docs/reliability.md)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".parquet.tmp{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+    except OSError as exc:  # pyarrow's error on a full disk names no file: name the record
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror or str(exc).splitlines()[0], str(out)) from None
     os.replace(tmp, out)
     return out
 

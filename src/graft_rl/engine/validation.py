@@ -19,6 +19,7 @@ import statistics
 from graft_rl.data import check_answers, default_reward, load_dataset
 from graft_rl.engine.evaluation import pass1_by_family
 from graft_rl.engine.rundir import (
+    append_lines,
     best_steps,
     finite_json,
     read_log,
@@ -124,9 +125,7 @@ class Validation:
                 raise CheckpointError(
                     f"cannot write {self.run_dir / 'best'}: {write_error_text(exc, self.run_dir)}"
                 ) from None
-        with (self.run_dir / "validation.jsonl").open("a") as f:
-            for line in lines:
-                f.write(json.dumps(finite_json(line)) + "\n")
+        append_lines(self.run_dir / "validation.jsonl", [json.dumps(finite_json(ln)) for ln in lines])
         self.trackers.log(lines)
         return lines
 
