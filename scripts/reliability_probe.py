@@ -2,9 +2,12 @@
 signals, a concurrent run, a partial directory, an edited config, a torn log, bad input, (issue
 31) a user's reward function that hangs, raises, breaks its contract, or starts failing mid-run, and
 (issue 33) where one command's output meets another's: resume across execution, eval results that
-merge, damaged or swapped checkpoints, a linked best/, SIGTERM in probe.
+merge, damaged or swapped checkpoints, a linked best/, SIGTERM in probe; (issue 40) what a reward's
+processes leave, a reward or data file changed under a resume, a crafted checkpoint, a user's task
+through graft eval, a start killed at its first write, a YAML tab, SIGTERM in eval, a large table.
 
     python scripts/reliability_probe.py            # ~12 minutes on 2 cores
+    python scripts/reliability_probe.py --only 40  # issue 40's rows only (~3 minutes)
 
 Settings as in the issue: testbed default, ``steps=8 checkpoint_every=2 validation.every=4
 validation.limit=32``. Prints one Markdown row per check; exits 1 if any fails. The deterministic
@@ -321,6 +324,7 @@ def main() -> int:
     user_rewards(root, ref_metrics)
     lock_and_steps(root)
     between_commands(root, ref, ref_metrics)
+    issue40(root)
     shutil.rmtree(root, ignore_errors=True)
     return 0 if all(ok for _, ok, _ in ROWS) else 1
 
@@ -450,7 +454,7 @@ def between_commands(root: Path, ref: Path, ref_metrics: list[dict]) -> None:
     left = [x.name for x in tmp.iterdir() if x.name.startswith("graft_probe_")]
     row(
         "SIGTERM during graft probe",
-        rc == 130 and not left and "Traceback" not in err,
+        rc == 143 and not left and "Traceback" not in err,
         f"exit {rc}; {last(err, root)}; left: {left}",
     )
 
@@ -524,6 +528,169 @@ def user_rewards(root: Path, ref_metrics: list[dict]) -> None:
     )
 
 
+PROC_REWARD = """
+import subprocess, time
+
+def hangs(responses, problems):  # starts a child, then never returns
+    subprocess.Popen(["sleep", "{marker}"])
+    time.sleep(600)
+    return [1.0]
+
+def leaves_one(responses, problems):  # a background job per call
+    subprocess.Popen(["sleep", "{marker}"])
+    return [float("\\boxed" in responses[0])]
+"""
+
+
+def _sleepers(marker: str) -> int:
+    import psutil
+
+    return sum(
+        1
+        for p in psutil.process_iter(["cmdline", "status"])
+        if p.info["cmdline"] == ["sleep", marker] and p.info["status"] != psutil.STATUS_ZOMBIE
+    )
+
+
+def issue40(root: Path) -> None:
+    """Issue 40: the operating system under a reward, what a resume reads back, the printing paths."""
+    import csv
+
+    import torch
+
+    # what a reward's processes leave after the run
+    for fn, marker, what in (
+        ("hangs", "317.25", "hangs after starting a child"),
+        ("leaves_one", "317.5", "starts a background job per call"),
+    ):
+        (root / "proc_reward.py").write_text(PROC_REWARD.replace("{marker}", marker))
+        d = root / f"procs_{fn}"
+        rc, _, err = finish(
+            graft(d, f"data.reward={root / 'proc_reward.py'}:{fn}", "data.verify_timeout=1", "steps=2"), 600
+        )
+        time.sleep(2)
+        left = _sleepers(marker)
+        row(f"data.reward that {what}", left == 0, f"exit {rc}; processes left after the run: {left}")
+
+    # a reward's source edited between a run and its --resume; with --allow-changed reward
+    (root / "edited.py").write_text(
+        "from graft_rl.rewards import verify_gsm8k\n\ndef r(responses, problems):\n    return verify_gsm8k(responses, [p['answer'] for p in problems])\n"
+    )
+    d = root / "edited_reward"
+    finish(graft(d, f"data.reward={root / 'edited.py'}:r", "steps=2"))
+    (root / "edited.py").write_text("def r(responses, problems):\n    return [1.0] * len(responses)\n")
+    rc1, _, err1 = finish(graft(d, "steps=3", resume=True))
+    rc2, _, _ = finish(graft(d, "steps=3", "--allow-changed", "reward", resume=True))
+    recorded = lines(d / "changes.jsonl")
+    row(
+        "reward file edited before --resume / with --allow-changed reward",
+        rc1 == 2 and "--allow-changed reward" in err1 and rc2 == 0 and [r["step"] for r in recorded] == [3],
+        f"exit {rc1}: {last(err1, root)[:110]}...; then exit {rc2}, changes.jsonl step {[r['step'] for r in recorded]}",
+    )
+
+    # a crafted checkpoint: its pickle would run code
+    d = root / "crafted"
+    finish(graft(d, "steps=2"))
+    ckpt = d / "checkpoints" / "step_000002"
+    state = torch.load(ckpt / "A" / "policy_state.pt", weights_only=True)
+    marker = root / "payload_ran"
+    torch.save({**state, "x": _Payload(str(marker))}, ckpt / "A" / "policy_state.pt")
+    from graft_rl.engine.rundir import write_manifest
+
+    write_manifest(ckpt, 2, (d / "run_id").read_text().strip())
+    rc, _, err = finish(graft(d, "steps=3", resume=True))
+    row(
+        "crafted policy_state.pt, manifest updated",
+        rc == 2 and not marker.exists(),
+        f"exit {rc}; ran: {marker.exists()}; {last(err, root)[:120]}",
+    )
+
+    # a user's task through graft eval: a CSV, a file.py reward, mapping validation sets
+    with (root / "task.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["question", "target"])
+        for i in range(64):
+            w.writerow([f"What is {i} + {i}?", 2 * i])
+    cols = "{problem: question, answer: target}"
+    d = root / "user_task"
+    rc1, _, _ = finish(
+        graft(
+            d,
+            f"data.train={root / 'task.csv'}",
+            f"data.columns={cols}",
+            "steps=2",
+            f"validation.data=[{{data: {root / 'task.csv'}, name: mine, columns: {cols}}}]",
+        )
+    )
+    rc2, out, err = cli("eval", str(d), "--limit", "8", "--samples", "1", "--runs", "1")
+    row(
+        "graft eval RUN of a user's task (mapping validation sets)",
+        rc1 == 0 and rc2 == 0 and "graft eval: mine;" in out,
+        f"train exit {rc1}, eval exit {rc2}; "
+        + next((ln for ln in out.splitlines() if ln.startswith("graft eval: mine;")), last(err, root))[:100],
+    )
+
+    # a start killed at its first write, a YAML tab, SIGTERM in graft eval
+    d = root / "first_write"
+    d.mkdir()
+    (d / ".lock.tmp").write_text("")
+    rc1, _, err1 = finish(graft(d, resume=True))
+    rc2, _, _ = finish(graft(d, "steps=1"))
+    row(
+        "killed at its first write: --resume, then the same command",
+        rc1 == 2 and rc2 == 0 and not (d / ".lock.tmp").exists(),
+        f"{last(err1, root)[:100]}; then exit {rc2}",
+    )
+    (root / "tab.yaml").write_text("steps: 2\ndata:\n\ttrain: x\n")
+    rc, _, err = cli("train", str(root / "tab.yaml"))
+    row("a tab in a YAML config", rc == 2 and ":3:1:" in err, last(err, root))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "graft_rl.commands.cli", "eval", str(root / "reference"), "--samples", "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(8)
+    p.send_signal(signal.SIGTERM)
+    rc, _, err = finish(p)
+    row("SIGTERM during graft eval", rc == 143, f"exit {rc}; {last(err, root)[:100]}")
+
+    # a large table: the first step of 200k rows against 2k
+    times = {}
+    for n in (2_000, 200_000):
+        path = root / f"rows_{n}.csv"
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["question", "target"])
+            w.writerows([f"What is {i % 997} + {i % 1009}?", i % 997 + i % 1009] for i in range(n))
+        t0 = time.time()
+        rc, _, _ = finish(
+            graft(root / f"rows_run_{n}", f"data.train={path}", f"data.columns={cols}", "steps=1", "validation.data=[]")
+        )
+        times[n] = (rc, time.time() - t0)
+    ratio = times[200_000][1] / times[2_000][1]
+    row(
+        "200k-row CSV vs 2k: time to the end of step 1",
+        all(rc == 0 for rc, _ in times.values()) and ratio < 1.5,
+        f"{times[2_000][1]:.0f} s vs {times[200_000][1]:.0f} s ({ratio:.2f}x)",
+    )
+
+
+class _Payload:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TQDM_DISABLE", "1")
+    if sys.argv[1:] == ["--only", "40"]:
+        _root = Path(tempfile.mkdtemp(prefix="graft_probe_"))
+        print("| check | result | detail |\n|---|---|---|", flush=True)
+        finish(graft(_root / "reference"))
+        issue40(_root)
+        shutil.rmtree(_root, ignore_errors=True)
+        sys.exit(0 if all(ok for _, ok, _ in ROWS) else 1)
     sys.exit(main())
