@@ -18,6 +18,9 @@ from graft_rl.algo.core import (
 )
 
 __all__ = [
+    "dr_grpo_advantages",
+    "rloo_advantages",
+    "gspo_policy_loss",
     "pooled_advantages",
     "success_only_mask",
     "count_matched_random_prompts",
@@ -35,6 +38,116 @@ __all__ = [
     "reference_kl",
     "sequence_reference_kl",
 ]
+
+
+# --------------------------------------------------------------------------- other estimators
+def dr_grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    r"""Dr. GRPO's advantage (Liu et al., 2025, Eq. 3): the group mean subtracted, no division by its std.
+
+    .. math:: \hat a_i = r_i - \mathrm{mean}(\mathcal R(q))
+
+    Args:
+        rewards: ``[G, n]``.
+    Returns:
+        ``[G, n]``, in ``rewards``' dtype.
+
+    Example:
+        >>> dr_grpo_advantages(torch.tensor([[1., 0., 0., 0.], [1., 1., 1., 1.]]))
+        tensor([[ 0.7500, -0.2500, -0.2500, -0.2500],
+                [ 0.0000,  0.0000,  0.0000,  0.0000]])
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"dr_grpo_advantages: rewards must be [G, n], got {tuple(rewards.shape)}")
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    r"""RLOO's leave-one-out advantage (Kool et al., 2019; Ahmadian et al., 2024, Eq. 7): each response's
+    baseline is the mean reward of the *other* responses of its group.
+
+    .. math:: \hat a_i = r_i - \frac{1}{n-1}\sum_{j \ne i} r_j = \frac{n}{n-1}\,(r_i - \mathrm{mean}(\mathcal R(q)))
+
+    A group of one response has no other to compare with: advantage 0.
+
+    Args:
+        rewards: ``[G, n]``.
+    Returns:
+        ``[G, n]``, in ``rewards``' dtype (float32 for integer or bool input).
+
+    Example:
+        >>> rloo_advantages(torch.tensor([[1., 0., 0., 0.], [1., 1., 0., 0.]]))
+        tensor([[ 1.0000, -0.3333, -0.3333, -0.3333],
+                [ 0.6667,  0.6667, -0.6667, -0.6667]])
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rloo_advantages: rewards must be [G, n], got {tuple(rewards.shape)}")
+    r = rewards.to(_work_dtype(rewards))
+    n = r.shape[1]
+    if n <= 1:
+        return torch.zeros_like(r, dtype=_out_dtype(rewards))
+    others = (r.sum(dim=1, keepdim=True) - r) / (n - 1)
+    return (r - others).to(_out_dtype(rewards))
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""GSPO's sequence-level clipped objective (Zheng et al., 2025, "Group Sequence Policy Optimization", Eqs. 5-7).
+
+    .. math:: s_i = \exp\Big(\frac{1}{|o_i|}\sum_t \log\frac{\pi_\theta(o_{i,t}|\cdot)}{\pi_{old}(o_{i,t}|\cdot)}\Big),\quad
+              \mathcal L = -\frac{1}{M}\sum_i w_i \min\big(s_i \hat a_i,\ \mathrm{clip}(s_i, 1-\epsilon_{low}, 1+\epsilon_{high})\,\hat a_i\big)
+
+    The length-normalised sequence ratio, one clip per response, and a mean over responses
+    (sequence-mean); its clip range is GSPO's (3e-4 / 4e-4), two orders of magnitude below PPO's.
+    GRAFT's ``ratio: sequence`` ablation (:func:`~graft_rl.algo.policy_loss`) uses the same ratio
+    but keeps the token mean over the minibatch and GRAFT's token clip range. Responses without
+    tokens in ``mask`` are left out of the mean. ``weights``: a per-response factor (GRAFT's gate).
+
+    Args:
+        logprobs, old_logprobs, mask: ``[M, T]``; advantages: ``[M]``; weights: ``[M]`` or None.
+
+    Returns:
+        ``(loss, stats)``; stats: ``clip_frac`` (responses clipped), ``ratio_mean``, ``clipped_seq``
+        (``[M]`` bool).
+
+    Example:
+        >>> lp = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.25]]))
+        >>> loss, st = gspo_policy_loss(lp, lp, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
+        >>> float(loss), float(st["clip_frac"])
+        (0.0, 0.0)
+    """
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError("gspo_policy_loss: logprobs, old_logprobs and mask must all be [M, T]")
+    M = logprobs.shape[0]
+    if advantages.shape != (M,) or (weights is not None and weights.shape != (M,)):
+        raise ValueError(f"gspo_policy_loss: advantages and weights must be [M]={M}")
+    wd = _work_dtype(logprobs)
+    m = mask.to(wd)
+    tokens = m.sum(dim=1)
+    valid = tokens > 0
+    log_ratio = ((logprobs.to(wd) - old_logprobs.detach().to(wd)) * m).sum(dim=1) / tokens.clamp_min(1.0)
+    s = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    a = advantages.detach().to(wd)
+    per_seq = -torch.minimum(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a)
+    if weights is not None:
+        per_seq = per_seq * weights.detach().to(wd)
+    per_seq = torch.where(valid, per_seq, torch.zeros_like(per_seq))
+    loss = per_seq.sum() / valid.sum().clamp_min(1)
+    with torch.no_grad():
+        clipped = ((s < 1 - eps_low) | (s > 1 + eps_high)) & valid
+        v = valid.to(wd)
+        stats = {
+            "clip_frac": clipped.to(wd).sum().div(v.sum().clamp_min(1)).float(),
+            "ratio_mean": (s * v).sum().div(v.sum().clamp_min(1)).float(),
+            "clipped_seq": clipped,
+        }
+    return loss.to(logprobs.dtype), stats
 
 
 # --------------------------------------------------------------------------- pooled groups
