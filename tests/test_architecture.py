@@ -73,6 +73,44 @@ def test_layers_import_only_downwards():
     assert not bad, "\n".join(bad)
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """graft_rl module -> the graft_rl modules it imports anywhere (function-local imports included);
+    ``from graft_rl.x import y`` is an edge to ``graft_rl.x.y`` when that is a module, else to ``graft_rl.x``."""
+    mods = {}
+    for p in SRC.rglob("*.py"):
+        rel = p.relative_to(SRC.parent).with_suffix("").parts
+        mods[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = p
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("graft_rl"):
+                for a in node.names:
+                    out.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name.startswith("graft_rl"))
+        graph[name] = {m for m in out if m in mods and m != name}
+    return graph
+
+
+def test_no_import_circle():
+    """No module imports, directly or through others, a module that imports it back (no import is put
+    inside a function to break a circle)."""
+    graph = _module_graph()
+    circles = []
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m == start:
+                circles.append(start)
+                break
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+    assert not circles, f"modules on an import circle: {sorted(circles)}"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff not installed")
 def test_lint_clean():
     res = subprocess.run(

@@ -17,11 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from graft_rl.data.problem import (  # noqa: F401  (the package's names)
+    _FIELDS,
+    _OPTIONAL,
+    _TYPES,
+    DatasetError,
+    Problem,
+    _chat,
+    content_id,
+    prompt_messages,
+)
 
 __all__ = [
     "Problem",
@@ -79,51 +88,9 @@ TESTBED_FILES = Path(__file__).resolve().parent.parent / "testbed_files"
 BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "minerva")
 
 
-class DatasetError(ValueError):
-    """A dataset that cannot be used; the message names the file, line and field."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One prompt with its reference answer."""
-
-    id: str
-    problem: str
-    answer: str
-    solution: str | None = None
-    level: int | None = None
-    subject: str | None = None
-    source: str | None = None
-    #: the row's other columns (JSON values), passed to a reward function with the fields above
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
-
-    def row(self) -> dict:
-        """Every column of the problem's row, as a reward function gets it (a chat prompt as its messages)."""
-        out = {**self.extra, **self.to_dict()}
-        messages = prompt_messages(self.problem)
-        if messages is not None:
-            out["problem"] = messages
-        return out
-
-
 def files_dir() -> Path:
     """Folder of the shipped JSONL files and their provenance (``PROVENANCE.md``)."""
     return _FILES
-
-
-_TYPES = {"problem": str, "answer": str, "id": str}  # in the order a missing one is named
-_OPTIONAL = {"solution": (str,), "level": (int,), "subject": (str,), "source": (str,)}
-
-
-_FIELDS = ("id", "problem", "answer", "solution", "level", "subject", "source")
-
-
-def content_id(problem: str) -> str:
-    """A stable id for a row that has none: a hash of its problem text (duplicates get ``-2``, ``-3``, ...)."""
-    return "h" + hashlib.sha1(problem.encode()).hexdigest()[:12]
 
 
 def _mapped(obj: dict, columns: Mapping[str, str] | None, where: str) -> dict:
@@ -137,16 +104,6 @@ def _mapped(obj: dict, columns: Mapping[str, str] | None, where: str) -> dict:
             raise DatasetError(f"{where}: row has no {theirs!r} column (data.columns maps {ours} to it)")
         obj[ours] = obj[theirs]
     return obj
-
-
-def _chat(value: object) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-        )
-    )
 
 
 def _row(obj: object, where: str, columns: Mapping[str, str] | None = None) -> tuple[Problem, bool]:
@@ -327,17 +284,6 @@ def _reasoning_gym(spec: str) -> list[Problem]:
     except ValueError:
         raise DatasetError(f"{spec}: expected reasoning_gym:NAME[:SIZE[:SEED]] with whole numbers") from None
     return ReasoningGymTask(parts[1], size=size, seed=seed).problems()
-
-
-def prompt_messages(problem: str) -> list[dict] | None:
-    """The chat messages of a problem given as a list of messages (as :func:`load_dataset` keeps it), else None."""
-    if not problem.startswith('[{"role"'):
-        return None
-    try:
-        value = json.loads(problem)
-    except json.JSONDecodeError:
-        return None
-    return value if _chat(value) else None
 
 
 def prompt_chat(problem: str, suffix: str | None = PROMPT_SUFFIX) -> list[dict]:

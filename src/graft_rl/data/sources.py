@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from graft_rl.data.problem import DatasetError
+
 __all__ = ["TABLE_SUFFIXES", "read_hub", "read_table", "is_table", "read_jsonl_table"]
 
 #: file suffixes read as tables (JSONL has its own reader, which names the line at fault)
@@ -19,8 +21,6 @@ TABLE_SUFFIXES = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".arrow
 
 
 def _datasets():
-    from graft_rl.data import DatasetError
-
     try:
         import datasets
     except ImportError:
@@ -35,8 +35,6 @@ def _arrow(ds):
 
 
 def _split(ds, split: str | None, name: str):
-    from graft_rl.data import DatasetError
-
     if hasattr(ds, "keys"):  # a DatasetDict
         splits = list(ds.keys())
         if split is None:
@@ -59,8 +57,6 @@ def is_table(path: Path) -> bool:
 def read_table(path: Path, split: str | None = None):
     """A local table as Arrow: a parquet or CSV file (pyarrow), a JSON / Arrow file or a
     ``save_to_disk`` folder (``datasets``)."""
-    from graft_rl.data import DatasetError
-
     if not path.exists():
         raise DatasetError(f"{path}: dataset file not found")
     try:
@@ -163,8 +159,6 @@ def _cached_snapshot(repo: str) -> str | None:
 def read_hub(spec: str):
     """``hf:ORG/NAME[:CONFIG][:SPLIT]``: from the hub, or from the local cache when it cannot be reached
     (``HF_HUB_OFFLINE=1`` goes to the cache at once)."""
-    from graft_rl.data import DatasetError
-
     parts = spec.removeprefix("hf:").split(":")
     if not parts[0] or len(parts) > 3:
         raise DatasetError(f"{spec}: expected hf:ORG/NAME[:CONFIG][:SPLIT]")
@@ -195,8 +189,6 @@ def read_hub(spec: str):
 
 
 def _not_cached(spec: str, exc: Exception | None):
-    from graft_rl.data import DatasetError
-
     why = "HF_HUB_OFFLINE is set" if exc is None else f"the hub cannot be reached: {type(exc).__name__}"
     return DatasetError(
         f"{spec}: not in the local Hugging Face cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}) and {why}; "

@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from graft_rl.data.problem import _FIELDS, _OPTIONAL, _TYPES, DatasetError, Problem, _chat, content_id
+
 __all__ = ["ProblemTable", "from_arrow", "take", "problem_bytes", "chat_rows", "unique_values"]
 
 _CHUNK = 4096  # rows turned into Python objects at once when a table is iterated
@@ -41,8 +43,6 @@ class ProblemTable(Sequence):
     def __init__(self, table: pa.Table, name: str):
         self.table = table.combine_chunks()
         self.name = name
-        from graft_rl.data import _FIELDS
-
         self._fields = [f for f in _FIELDS if f in self.table.column_names]
         self._extra = [c for c in self.table.column_names if c not in _FIELDS]
 
@@ -50,8 +50,6 @@ class ProblemTable(Sequence):
         return self.table.num_rows
 
     def _problems(self, rows: list[dict]) -> list:
-        from graft_rl.data import Problem
-
         return [
             Problem(
                 **{f: r.get(f) for f in self._fields},
@@ -132,8 +130,6 @@ def _where(name: str, i: int) -> str:
 
 def _as_text(col: pa.Array, key: str, name: str) -> pa.Array:
     """A required column as strings: numbers become their text (``str(x)``, as the row reader does)."""
-    from graft_rl.data import DatasetError
-
     if col.null_count:
         i = _first(col.is_null())
         raise DatasetError(f"{_where(name, i)}: field '{key}' must be a string, got NoneType")
@@ -149,8 +145,6 @@ def _as_text(col: pa.Array, key: str, name: str) -> pa.Array:
 
 def _problem_column(col: pa.Array, name: str) -> pa.Array:
     """The ``problem`` column as text; a list of chat messages becomes its JSON text (as the row reader keeps it)."""
-    from graft_rl.data import DatasetError, _chat
-
     t = col.type
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         out = []
@@ -163,8 +157,6 @@ def _problem_column(col: pa.Array, name: str) -> pa.Array:
 
 
 def _optional(col: pa.Array, key: str, name: str) -> pa.Array:
-    from graft_rl.data import _OPTIONAL, DatasetError
-
     t, want = col.type, _OPTIONAL[key][0]
     ok = pa.types.is_null(t) or (
         pa.types.is_integer(t) if want is int else (pa.types.is_string(t) or pa.types.is_large_string(t))
@@ -190,8 +182,6 @@ def _decoded(col: pa.Array) -> pa.Array:
 
 def _generated_ids(problems: pa.Array) -> pa.Array:
     """Content ids for rows without one: a hash of the problem text, duplicates ``-2``, ``-3``, ..."""
-    from graft_rl.data import content_id
-
     seen: set[str] = set()
     out = []
     for text in problems.to_pylist():
@@ -207,8 +197,6 @@ def _generated_ids(problems: pa.Array) -> pa.Array:
 
 
 def _check_unique(ids: pa.Array, name: str) -> None:
-    from graft_rl.data import DatasetError
-
     if pc.count_distinct(ids).as_py() == len(ids):
         return
     first: dict[str, int] = {}
@@ -225,8 +213,6 @@ def from_arrow(
     the data's column) adds our names beside the data's own, a missing ``id`` is generated from the
     problem's text, numbers in ``id``/``answer`` become text, and a wrong type or a duplicate id is one
     :class:`~graft_rl.data.DatasetError` naming the row."""
-    from graft_rl.data import _FIELDS, _OPTIONAL, _TYPES, DatasetError
-
     if limit is not None:
         table = table.slice(0, limit)
     if table.num_rows == 0:

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from graft_rl.policy.types import SamplingParams
+from graft_rl.policy.types import Sample, SamplingParams
 
 __all__ = [
     "Sample",
@@ -62,13 +61,6 @@ def auto_gen_batch_rows(model, rows: int, tokens: int, vocab: int, budget: int =
         return min(rows, 64)
     per_row = tokens * per_token + 3 * 4 * vocab
     return max(1, min(rows, budget // per_row))
-
-
-@dataclass
-class Sample:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
 
 
 class RolloutBackend(Protocol):

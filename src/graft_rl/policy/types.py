@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RolloutGroup", "TokenBatch", "SamplingParams", "PolicyError"]
+__all__ = ["RolloutGroup", "TokenBatch", "SamplingParams", "PolicyError", "Sample"]
 
 
 class PolicyError(ValueError):
@@ -134,3 +134,10 @@ class TokenBatch:
 
     def num_tokens(self) -> int:
         return sum(len(r) for r in self.response_ids)
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"

@@ -29,8 +29,7 @@ import weakref
 import torch
 
 from graft_rl.policy import pushcheck
-from graft_rl.policy.rollout import Sample
-from graft_rl.policy.types import SamplingParams
+from graft_rl.policy.types import Sample, SamplingParams
 from graft_rl.seeding import derive_seed
 
 __all__ = [
