@@ -7,7 +7,8 @@ import pytest
 
 from graft_rl.commands.cli import main
 from graft_rl.commands.keys import SECTIONS, describe, show
-from graft_rl.methods import method_class, method_names
+from graft_rl.methods import method_names
+from graft_rl.methods.config import method_params
 
 
 def test_every_key_of_every_section_and_method_has_a_default_and_a_meaning():
@@ -16,8 +17,7 @@ def test_every_key_of_every_section_and_method_has_a_default_and_a_meaning():
         assert rows, name
         assert all(meaning for _, _, meaning in rows), [(name, k) for k, _, m in rows if not m]
     for name in method_names():
-        params = method_class(name).Params
-        if params is not None:
+        for params in method_params(name):
             assert all(meaning for _, _, meaning in describe(params)), name
 
 
@@ -25,9 +25,11 @@ def test_a_section_lists_its_keys_with_defaults():
     text = show("method")
     assert text.startswith("method (method.KEY)")
     assert "delta" in text and "0.8" in text and "s > delta" in text
-    assert "hacpo: hacpo_self_clip_low" in text  # the methods' own keys are named
+    assert "hacpo: hacpo_capability_window, hacpo_self_clip_low" in text.replace("\n    ", " ")  # parts included
+    assert "loss: token_mean_clip, gspo" in text.replace("\n    ", " ")  # the parts a key can name
     hacpo = show("hacpo")
-    assert "hacpo_capability_window" in hacpo and "5" in hacpo
+    assert "hacpo_capability_window" in hacpo and "5" in hacpo and "hacpo_peer_clip_start" in hacpo
+    assert "advantage hacpo" in hacpo
     assert "no keys of its own" in show("graft")
 
 

@@ -21,6 +21,8 @@ _API = {
     "load_config": "graft_rl.engine.config",
     "MethodConfig": "graft_rl.methods",
     "register_method": "graft_rl.methods",
+    "register_advantage": "graft_rl.methods",
+    "register_loss": "graft_rl.methods",
     "probe": "graft_rl.commands.probe",
     "run_eval": "graft_rl.commands.evaluate_cli",
     "analyze": "graft_rl.commands.analyze",

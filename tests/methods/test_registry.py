@@ -20,8 +20,9 @@ from graft_rl.methods import (
     method_names,
     register_method,
 )
-from graft_rl.methods.base import _REGISTRY, check_range
-from graft_rl.methods.objectives import Objective
+from graft_rl.methods.config import check_range
+from graft_rl.methods.losses import register_loss, token_mean_clip
+from graft_rl.methods.registry import LOSSES, METHODS
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "graft_rl"
 
@@ -40,7 +41,7 @@ def test_allowed_names_and_keys_come_from_the_registry():
     with pytest.raises(ConfigError, match=r"method.luffy_gamma is not used by method 'graft' \(it is used by: luffy\)"):
         MethodConfig(name="graft", luffy_gamma=0.2).validate()
     with pytest.raises(
-        ConfigError, match=r"method.selection: 'x' is not one of auto, complementary, graft, random, sgt, all"
+        ConfigError, match=r"method.selection: 'x' is not one of complementary, random, all, graft, sgt"
     ):
         MethodConfig(name="graft", selection="x").validate()
 
@@ -86,35 +87,27 @@ class _HalfParams:
     half_scale: float = 0.5  # the factor on every advantage
 
 
-class _HalfObjective(Objective):
-    def rl_loss(self, lp, old, mask, t, rows, step):
-        loss, stats = super().rl_loss(lp, old, mask, t, rows, step)
-        return loss * self.cfg.half_scale, stats
-
-
 @pytest.fixture
 def toy_method():
-    """A method defined the way a contributor would, in one place: keys, check, objective."""
+    """A method defined the way a contributor would, in one place: keys, check, and its one new part."""
+
+    @register_loss("half_clip")
+    def half_clip(lp, old, mask, ctx):
+        loss, stats = token_mean_clip(lp, old, mask, ctx)
+        return loss * ctx.cfg.half_scale, stats
 
     @register_method("half_grpo")
     class HalfGRPO(Method):
         Params = _HalfParams
         uses_peers = False
+        preset = {**Method.preset, "loss": "half_clip"}
 
         @classmethod
         def check(cls, cfg):
             check_range(cfg, {"half_scale": (0.0, 1.0, False)})
 
-        def exchange(self):
-            from graft_rl.methods.grpo import OwnGroupsOnly
-
-            return OwnGroupsOnly(self.cfg)
-
-        def objective(self):
-            return _HalfObjective(self.cfg)
-
     yield HalfGRPO
-    del _REGISTRY["half_grpo"]
+    del METHODS._entries["half_grpo"], LOSSES._entries["half_clip"]
 
 
 def _data(tmp_path: Path) -> Path:

@@ -50,16 +50,16 @@ def test_hacpo_peer_rollouts_still_have_a_gradient_late_in_training():
 
 def test_hacpo_update_index_restarts_every_step(make_cfg, fake_rewards, monkeypatch):
     from graft_rl.engine.trainer import Trainer
-    from graft_rl.methods.hacpo import HacpoObjective
+    from graft_rl.methods.objectives import Objective
 
     seen = []
-    real = HacpoObjective.minibatch
+    real = Objective.minibatch
 
     def spy(self, t, rows, step, update_index=0):
         seen.append((step, update_index))
         return real(self, t, rows, step, update_index)
 
-    monkeypatch.setattr(HacpoObjective, "minibatch", spy)
+    monkeypatch.setattr(Objective, "minibatch", spy)
     Trainer(make_cfg({"name": "hacpo"}, steps=2, run="hacpo_idx"), show_progress=False).run()
     for step in (1, 2):
         per_policy = [u for s, u in seen if s == step]

@@ -312,7 +312,7 @@ def test_hacpo_pops_a_final_eos_from_sequence_means(tiny_pair):
 def test_hacpo_training_masks_the_final_eos(make_cfg, fake_rewards, monkeypatch):
     from graft_rl.engine.trainer import Trainer
     from graft_rl.engine.worker import PolicyWorker
-    from graft_rl.methods.hacpo import HacpoObjective
+    from graft_rl.methods.objectives import Objective
 
     seen = {}
     real_enc = PolicyWorker._encode
@@ -323,14 +323,14 @@ def test_hacpo_training_masks_the_final_eos(make_cfg, fake_rewards, monkeypatch)
         return tb
 
     masks = []
-    real = HacpoObjective.minibatch
+    real = Objective.minibatch
 
     def spy(self, t, rows, step, update_index=0):
         masks.append(t.mask.clone())
         return real(self, t, rows, step, update_index)
 
     monkeypatch.setattr(PolicyWorker, "_encode", enc)
-    monkeypatch.setattr(HacpoObjective, "minibatch", spy)
+    monkeypatch.setattr(Objective, "minibatch", spy)
     Trainer(make_cfg({"name": "hacpo"}, steps=1, run="eos", max_new_tokens=24, minibatch=8), show_progress=False).run()
     batch, tb = seen["B"]
     mask = masks[-1]
@@ -357,9 +357,8 @@ def test_hacpo_graft_which_keeps_peer_responses_of_unselected_prompts_with_zero_
     from .test_exchange import _groups
 
     ex = build_exchange(_method(name="hacpo", selection="graft"))
-    ex.capability = {"A": 0.4, "B": 0.2}
     groups = {"A": _groups("A"), "B": _groups("B")}
-    b = ex.build("B", groups, {"A", "B"}, 4, torch.Generator().manual_seed(0))
+    b = ex.build("B", groups, {"A", "B"}, 4, torch.Generator().manual_seed(0), capability={"A": 0.4, "B": 0.2})
     assert len(b.rows) == 8 * 8 and b.stats["exchanged_in"] == 2
     for q in range(8):
         rows = [r for r in b.rows if r.prompt_id == f"q{q}"]

@@ -290,7 +290,7 @@ def test_resume_reproduces_an_uninterrupted_run(make_cfg, fake_rewards, kl_coef)
 def test_nonfinite_loss_skips_the_update_and_is_logged(make_cfg, fake_rewards, monkeypatch):
     def poison(trainer):  # every receiver's objective returns a NaN loss
         for handle in trainer.workers.values():
-            objective = handle.worker.objective
+            objective = handle.worker.receiver.objective
             real = objective.minibatch
 
             def nan_minibatch(t, rows, step, update_index=0, _real=real):

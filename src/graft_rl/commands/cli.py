@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="WHAT",
         action="append",
         default=[],
-        help="with --resume: go on although the reward's source (reward) or a data file (data) changed since the "
-        "checkpoint; the change is recorded (changes.jsonl) and graft analyze marks its step",
+        help="with --resume: go on although the reward's source (reward), a data file (data) or a plugin's source "
+        "(plugin) changed since the checkpoint; the change is recorded (changes.jsonl) and graft analyze marks its step",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_eval(sub)

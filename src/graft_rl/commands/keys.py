@@ -16,6 +16,8 @@ import textwrap
 from graft_rl.engine.config import DataConfig, PeerRecords, RayConfig, TrackingConfig, TrainConfig, ValidationConfig
 from graft_rl.errors import ConfigError
 from graft_rl.methods import MethodConfig, method_class, method_names
+from graft_rl.methods.config import method_params
+from graft_rl.methods.registry import PART_KEYS
 from graft_rl.policy import PolicyConfig
 
 __all__ = ["SECTIONS", "describe", "field_comments", "show"]
@@ -104,14 +106,21 @@ def show(what: str | None = None) -> str:
         out = _table(f"{what} ({where}KEY)", describe(cls))
         if what == "method":
             own = {
-                name: [f.name for f in dataclasses.fields(method_class(name).Params or object)]
-                if method_class(name).Params
-                else []
-                for name in method_names()
+                name: [f.name for p in method_params(name) for f in dataclasses.fields(p)] for name in method_names()
             }
             listing = "; ".join(f"{n}: {', '.join(k) or '-'}" for n, k in own.items())
             out += "\n" + textwrap.fill(
-                f"a method's own keys, flat beside these: {listing}", 98, initial_indent="  ", subsequent_indent="    "
+                f"a method's own keys (its parts' included), flat beside these: {listing}",
+                98,
+                initial_indent="  ",
+                subsequent_indent="    ",
+            )
+            parts = "; ".join(f"{kind}: {', '.join(reg.names())}" for kind, reg in PART_KEYS.items())
+            out += "\n" + textwrap.fill(
+                f"the parts each part key can name (or module:NAME / file.py:NAME): {parts}",
+                98,
+                initial_indent="  ",
+                subsequent_indent="    ",
             )
         return out
     if what in method_names():
@@ -123,9 +132,12 @@ def show(what: str | None = None) -> str:
             if cls.uses_peers
             else "trains on its own groups only"
         )
-        if cls.Params is None:
-            return f"{head}\n  no keys of its own; {peers}"
-        return _table(f"{head}\n  {peers}; its own keys (method.KEY):", describe(cls.Params))
+        parts = ", ".join(f"{kind} {cls.preset[kind]}" for kind in PART_KEYS)
+        params = method_params(what)
+        if not params:
+            return f"{head}\n  parts: {parts}\n  no keys of its own; {peers}"
+        rows = [row for p in params for row in describe(p)]
+        return _table(f"{head}\n  parts: {parts}\n  {peers}; its own keys (method.KEY):", rows)
     raise ConfigError(
         f"graft config show: {what!r} is neither a section ({', '.join(SECTIONS)}) nor a method "
         f"({', '.join(method_names())})"

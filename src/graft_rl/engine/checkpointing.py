@@ -77,7 +77,8 @@ class Checkpointing:
         try:
             if tmp.exists():
                 shutil.rmtree(tmp)
-            pending = [self._submit(name, "save", str(tmp / name)) for name in self.policies]  # at once under Ray
+            pending = [self._submit(name, "save", str((tmp / name).absolute())) for name in self.policies]  # at once
+            # under Ray; absolute: an actor does not work in the driver's directory
             for handle in pending:
                 self._result(handle)
             state = {
@@ -245,7 +246,7 @@ class Checkpointing:
     def _restore(self, ckpt: Path) -> None:
         state = json.loads((ckpt / "trainer_state.json").read_text())
         step = int(state["step"])
-        for handle in [self._submit(name, "load_state", str(ckpt / name)) for name in self.policies]:
+        for handle in [self._submit(name, "load_state", str((ckpt / name).absolute())) for name in self.policies]:
             self._result(handle)
         # the method's per-step state (e.g. HACPO's capability window; older checkpoints name it success_history)
         self.method.load_state_dict(state.get("method_state", {"success_history": state.get("success_history", {})}))

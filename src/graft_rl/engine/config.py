@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 from graft_rl.errors import ConfigError
-from graft_rl.methods import MethodConfig, method_class
+from graft_rl.methods import PART_NAMES, MethodConfig, load_plugins
+from graft_rl.methods.registry import normalise
 from graft_rl.policy import PolicyConfig
 
 __all__ = [
@@ -187,6 +188,9 @@ class TrainConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     data: DataConfig = field(default_factory=DataConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    # your own methods and parts: modules or path/to/file.py, imported before the method is built (in
+    # the driver, each Ray actor, and every command that reads the run); docs/contributing.md
+    plugins: list[str] = field(default_factory=list)
     method: MethodConfig = field(default_factory=MethodConfig)
     policies: list[PolicyConfig] = field(default_factory=list)
     peers: list[PeerRecords] = field(default_factory=list)
@@ -210,11 +214,7 @@ class TrainConfig:
                 )
         if len(set(names)) != len(names):
             raise ConfigError(f"policies/peers: names must be unique, got {names}")
-        method = method_class(self.method.name)
-        if method.uses_peers and len(names) < 2:
-            raise ConfigError(f"method.name {self.method.name!r} needs at least two policies (or a peer from records)")
-        if self.peers:
-            method.with_stored_peers(self.method)
+        self.method.check_policies(len(names), stored_peers=bool(self.peers))
         self._validate_sizes()
         self._validate_tracking()
         self._validate_data_and_validation()
@@ -546,6 +546,30 @@ def load_config(path: str | Path | dict | None, overrides: list[str] | None = No
     method = data.get("method")
     if saved and isinstance(method, dict) and method.get("dynamic_sampling") and "refill_factor" not in method:
         data["method"] = {**method, "refill_factor": 1}  # saved before the key: refills were one prompt_batch
+    _load_plugins(data)
     cfg = _build(TrainConfig, data, "")
     cfg.validate(saved)
     return cfg
+
+
+def _load_plugins(data: dict) -> None:
+    """Import the config's plugins before its method is read (what they register is then a valid
+    name), with each ``.py`` path made absolute so the saved config and Ray actors find the same file."""
+    plugins = data.get("plugins") or []
+    if isinstance(plugins, str):
+        plugins = [p.strip() for p in plugins.split(",") if p.strip()]
+    if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+        raise ConfigError(f"plugins: expected a list of modules or .py files, got {plugins!r}")
+    data["plugins"] = [normalise(p) for p in plugins]
+    load_plugins(data["plugins"])
+    method = data.get("method")
+    if isinstance(method, dict):
+        keys = ("name", *PART_NAMES)
+        data["method"] = {
+            k: (f"{normalise(v.rpartition(':')[0])}:{v.rpartition(':')[2]}" if k in keys and _file_key(v) else v)
+            for k, v in method.items()
+        }
+
+
+def _file_key(value) -> bool:
+    return isinstance(value, str) and value.rpartition(":")[0].endswith(".py")

@@ -263,14 +263,20 @@ def start_actors(cfg, policy_configs) -> dict:
     """Start every policy's actor (``world_size`` 1) or actor group, after :func:`check_cluster`."""
     import ray
 
+    from graft_rl.engine.provenance import run_plugins
+    from graft_rl.methods.registry import plugin_sources
+
     init_ray(cfg.ray.address, log_to_driver=True)
     check_cluster(cfg, policy_configs)
     remote_cls = ray.remote(pinned_worker_class())
+    # a user's parts reach every actor as the driver read them: a file plugin travels as its source, so
+    # a node without the file (or with another copy) imports the driver's; a module must be importable there
+    plugins = plugin_sources(run_plugins(cfg))
     actors = {}
     for pc in policy_configs:
         opts = {**_actor_options(cfg, pc), "max_restarts": 0}
         threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
-        worker_args = (pc, cfg.method, cfg.minibatch, cfg.nonfinite_loss, threads)
+        worker_args = (pc, cfg.method, cfg.minibatch, cfg.nonfinite_loss, threads, plugins)
         if pc.world_size > 1:
             actors[pc.name] = ActorGroup.start(
                 pc.name,
@@ -301,16 +307,12 @@ def start_replicas(cfg, pc, replicas: int) -> list:
 
     import ray
 
-    from graft_rl.methods import MethodConfig
-
     init_ray(cfg.ray.address)
     spread = replace(pc, world_size=replicas)
     check_cluster(cfg, [spread])
     extra = {k: v for k, v in _actor_options(cfg, pc).items() if k not in ("num_cpus", "num_gpus", "resources")}
     threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
     remote_cls = ray.remote(pinned_worker_class())
-    method = MethodConfig(name="grpo")  # an evaluator: no exchange, no KL reference
-    method.validate()
     actors = []
     for b in policy_bundles(cfg, spread):
         custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
@@ -323,7 +325,11 @@ def start_replicas(cfg, pc, replicas: int) -> list:
         }
         actors.append(
             remote_cls.options(**{k: v for k, v in opts.items() if v is not None}).remote(
-                replace(pc, world_size=1), method, 1, "skip", threads
+                replace(pc, world_size=1),
+                None,
+                1,
+                "skip",
+                threads,  # an evaluator: no method, no KL reference
             )
         )
     for r, a in enumerate(actors):

@@ -13,6 +13,9 @@ verifier's package is reported, not refused.
   imports it by name), else of its code (bytecode, constants, names: not where it sits), else unrecorded;
 - a built-in verifier (``math``, ``gsm8k``, ``gym``): its name and the version of the package that
   does the checking (math-verify, graft-rl, reasoning-gym);
+- a plugin (``plugins:`` and the ``module:NAME`` / ``file.py:NAME`` part keys of ``method``): its import
+  path and the sha256 of its source file (its module's file; modules it imports are not followed);
+  a changed plugin is refused as a changed reward is (``--allow-changed plugin``);
 - a data file: its size and sha256 up to :data:`HASH_LIMIT` bytes; a larger one (whose hash would
   take seconds: 1 GiB is about 2 s) its size and the sha256 of :data:`SAMPLES` evenly spaced 1 MiB
   blocks, first and last included (an edit between them goes unseen); a folder (``save_to_disk``):
@@ -41,7 +44,7 @@ HASH_LIMIT = 1 << 30
 SAMPLES = 16
 
 #: What ``--allow-changed`` may name.
-CHANGE_KINDS = ("reward", "data")
+CHANGE_KINDS = ("reward", "data", "plugin")
 
 #: ``RUN_DIR/changes.jsonl``: the changes a resume went on with, at the step they first affect.
 CHANGES = "changes.jsonl"
@@ -138,11 +141,37 @@ def fingerprint(cfg, rewards: dict) -> dict:
     data = {cfg.data.train: data_fingerprint(cfg.data.train)}
     for vs in cfg.validation.sets():
         data.setdefault(vs["data"], data_fingerprint(vs["data"]))
-    return {"rewards": {label: reward_fingerprint(r) for label, r in rewards.items()}, "data": data}
+    out = {"rewards": {label: reward_fingerprint(r) for label, r in rewards.items()}, "data": data}
+    plugins = plugin_fingerprints(run_plugins(cfg))
+    if plugins:
+        out["plugins"] = plugins
+    return out
+
+
+def run_plugins(cfg) -> list[str]:
+    """The plugins a run imports: its ``plugins`` list, then the modules its part keys name."""
+    from graft_rl.methods.registry import part_modules
+
+    return list(dict.fromkeys([*cfg.plugins, *part_modules(cfg.method)]))
+
+
+def plugin_fingerprints(specs: list[str]) -> dict[str, dict]:
+    """``{spec: {"source": file, "sha256": ...}}`` of each plugin's source file."""
+    from graft_rl.methods.registry import plugin_file, plugin_sources
+
+    out = {}
+    for spec, source in plugin_sources(specs).items():
+        path = plugin_file(spec)
+        if source is not None:  # a file plugin: the source this process imported (what ran)
+            digest = hashlib.sha256(source).hexdigest()
+        else:
+            digest = _sha256(path) if path else None
+        out[spec] = {"source": str(path) if path else spec, "sha256": digest}
+    return out
 
 
 def changes(before: dict, now: dict) -> list[tuple[str, str]]:
-    """``(kind, what changed)`` for every difference: kind ``reward`` or ``data`` (refused unless
+    """``(kind, what changed)`` for every difference: kind ``reward``, ``plugin`` or ``data`` (refused unless
     allowed), or ``version`` (a built-in verifier's package or a generated set's: reported only)."""
     out: list[tuple[str, str]] = []
     old_r, new_r = before.get("rewards", {}), now.get("rewards", {})
@@ -160,6 +189,13 @@ def changes(before: dict, now: dict) -> list[tuple[str, str]]:
                 out.append(("version", f"{where} {a['source']}: {a['package']} {a['version']} -> {b['version']}"))
         elif a.get("sha256") != b.get("sha256"):  # content only: a moved checkout or another machine resumes
             out.append(("reward", f"{where}: {b['source']} changed (sha256 {_short(a)} -> {_short(b)})"))
+    old_p, new_p = before.get("plugins", {}), now.get("plugins", {})
+    for spec in sorted(set(old_p) | set(new_p)):
+        a, b = old_p.get(spec), new_p.get(spec)
+        if a is None or b is None:
+            continue  # a plugin added or left out by the resumed config is a config change, judged there
+        if a.get("sha256") != b.get("sha256"):
+            out.append(("plugin", f"plugin {spec}: {b['source']} changed (sha256 {_short(a)} -> {_short(b)})"))
     old_d, new_d = before.get("data", {}), now.get("data", {})
     for spec in sorted(set(old_d) | set(new_d)):
         a, b = old_d.get(spec), new_d.get(spec)

@@ -475,8 +475,9 @@ class Testbed:
         refs = self.refs()
         return [{"name": "A", "model": refs["A"], **common}, {"name": "B", "model": refs["B"], **common}]
 
-    def train_config(self, run_dir: str = "runs/demo", method: str = "graft") -> dict:
-        """The embedded default of ``graft train``: GRAFT on this pair, a few minutes on 2 cores."""
+    def train_config(self, run_dir: str = "runs/demo", method: str | None = None) -> dict:
+        """The embedded default of ``graft train``: the default method (GRAFT) on this pair, a few minutes on 2
+        cores; ``method``: another method's name."""
         if self.pair == "lookup":  # one-token answers after a sentence, a one-family pool, unbalanced exchange
             raise ValueError(
                 "the lookup pair's runs are configs/lookup/graft.yaml and grpo.yaml, not an arithmetic default"
@@ -500,7 +501,7 @@ class Testbed:
                 "top_p": 1.0,
                 "max_new_tokens": 40,
             },
-            "method": {"name": method},
+            "method": {"name": method} if method else {},
             "policies": self.policy_dicts(),
         }
 

@@ -116,7 +116,6 @@ class Trainer(Rollouts, Checkpointing, Validation):
         self.steps_per_epoch = len(self.data) // cfg.prompt_batch
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
         self.method = build_method(cfg.method)  # the driver's side of it: exchange, per-step state, filter
-        self.exchange = self.method.exchange()
         self.sampling = SamplingParams(cfg.n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens)
         self.start_step = 1
         # Ray: generations started for the next step as each policy's update finished (see step)
@@ -142,7 +141,13 @@ class Trainer(Rollouts, Checkpointing, Validation):
                     "reference_gguf_file": pc.reference_gguf_file if pc.reference_model else pc.gguf_file,
                 }
                 pc = PolicyConfig(
-                    **{**to_dict(pc), "model": str(ckpt / pc.name), "gguf_file": None, "tokenizer": None, **ref}
+                    **{
+                        **to_dict(pc),
+                        "model": str((ckpt / pc.name).absolute()),
+                        "gguf_file": None,
+                        "tokenizer": None,
+                        **ref,
+                    }
                 )
             pcs.append(pc)
         self.workers = self._start_workers(cfg, pcs)
@@ -218,7 +223,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         for name in self.policies:
             gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 6, step, self.names.index(name)))
             own = groups[name]
-            batches[name] = self.exchange.build(name, groups, self.live, self.cfg.n, gen)
+            batches[name] = self.method.build(name, groups, self.live, self.cfg.n, gen)
             line = lines[name]
             rewards = [r for g in own for r in g.rewards]
             line["reward_mean"] = statistics.fmean(rewards)
@@ -245,7 +250,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         for name in self.policies:
             lines[name].update(self._finish_receiver(name, batches[name], step, pending[name]))
             if self._family:
-                lines[name].update(family_stats(self._family, groups[name], batches[name]))
+                lines[name].update(batches[name].family_stats(self._family, groups[name]))
         return [lines[n] for n in self.policies]
 
     # ------------------------------------------------------------------ run
@@ -449,27 +454,3 @@ def _summary(lines: list[dict]) -> str:
         ex = ln.get("exchanged_in", 0)
         parts.append(f"{ln['policy']} reward {ln['reward_mean']:.2f} grafted {int(ex)}")
     return " | ".join(parts)
-
-
-def family_stats(family: dict[str, str], own: list[RolloutGroup], batch: ReceiverBatch) -> dict:
-    """Per prompt family (``subject``): own groups, own all-fail groups, prompts with peer data
-    (grafted groups; SGT's auxiliary response), and grafted peer responses with those the gate
-    admitted (weight > 0): counts, pooled by the report."""
-    out: dict[str, float] = {}
-
-    def add(key: str, fam: str, v: float = 1.0) -> None:
-        out[f"{key}/{fam}"] = out.get(f"{key}/{fam}", 0.0) + v
-
-    for g in own:
-        fam = family[g.prompt_id]
-        add("groups", fam)
-        add("all_fail", fam, float(g.k == 0))
-    for rows in batch.group_rows():
-        if not any(batch.rows[i].is_peer for i in rows):  # no peer data for this prompt
-            continue
-        fam = family[batch.rows[rows[0]].prompt_id]
-        add("grafted", fam)  # a grafted group, or SGT's auxiliary peer response
-        peer = [batch.rows[i] for i in rows if batch.rows[i].is_peer and not batch.rows[i].is_aux]
-        add("grafted_rows", fam, len(peer))
-        add("admitted_rows", fam, sum(1 for r in peer if r.weight > 0))
-    return out

@@ -110,7 +110,7 @@ class Validation:
                 if t.exists():
                     shutil.rmtree(t)
             try:
-                saving = [self._submit(name, "save", str(tmp[name])) for name in improved]
+                saving = [self._submit(name, "save", str(tmp[name].absolute())) for name in improved]
                 for name, handle in zip(improved, saving, strict=True):
                     self._result(handle)
                     # graft eval checks best/<policy> against it: files, step and run

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from graft_rl import algo
-from graft_rl.methods import MethodConfig, build_method
+from graft_rl.methods import MethodConfig, build_method, load_plugins
 from graft_rl.methods.exchange import ReceiverBatch
-from graft_rl.methods.objectives import RowTensors
+from graft_rl.methods.receiver import exchange_stats
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch
 from graft_rl.policy.policy import PromptTooLongError
 
@@ -48,16 +47,18 @@ class PolicyWorker:
     def __init__(
         self,
         policy: PolicyConfig | Policy,
-        method: MethodConfig,
+        method: MethodConfig | None,
         minibatch: int,
         nonfinite_loss: str = "skip",
         torch_threads: int | None = None,
+        plugins: tuple[str, ...] = (),
     ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        load_plugins(plugins)  # a user's parts, registered here too (a Ray actor is a fresh process)
         # the KL reference is the policy as built, before any update or resume; loaded with the policy
         # (before its rollout engine: see graft_rl.policy.rollout.shield_from_vllm_patches)
-        ref = method.kl_coef > 0
+        ref = method is not None and method.kl_coef > 0
         if isinstance(policy, Policy):
             self.policy = policy
         elif policy.world_size > 1:  # one rank of a sharded policy (torch.distributed is initialised)
@@ -66,11 +67,11 @@ class PolicyWorker:
             self.policy = ShardedPolicy(policy, with_reference=ref)
         else:
             self.policy = Policy(policy, with_reference=ref)
-        self.method = build_method(method)  # its receiver-side parts: weighting, objective, loss mask
+        # the method's receiver-side parts: weighting, loss mask, minibatch order, objective
+        self.receiver = build_method(method).receiver() if method is not None else None  # None: an evaluator
+        self.with_reference = ref
         self.minibatch = minibatch
         self.nonfinite_loss = nonfinite_loss
-        self.objective = self.method.objective()
-        self.weighting = self.method.weighting()
         if ref:  # an in-process Policy handed in (no-op when it was built with its reference)
             self.policy.init_reference()
 
@@ -173,37 +174,21 @@ class PolicyWorker:
             old[rows, : lp.shape[1]] = lp
 
     def _weigh(self, batch: ReceiverBatch, gen: torch.Generator, temperature: float, max_new_tokens: int | None):
-        """Encode the batch, score its peer rows under this policy (pi_old) and weight them (Section
-        4.2); the batch is not changed. Returns ``(token batch, loss mask, old log-probs, peer rows,
-        {row: (s_token, s_char)}, weight per row, included per row)``."""
-        pol, cfg = self.policy, self.method.cfg
+        """``(token batch, the method's view of it)``: the batch encoded in this policy's tokens, its peer
+        rows scored (pi_old) and weighted by the method's receiver (Section 4.2); the batch is not changed."""
+        pol = self.policy
         pol.logprob_temperature = temperature
         tb = self._encode(batch, max_new_tokens)
-        mask = tb.response_mask()
-        weights = [r.weight for r in batch.rows]
-        included = [r.include for r in batch.rows]
-        for i in [] if self.method.keeps_cut_peer_responses else tb.cut:  # a peer response longer than
-            included[i] = False  # this policy's budget: it could never have produced it, and the answer may be cut
-        self.method.loss_mask(tb.response_ids, mask, pol.eos_token_ids)
-        old = torch.zeros(mask.shape)  # pi_old, filled where it is needed before the first update
-        # compatibility of peer responses (Section 4.2); per-character variant logged too
-        peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
-        self._score(tb, peer_rows, old)
-        recv_sum = (old * mask).sum(1)
-        recv_mean = algo.mean_token_logprob(old, mask)
-        compat: dict[int, tuple[float, float]] = {}
-        for src in dict.fromkeys(batch.rows[i].source for i in peer_rows):
-            rows = [i for i in peer_rows if batch.rows[i].source == src]
-            src_mean = torch.tensor([batch.rows[i].src_mean_logprob for i in rows])
-            s_tok = algo.compatibility_score(recv_mean[rows], src_mean)
-            chars = torch.tensor([max(len(batch.rows[i].text), 1) for i in rows], dtype=torch.float32)
-            src_sum = torch.tensor([batch.rows[i].src_logprob_sum for i in rows])
-            s_chr = algo.per_char_compatibility_score(recv_sum[rows], src_sum, chars)
-            w = self.weighting(s_tok if cfg.compatibility == "token_mean" else s_chr, gen)
-            for i, wi, st, sc in zip(rows, w.tolist(), s_tok.tolist(), s_chr.tolist(), strict=True):
-                weights[i] = wi
-                compat[i] = (st, sc)
-        return tb, mask, old, peer_rows, compat, weights, included
+        weighed = self.receiver.weigh(
+            batch,
+            tb.response_ids,
+            tb.response_mask(),
+            tb.cut,
+            pol.eos_token_ids,
+            lambda rows, old: self._score(tb, rows, old),
+            gen,
+        )
+        return tb, weighed
 
     def score_peers(
         self, batch: ReceiverBatch, seed: int, temperature: float = 1.0, max_new_tokens: int | None = None
@@ -212,23 +197,23 @@ class PolicyWorker:
         peer row its prompt, source, reward, compatibility (token mean and per character) and
         weight, from the same code and, for the same ``seed``, the same draws."""
         gen = torch.Generator().manual_seed(seed)
-        _, _, _, peer_rows, compat, weights, _ = self._weigh(batch, gen, temperature, max_new_tokens)
+        _, w = self._weigh(batch, gen, temperature, max_new_tokens)
         return [
             {
                 "prompt_id": batch.rows[i].prompt_id,
                 "source": batch.rows[i].source,
                 "reward": batch.rows[i].reward,
-                "compat_token": compat[i][0],
-                "compat_char": compat[i][1],
-                "weight": weights[i],
+                "compat_token": w.compat[i][0],
+                "compat_char": w.compat[i][1],
+                "weight": w.weights[i],
             }
-            for i in peer_rows
+            for i in w.peer_rows
         ]
 
     def train(
         self, batch: ReceiverBatch, step: int, seed: int, temperature: float = 1.0, max_new_tokens: int | None = None
     ) -> ReceiverUpdate:
-        """Score the rows that need pi_old, weight peer rows, run the peer-last minibatch epoch.
+        """Score the rows that need pi_old, weight peer rows, run the step's minibatches in the method's order.
 
         pi_old (the receiver's log-probs before the step's first update) is computed beforehand
         only where it differs from what the update's own forward pass gives: peer rows (their
@@ -243,63 +228,25 @@ class PolicyWorker:
         to it (``peer_cut`` counts them). The batch is not changed: what was computed for its rows
         comes back in the :class:`ReceiverUpdate`.
         """
-        pol, cfg = self.policy, self.method.cfg
+        pol, recv = self.policy, self.receiver
         gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
-        tb, mask, old, peer_rows, compat, weights, included = self._weigh(batch, gen, temperature, max_new_tokens)
-        ref = pol.reference_logprobs(tb)[0] if cfg.kl_coef > 0 else None
+        tb, w = self._weigh(batch, gen, temperature, max_new_tokens)
+        ref = pol.reference_logprobs(tb)[0] if self.with_reference else None
         score_s = time.perf_counter() - t0
-        exchange_rows = [
-            {
-                "prompt_id": r.prompt_id,
-                "source": r.source,
-                "group_index": r.index,
-                "reward": r.reward,
-                "advantage": r.advantage,
-                "weight": weights[i],
-                "compat_token": compat.get(i, (None, None))[0],
-                "compat_char": compat.get(i, (None, None))[1],
-                "included": included[i],
-                "auxiliary": r.is_aux,
-            }
-            for i, r in enumerate(batch.rows)
-            if r.is_peer
-        ]
-        # peer-last minibatches over the receiver's prompt groups (Section 4.2)
-        group_rows = batch.group_rows()
-        order = algo.minibatch_order(torch.tensor(batch.group_is_peer), self.minibatch, cfg.position, gen)
+        records = recv.records(batch, w)
+        order = recv.order(batch, self.minibatch, gen)
         # pi_old of the rows trained after the first update (the policy will have moved by then)
         t0 = time.perf_counter()
-        first = {r for gi in order[0].tolist() for r in group_rows[gi]} if order else set()
-        scored = set(peer_rows)
-        later = [
-            i for i, r in enumerate(batch.rows) if i not in first and i not in scored and included[i] and not r.is_aux
-        ]
-        self._score(tb, later, old)
+        first = set(order[0]) if order else set()
+        self._score(tb, recv.later_rows(batch, w, first), w.old)
         score_s += time.perf_counter() - t0
-        rows = batch.rows
-        extras = {
-            key: [r.extras.get(key, 1.0) for r in rows] for key in dict.fromkeys(k for r in rows for k in r.extras)
-        }
-        t = RowTensors(
-            old,
-            mask,
-            [r.advantage for r in rows],
-            weights,
-            [r.is_peer for r in rows],
-            included,
-            [r.is_aux for r in rows],
-            [r.src_mean_logprob for r in rows],
-            ref,
-            old_is_current=[i in first and i not in scored for i in range(len(rows))],
-            extras=extras,
-        )
+        t = recv.tensors(batch, w, ref, first)
         t0 = time.perf_counter()
         stats: dict = {}
         upd: list[dict] = []
-        for update_index, mb_groups in enumerate(order):
-            mb = [r for gi in mb_groups.tolist() for r in group_rows[gi]]
-            out = pol.update(tb.select(mb), self.objective.minibatch(t, mb, step, update_index))
+        for update_index, mb in enumerate(order):
+            out = pol.update(tb.select(mb), recv.loss(t, mb, step, update_index))
             upd.append(out)
             if out["skipped"] and self.nonfinite_loss == "stop":
                 stats["nonfinite_stop"] = True
@@ -307,14 +254,11 @@ class PolicyWorker:
         update_s = time.perf_counter() - t0
         stats.update(batch.stats)
         stats["peer_cut"] = len(tb.cut)  # peer responses longer than the receiver's max_new_tokens here
-        by_source = [
-            i for src in dict.fromkeys(rows[i].source for i in peer_rows) for i in peer_rows if rows[i].source == src
-        ]
-        stats.update(_exchange_stats([compat[i] for i in by_source], [weights[i] for i in by_source]))
+        stats.update(exchange_stats(batch, w))
         stats.update(_update_stats(upd, ref is not None))
         stats["time_score"] = score_s
         stats["time_update"] = update_s
-        return ReceiverUpdate(stats, weights, included, exchange_rows)
+        return ReceiverUpdate(stats, w.weights, w.included, records)
 
 
 @dataclass
@@ -326,20 +270,6 @@ class ReceiverUpdate:
     weights: list[float]
     included: list[bool]
     exchange_rows: list[dict]
-
-
-def _exchange_stats(compat: list[tuple[float, float]], weights: list[float]) -> dict:
-    """Compatibility and admission of the peer rows (Section 4.2; in source order)."""
-    s_tok = [c[0] for c in compat]
-    s_chr = [c[1] for c in compat]
-    return {
-        "admitted_frac": (sum(1 for w in weights if w > 0) / len(weights)) if weights else None,
-        "peer_weight_mean": statistics.fmean(weights) if weights else None,
-        "compat_token_median": statistics.median(s_tok) if s_tok else None,
-        "compat_char_median": statistics.median(s_chr) if s_chr else None,
-        "compat_token": [round(x, 5) for x in s_tok],
-        "compat_char": [round(x, 5) for x in s_chr],
-    }
 
 
 def _update_stats(upd: list[dict], with_kl: bool) -> dict:

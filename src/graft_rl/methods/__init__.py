@@ -1,21 +1,39 @@
-"""Methods as plugins (docs/design.md, "Methods"): one file per method, each registered by name.
+"""Methods from parts (docs/design.md, "Methods from parts"): registries of advantages, selections,
+compositions, weightings, losses and auxiliary losses, and methods as presets of them.
 
-``graft_rl.methods.base`` defines what a method is (:class:`Method`) and the registry
-(:func:`register_method`, :func:`build_method`); ``exchange`` and ``objectives`` the generic
-batch building (selection, replacement, weighting) and loss that methods specialise. Importing this
-package registers the shipped methods: ``grpo``, ``dr_grpo``, ``graft``, ``sgt``, ``luffy``, ``hacpo``.
+- :mod:`~graft_rl.methods.registry`: the registries and the user's plugins (``plugins:`` in a config,
+  or ``module:NAME`` / ``file.py:NAME`` for any part key);
+- :mod:`~graft_rl.methods.config`: ``method`` in a config (:class:`MethodConfig`);
+- :mod:`~graft_rl.methods.advantages`, :mod:`~graft_rl.methods.losses`: the estimators and losses;
+- :mod:`~graft_rl.methods.exchange`: selections, compositions, weightings and the exchange that
+  builds each receiver's batch; :mod:`~graft_rl.methods.receiver` and
+  :mod:`~graft_rl.methods.objectives`: the receiver's side and its minibatch loss;
+- :mod:`~graft_rl.methods.base`: :class:`Method` (a preset of parts plus its state) and its registry.
+
+Importing this package registers the shipped parts and methods: ``grpo``, ``dr_grpo``, ``graft``,
+``sgt``, ``luffy``, ``hacpo``.
 """
 
+from graft_rl.methods import advantages, losses  # noqa: F401  (register the shipped parts)
+from graft_rl.methods.advantages import AdvantageContext, register_advantage
 from graft_rl.methods.base import (
-    EXCHANGE_KEYS,
     Method,
-    MethodConfig,
     RolloutFilter,
     build_method,
     method_class,
     method_names,
     register_method,
 )
+from graft_rl.methods.config import EXCHANGE_KEYS, PART_NAMES, MethodConfig, check_range
+from graft_rl.methods.exchange import (
+    ComposeContext,
+    Selection,
+    register_composition,
+    register_selection,
+    register_weighting,
+)
+from graft_rl.methods.losses import LossContext, register_aux_loss, register_loss
+from graft_rl.methods.registry import load_plugins
 
 # the shipped methods register on import, in this order (the paper's; error messages list them so)
 # isort: off
@@ -24,23 +42,36 @@ from graft_rl.methods import grpo, graft, sgt, luffy, hacpo, dr_grpo  # noqa: E4
 
 __all__ = [
     "EXCHANGE_KEYS",
+    "PART_NAMES",
+    "AdvantageContext",
+    "ComposeContext",
+    "LossContext",
     "Method",
     "MethodConfig",
     "RolloutFilter",
+    "Selection",
     "build_exchange",
     "build_method",
     "build_objective",
+    "check_range",
+    "load_plugins",
     "method_class",
     "method_names",
+    "register_advantage",
+    "register_aux_loss",
+    "register_composition",
+    "register_loss",
     "register_method",
+    "register_selection",
+    "register_weighting",
 ]
 
 
 def build_exchange(cfg: MethodConfig):
-    """The exchange of a config's method (``build_method(cfg).exchange()``)."""
-    return build_method(cfg).exchange()
+    """The exchange of a config's method (``build_method(cfg).exchange``)."""
+    return build_method(cfg).exchange
 
 
 def build_objective(cfg: MethodConfig):
-    """The objective of a config's method (``build_method(cfg).objective()``)."""
-    return build_method(cfg).objective()
+    """The minibatch objective of a config's method (``build_method(cfg).receiver().objective``)."""
+    return build_method(cfg).receiver().objective

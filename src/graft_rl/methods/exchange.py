@@ -1,18 +1,19 @@
 """Build each receiver's training batch from all policies' rollouts (Sections 4.1-4.2).
 
-An exchange is three small strategies, chosen by the method (``graft_rl.methods``), never
-branches in the step loop:
+An exchange is four parts, each chosen by its ``method`` key from a registry
+(:mod:`graft_rl.methods.registry`), never branches in the step loop:
 
-- a **selection** (:data:`SELECTIONS`, ``method.selection``) decides which prompts take which
-  peer's group: complementary candidates with balanced exchange (GRAFT, Section 4.1),
-  count-matched random prompts (Appendix G), SGT's rule (receiver fails, peer has a success), or
-  every prompt (HACPO);
-- a **composition** (:meth:`Exchange.compose`) decides what the receiver trains on for a selected
-  prompt: here the peer group *replaces* the failed own group (GRAFT, LUFFY); methods override it
-  to pool the groups (pooled-groups ablation, HACPO) or to add one correct response as an
-  auxiliary NLL target (SGT);
-- a **weighting** (:class:`Weighting`) turns compatibility scores into weights on the receiver's
-  worker: the gate (Section 4.2), no gate, no floor, count-matched random admission, or none.
+- an **advantage** (``method.advantage``, :mod:`graft_rl.methods.advantages`) on each source's own
+  groups (GRAFT's source-computed advantages), or on a pooled group;
+- a **selection** (``method.selection``) decides which prompts take which peer's group:
+  complementary candidates with balanced exchange (GRAFT, Section 4.1), count-matched random
+  prompts (Appendix G), every prompt (HACPO); SGT registers its own rule in its file;
+- a **composition** (``method.composition``) decides what the receiver trains on for a selected
+  prompt: the peer group *replaces* the failed own group (``replace``: GRAFT, LUFFY), the groups are
+  pooled (``pool``: the pooled-groups ablation), or one correct response is an auxiliary target
+  (``aux_target``: SGT); HACPO registers its pooling in its file;
+- a **weighting** (``method.weighting``) turns compatibility scores into weights on the receiver's
+  worker: the gate (Section 4.2) with its switches (no gate, no floor, random admission), or none.
 
 More than two policies (beyond the paper): for receiver R each peer P is first selected
 pairwise, exactly as with two models (balancing between R and P); a prompt selected from
@@ -23,23 +24,27 @@ order of policies in the config. With two policies this is the paper's rule.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from graft_rl import algo
-from graft_rl.methods.base import MethodConfig
+from graft_rl.methods.advantages import AdvantageContext
+from graft_rl.methods.config import MethodConfig
+from graft_rl.methods.registry import ADVANTAGES, COMPOSITIONS, SELECTIONS, WEIGHTINGS
 from graft_rl.policy import RolloutGroup
 
 __all__ = [
-    "SELECTIONS",
+    "ComposeContext",
     "Exchange",
-    "NoWeighting",
     "ReceiverBatch",
     "Row",
     "Selection",
-    "Weighting",
     "group_rewards",
+    "register_composition",
+    "register_selection",
+    "register_weighting",
     "rows_of",
     "success_counts",
     "successes",
@@ -82,6 +87,29 @@ class ReceiverBatch:
         out: list[list[int]] = [[] for _ in self.group_is_peer]
         for i, r in enumerate(self.rows):
             out[r.group].append(i)
+        return out
+
+    def family_stats(self, family: dict[str, str], own: list[RolloutGroup]) -> dict:
+        """Per prompt family (``subject``): own groups, own all-fail groups, prompts with peer data
+        (grafted groups; SGT's auxiliary response), and grafted peer responses with those the gate
+        admitted (weight > 0): counts, pooled by the report."""
+        out: dict[str, float] = {}
+
+        def add(key: str, fam: str, v: float = 1.0) -> None:
+            out[f"{key}/{fam}"] = out.get(f"{key}/{fam}", 0.0) + v
+
+        for g in own:
+            fam = family[g.prompt_id]
+            add("groups", fam)
+            add("all_fail", fam, float(g.k == 0))
+        for rows in self.group_rows():
+            if not any(self.rows[i].is_peer for i in rows):  # no peer data for this prompt
+                continue
+            fam = family[self.rows[rows[0]].prompt_id]
+            add("grafted", fam)  # a grafted group, or SGT's auxiliary peer response
+            peer = [self.rows[i] for i in rows if self.rows[i].is_peer and not self.rows[i].is_aux]
+            add("grafted_rows", fam, len(peer))
+            add("admitted_rows", fam, sum(1 for r in peer if r.weight > 0))
         return out
 
 
@@ -127,8 +155,14 @@ def rows_of(group: RolloutGroup, gi: int, is_peer: bool, adv: list[float]) -> li
 
 
 # --------------------------------------------------------------------------- selections
+def register_selection(name: str) -> Callable:
+    """Class decorator: a :class:`Selection` subclass (its ``pairwise``) as ``method.selection: NAME``."""
+    return SELECTIONS.register(name)
+
+
 class Selection:
-    """Which prompts receive which peer's group: ``{peer: bool[G]}`` (a prompt from one peer at most)."""
+    """Which prompts receive which peer's group: ``{peer: bool[G]}`` (a prompt from one peer at most).
+    A subclass gives the rule for one pair, :meth:`pairwise`; :meth:`select` resolves several peers."""
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
@@ -166,6 +200,7 @@ def _resolve(chosen: dict[str, torch.Tensor], k: dict[str, torch.Tensor]) -> dic
     return {p: any_sel & (best == i) for i, p in enumerate(names)}
 
 
+@register_selection("complementary")
 class Complementary(Selection):
     """GRAFT's rule: receiver all-fail, peer mixed; balanced between the two live models."""
 
@@ -174,6 +209,7 @@ class Complementary(Selection):
         return peer_to_recv
 
 
+@register_selection("random")
 class CountMatchedRandom(Selection):
     """Appendix G: as many prompts as GRAFT's rule would move, drawn uniformly from the batch."""
 
@@ -183,64 +219,123 @@ class CountMatchedRandom(Selection):
         return rand
 
 
-class SGTRule(Selection):
-    """SGT's eligibility: receiver has no success, peer has at least one (no balancing, k_peer = n allowed)."""
-
-    def pairwise(self, k_peer, k_recv, n, balanced_ok, gen):
-        return algo.sgt_eligible(k_recv, k_peer)
-
-
+@register_selection("all")
 class Every(Selection):
-    """HACPO pools the peer's rollouts on every prompt."""
+    """Every prompt takes the peer's group (HACPO pools the peer's rollouts on every prompt)."""
 
     def pairwise(self, k_peer, k_recv, n, balanced_ok, gen):
         return torch.ones_like(k_recv, dtype=torch.bool)
 
 
-#: ``method.selection`` -> its rule (the config's allowed values come from here)
-SELECTIONS: dict[str, type[Selection]] = {
-    "complementary": Complementary,
-    "graft": Complementary,
-    "random": CountMatchedRandom,
-    "sgt": SGTRule,
-    "all": Every,
-}
-
-
 # --------------------------------------------------------------------------- weightings
-class Weighting:
-    """Compatibility score -> weight for one direction's peer responses (own responses keep 1)."""
-
-    def __init__(self, cfg: MethodConfig):
-        self.cfg = cfg
-
-    def __call__(self, score: torch.Tensor, gen) -> torch.Tensor:
-        c = self.cfg
-        if not c.gate:
-            return torch.ones_like(score)  # "w/o compatibility gate": w = 1
-        if c.admission == "random":
-            return algo.random_admission_weight(score, c.delta, gen)
-        return algo.compatibility_weight(score, c.delta, floor=c.floor)
+def register_weighting(name: str) -> Callable:
+    """Decorator: make ``fn(score [M], cfg, gen) -> weight [M]`` (compatibility scores of one source's peer
+    responses -> their weights; own responses keep 1) available as ``method.weighting: NAME``."""
+    return WEIGHTINGS.register(name)
 
 
-class NoWeighting(Weighting):
-    """For methods with their own off-policy correction (LUFFY, HACPO): every peer response counts fully."""
+@register_weighting("gate")
+def gate(score: torch.Tensor, cfg, gen) -> torch.Tensor:
+    """GRAFT's compatibility gate (Section 4.2, :func:`graft_rl.algo.compatibility_weight`) with its
+    Table 2 / Appendix G switches: ``gate: false`` (w = 1), ``floor: false``, ``admission: random``."""
+    if not cfg.gate:
+        return torch.ones_like(score)  # "w/o compatibility gate": w = 1
+    if cfg.admission == "random":
+        return algo.random_admission_weight(score, cfg.delta, gen)
+    return algo.compatibility_weight(score, cfg.delta, floor=cfg.floor)
 
-    def __call__(self, score, gen):
-        return torch.ones_like(score)
+
+@register_weighting("none")
+def no_weighting(score: torch.Tensor, cfg, gen) -> torch.Tensor:
+    """Every peer response counts fully: for losses with their own off-policy correction (LUFFY, HACPO)."""
+    return torch.ones_like(score)
+
+
+# --------------------------------------------------------------------------- compositions
+@dataclass
+class ComposeContext:
+    """What a composition reads for prompt ``q``: ``gi`` (the index its first group takes in the batch),
+    ``selected`` (the selection chose ``peer`` for it; False for a prompt a composition with
+    ``every_prompt`` pools anyway), ``adv`` (each policy's advantages on its own groups), and the
+    advantage part, to compute one over a pooled group (:meth:`pooled_advantages`)."""
+
+    q: int
+    gi: int
+    cfg: MethodConfig
+    gen: torch.Generator
+    selected: bool
+    adv: dict[str, torch.Tensor]
+    advantage: Callable
+    capability: dict[str, float]
+    state: dict
+
+    def own_advantages(self, group: RolloutGroup) -> list[float]:
+        return self.adv[group.policy][self.q].tolist()
+
+    def pooled_advantages(self, own: RolloutGroup, peer: RolloutGroup) -> tuple[list[float], list[float]]:
+        """The advantage part over ``own || peer`` (own columns first): ``(own advantages, peer advantages)``."""
+        rewards = torch.tensor([list(own.rewards) + list(peer.rewards)], dtype=torch.float64)
+        sources = [own.policy] * own.n + [peer.policy] * peer.n
+        ctx = AdvantageContext(own.policy, self.cfg, sources, self.capability, self.state)
+        adv = self.advantage(rewards, ctx)[0]
+        return adv[: own.n].tolist(), adv[own.n :].tolist()
+
+
+def register_composition(name: str, **attrs) -> Callable:
+    """Decorator: make ``fn(own, peer, ctx: ComposeContext) -> [(rows, is_peer_group), ...]`` available as
+    ``method.composition: NAME`` (``peer``: the selected peer's group, or None). Declared attributes:
+    ``pools`` (its groups mix own and peer responses: pooled advantages apply), ``aux`` (it adds
+    auxiliary targets: an ``aux_loss`` is needed), ``every_prompt`` (it receives a peer group on every
+    prompt, ``ctx.selected`` telling the selected ones), ``keeps_cut`` (a peer response longer than
+    the receiver's budget stays in the loss, cut, instead of leaving it)."""
+    for key in ("pools", "aux", "every_prompt", "keeps_cut"):
+        attrs.setdefault(key, False)
+    return COMPOSITIONS.register(name, **attrs)
+
+
+@register_composition("replace")
+def replace(own: RolloutGroup, peer: RolloutGroup | None, ctx: ComposeContext):
+    """GRAFT's (Section 4.1): the peer group replaces the failed own group, with the source's advantages;
+    ``success_only`` (Appendix G) leaves its unsuccessful responses out of the loss."""
+    if peer is None:
+        return [(rows_of(own, ctx.gi, False, ctx.own_advantages(own)), False)]
+    rows = rows_of(peer, ctx.gi, True, ctx.own_advantages(peer))
+    if ctx.cfg.success_only:  # Appendix G: unsuccessful peer responses leave the loss
+        keep = algo.success_only_mask(
+            torch.ones(len(rows), 1),
+            torch.tensor([float(r.success) for r in rows]),  # success: reward >= data.success_threshold
+            torch.ones(len(rows), dtype=torch.bool),
+        )
+        for r, k in zip(rows, keep[:, 0].tolist(), strict=True):
+            r.include = k > 0
+    return [(rows, True)]
+
+
+@register_composition("pool", pools=True)
+def pool(own: RolloutGroup, peer: RolloutGroup | None, ctx: ComposeContext):
+    """Pooled groups (Appendix G): the selected prompt trains on G_B || G_A with advantages over the pool."""
+    if peer is None:
+        return replace(own, None, ctx)
+    a_own, a_peer = ctx.pooled_advantages(own, peer)
+    return [(rows_of(own, ctx.gi, False, a_own) + rows_of(peer, ctx.gi, True, a_peer), True)]
 
 
 # --------------------------------------------------------------------------- the exchange
 class Exchange:
-    """Selection + composition (GRAFT's: the peer group replaces the failed own group)."""
+    """Advantage + selection + composition: each receiver's :class:`ReceiverBatch` (Section 4.1).
 
-    def __init__(self, cfg: MethodConfig):
+    ``uses_peers=False``: a receiver's batch is its own groups only (GRPO)."""
+
+    def __init__(self, cfg: MethodConfig, uses_peers: bool = True):
         self.cfg = cfg
-        self.selection = SELECTIONS[cfg.selection](cfg)
+        self.uses_peers = uses_peers
+        self.advantage = ADVANTAGES.get(cfg.part_name("advantage"))
+        self.selection = SELECTIONS.get(cfg.part_name("selection"))(cfg)
+        self.composition = COMPOSITIONS.get(cfg.part_name("composition"))
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """Each group's advantages ``[G, n]`` on its own rewards ``[G, n]`` (GRPO's, Section 3)."""
-        return algo.grpo_advantages(rewards, self.cfg.adv_eps)
+    def advantages(self, policy: str, rewards: torch.Tensor, capability=None, state=None) -> torch.Tensor:
+        """A policy's advantages ``[G, n]`` on its own groups' rewards ``[G, n]``."""
+        return self.advantage(rewards, AdvantageContext(policy, self.cfg, None, capability or {}, state or {}))
 
     def build(
         self,
@@ -249,21 +344,35 @@ class Exchange:
         live: set[str],
         n: int,
         gen: torch.Generator,
+        capability: dict[str, float] | None = None,
+        state: dict | None = None,
     ) -> ReceiverBatch:
+        """``capability``/``state``: the method's per-step state (:meth:`Method.observe`)."""
+        if not self.uses_peers:
+            groups = {receiver: groups[receiver]}
+        capability, state = capability or {}, state or {}
         own = groups[receiver]
         k = {name: success_counts(gs) for name, gs in groups.items()}
-        adv = {name: self.advantages(group_rewards(gs)) for name, gs in groups.items()}
+        adv = {name: self.advantages(name, group_rewards(gs), capability, state) for name, gs in groups.items()}
         group_n = {name: (gs[0].n if gs else n) for name, gs in groups.items()}
         chosen, candidates = self.selection.select(receiver, k, group_n, live, gen) if len(groups) > 1 else ({}, {})
         from_peer = {}  # prompt index -> peer
         for peer, mask in chosen.items():
             for q in torch.nonzero(mask).flatten().tolist():
                 from_peer[q] = peer
+        pooled_with = {}  # every_prompt: prompt -> the peer whose group it pools when none was selected
+        if self.composition.every_prompt and len(groups) > 1:
+            every, _ = Every(self.cfg).select(receiver, k, group_n, live, gen)  # deterministic: no draw
+            for peer, mask in every.items():
+                pooled_with.update({q: peer for q in torch.nonzero(mask).flatten().tolist()})
         rows: list[Row] = []
         group_is_peer: list[bool] = []
         for q, g in enumerate(own):
-            peer = from_peer.get(q)
-            for part_rows, is_peer in self.compose(q, g, peer, groups, adv, gen, len(group_is_peer)):
+            peer = from_peer.get(q, pooled_with.get(q))
+            ctx = ComposeContext(
+                q, len(group_is_peer), self.cfg, gen, q in from_peer, adv, self.advantage, capability, state
+            )
+            for part_rows, is_peer in self.composition(g, groups[peer][q] if peer else None, ctx):
                 rows.extend(part_rows)
                 group_is_peer.append(is_peer)
         stats = {
@@ -273,20 +382,3 @@ class Exchange:
         for peer in chosen:
             stats[f"exchanged_from/{peer}"] = float(sum(1 for p in from_peer.values() if p == peer))
         return ReceiverBatch(receiver, rows, group_is_peer, stats)
-
-    def compose(self, q, own_group, peer, groups, adv, gen, gi):
-        """Yield ``(rows, is_peer_group)`` for prompt ``q`` (GRAFT: the peer group replaces the own one)."""
-        if peer is None:
-            yield rows_of(own_group, gi, False, adv[own_group.policy][q].tolist()), False
-            return
-        pg = groups[peer][q]
-        rows = rows_of(pg, gi, True, adv[peer][q].tolist())
-        if self.cfg.success_only:  # Appendix G: unsuccessful peer responses leave the loss
-            keep = algo.success_only_mask(
-                torch.ones(len(rows), 1),
-                torch.tensor([float(r.success) for r in rows]),  # success: reward >= data.success_threshold
-                torch.ones(len(rows), dtype=torch.bool),
-            )
-            for r, k in zip(rows, keep[:, 0].tolist(), strict=True):
-                r.include = k > 0
-        yield rows, True

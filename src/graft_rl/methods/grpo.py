@@ -11,16 +11,8 @@ import torch
 from graft_rl import algo
 from graft_rl.errors import ConfigError
 from graft_rl.methods.base import Method, RolloutFilter, register_method
-from graft_rl.methods.exchange import Exchange
 
-__all__ = ["GRPO", "OwnGroupsOnly"]
-
-
-class OwnGroupsOnly(Exchange):
-    """No exchange: every receiver's batch is its own groups, with their GRPO advantages."""
-
-    def build(self, receiver, groups, live, n, gen):
-        return super().build(receiver, {receiver: groups[receiver]}, live, n, gen)
+__all__ = ["GRPO"]
 
 
 def _rewards_vary(group) -> bool:
@@ -30,7 +22,8 @@ def _rewards_vary(group) -> bool:
 
 @register_method("grpo")
 class GRPO(Method):
-    """Group-relative policy optimisation on the policy's own rollouts."""
+    """Group-relative policy optimisation on the policy's own rollouts: ``grpo`` advantage,
+    ``token_mean_clip`` loss, no peer."""
 
     @dataclass
     class Params:
@@ -50,9 +43,6 @@ class GRPO(Method):
     def check(cls, cfg) -> None:
         if cfg.params["refill_factor"] < 1:
             raise ConfigError(f"method.refill_factor must be >= 1, got {cfg.params['refill_factor']}")
-
-    def exchange(self):
-        return OwnGroupsOnly(self.cfg)
 
     def rollout_filter(self) -> RolloutFilter | None:
         p = self.cfg.params

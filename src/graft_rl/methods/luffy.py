@@ -1,50 +1,39 @@
 """LUFFY-style off-policy guidance (Appendix B): GRAFT's selection and replacement, but peer
 responses enter through LUFFY's shaped importance weight ``f(x) = x / (x + gamma)`` (behaviour
-probability 1, no clipping) instead of the compatibility gate."""
+probability 1, no clipping) instead of the compatibility gate: the ``luffy`` loss
+(:mod:`graft_rl.methods.losses`, key ``luffy_gamma``) with ``weighting: none``."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from graft_rl import algo
-from graft_rl.methods.base import Method, check_range, register_method
-from graft_rl.methods.exchange import NoWeighting
-from graft_rl.methods.objectives import Objective
+from graft_rl.methods.base import Method, register_method
+from graft_rl.methods.config import check_range
+from graft_rl.methods.losses import LossContext, register_loss
 
-__all__ = ["LUFFY", "LuffyObjective"]
+__all__ = ["LUFFY", "luffy"]
 
 
-class LuffyObjective(Objective):
-    """Own tokens: the clipped surrogate; peer tokens: the shaped, unclipped one (``luffy_policy_loss``)."""
+@dataclass
+class LuffyParams:
+    luffy_gamma: float = 0.1  # gamma of LUFFY's policy shaping f(x) = x / (x + gamma)
 
-    def rl_loss(self, lp, old, mask, t, rows, step):
-        c = self.cfg
-        return algo.luffy_policy_loss(
-            lp,
-            old,
-            t.adv[rows].to(lp.device),
-            mask,
-            t.is_peer[rows].to(lp.device),
-            c.luffy_gamma,
-            c.eps_low,
-            c.eps_high,
-        )
+
+@register_loss(
+    "luffy",
+    weighted=False,
+    Params=LuffyParams,
+    check=lambda cfg: check_range(cfg, {"luffy_gamma": (0.0, math.inf, False)}),
+)
+def luffy(lp, old, mask, ctx: LossContext):
+    """LUFFY (Appendix B): own tokens the clipped surrogate, peer tokens the shaped, unclipped one
+    ``f(x) = x / (x + gamma)`` (:func:`graft_rl.algo.luffy_policy_loss`)."""
+    c = ctx.cfg
+    return algo.luffy_policy_loss(lp, old, ctx.adv, mask, ctx.is_peer, c.luffy_gamma, c.eps_low, c.eps_high)
 
 
 @register_method("luffy")
 class LUFFY(Method):
-    @dataclass
-    class Params:
-        luffy_gamma: float = 0.1  # gamma of LUFFY's policy shaping f(x) = x / (x + gamma)
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        import math
-
-        check_range(cfg, {"luffy_gamma": (0.0, math.inf, False)})
-
-    def weighting(self):
-        return NoWeighting(self.cfg)  # its own off-policy correction: every peer response counts fully
-
-    def objective(self):
-        return LuffyObjective(self.cfg)
+    preset = {**Method.preset, "weighting": "none", "loss": "luffy"}

@@ -1,6 +1,6 @@
-"""The minibatch objective of a receiver (Section 4.2): the clipped, compatibility-weighted token
-loss of GRPO and GRAFT, plus ``kl_coef`` x the KL to the initial policy. Methods with another loss
-(LUFFY, HACPO, SGT's auxiliary NLL) subclass :class:`Objective` in their own file.
+"""The minibatch objective of a receiver (Section 4.2): the method's loss part (``method.loss``,
+:mod:`graft_rl.methods.losses`) aggregated over the minibatch as it declares, plus ``kl_coef`` x the KL
+to the initial policy and the auxiliary loss part (``method.aux_loss``, SGT's NLL).
 
 :meth:`Objective.minibatch` returns a closure that :meth:`Policy.update` calls once per forward pass
 (a micro-batch of the minibatch's rows); each call returns the micro-batch's *contribution* to the
@@ -11,12 +11,13 @@ exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from graft_rl import algo
-from graft_rl.methods.base import MethodConfig
+from graft_rl.methods.config import MethodConfig
+from graft_rl.methods.losses import LossContext
+from graft_rl.methods.registry import AUX_LOSSES, LOSSES
 
 __all__ = ["Minibatch", "Objective", "RowTensors"]
 
@@ -81,13 +82,16 @@ class RowTensors:
 @dataclass
 class Minibatch:
     """What every micro-batch of one minibatch shares: its rows, the step and update index, and the
-    minibatch-wide normaliser of the loss (``rl_tokens``: its policy-gradient tokens)."""
+    minibatch-wide normalisers: ``rl_tokens`` (its policy-gradient tokens), ``responses`` (its included,
+    non-auxiliary responses) and ``aux_tokens`` (its auxiliary targets' tokens)."""
 
     t: RowTensors
     rows: torch.Tensor
     step: int
     update_index: int
     rl_tokens: float
+    responses: float = 0.0
+    aux_tokens: float = 0.0
 
 
 def _clip_counts(lp, old, adv, mask, eps_low, eps_high) -> tuple[float, float]:
@@ -98,11 +102,13 @@ def _clip_counts(lp, old, adv, mask, eps_low, eps_high) -> tuple[float, float]:
 
 
 class Objective:
-    """GRPO/GRAFT's loss (Section 4.2; docs/fidelity.md): ``policy_loss`` over the minibatch's token
-    mean (every response token counted, gated ones included), plus ``kl_coef`` x the k3 KL."""
+    """A receiver's minibatch loss from its parts: ``loss`` (a :func:`~graft_rl.methods.losses.register_loss`
+    entry; default ``cfg.loss``) and ``aux_loss`` (default ``cfg.aux_loss``)."""
 
-    def __init__(self, cfg: MethodConfig):
+    def __init__(self, cfg: MethodConfig, loss=None, aux_loss=None):
         self.cfg = cfg
+        self.loss = loss if loss is not None else LOSSES.get(cfg.part_name("loss"))
+        self.aux_loss = aux_loss if aux_loss is not None else AUX_LOSSES.get(cfg.part_name("aux_loss"))
 
     def minibatch(self, t: RowTensors, mb_rows: list[int], step: int, update_index: int = 0):
         """A ``loss_fn(lp, mask, micro_rows)`` closure for :meth:`Policy.update`; ``micro_rows`` index ``mb_rows``.
@@ -117,18 +123,43 @@ class Objective:
 
     def prepare(self, t: RowTensors, mb_rows: list[int], step: int, update_index: int) -> Minibatch:
         """The minibatch-wide quantities (computed once, before its micro-batches)."""
-        return Minibatch(t, torch.tensor(mb_rows), step, update_index, float(t.rl_mask(mb_rows).sum()))
+        responses = float(sum(1 for r in mb_rows if bool(t.include[r]) and not bool(t.is_aux[r])))
+        return Minibatch(
+            t,
+            torch.tensor(mb_rows),
+            step,
+            update_index,
+            float(t.rl_mask(mb_rows).sum()),
+            responses,
+            float(t.aux_mask(mb_rows).sum()),
+        )
+
+    def context(self, mb: Minibatch, rows: torch.Tensor, device) -> LossContext:
+        """The loss's per-row inputs for ``rows``."""
+        t = mb.t
+        return LossContext(
+            self.cfg,
+            t.adv[rows].to(device),
+            t.weight[rows].to(device),
+            t.is_peer[rows].to(device),
+            t.src_mean[rows].to(device),
+            {k: v[rows].to(device) for k, v in t.extras.items()},
+            mb.step,
+            mb.update_index,
+        )
 
     def micro(self, lp: torch.Tensor, mb: Minibatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """One micro-batch's ``(loss contribution, stats)``; ``lp``: its current log-probs ``[m, T]``."""
+        if self.loss.aggregation == "response_mean":
+            return self._per_response(lp, mb, rows)
         t = mb.t
         T = lp.shape[1]
         old = t.old_for(rows, lp)
         rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
-        loss, stats = self.rl_loss(lp, old, rl_mask, t, rows, mb.step)
+        loss, stats = self.loss(lp, old, rl_mask, self.context(mb, rows, lp.device))
         total = loss * (float(rl_mask.sum()) / mb.rl_tokens) if mb.rl_tokens > 0 else lp.sum() * 0.0
         total = self.with_kl(lp, mb, rows, rl_mask, total, stats)
-        total = self.extra_loss(lp, mb, rows, total)
+        total = self.with_aux(lp, mb, rows, total)
         # self vs peer clipping (paper Appendix H, Table 9): counts, summed by the worker
         adv = t.adv[rows].to(lp.device)
         peer = t.is_peer[rows].to(lp.device)
@@ -139,13 +170,34 @@ class Objective:
             stats[f"tokens_{name}"] = n
         return total, stats
 
-    def rl_loss(self, lp, old, mask, t: RowTensors, rows, step):
-        """The policy-gradient term over ``mask``'s tokens (their mean): ``(loss, stats)``."""
-        c = self.cfg
-        ratio: Literal["token", "sequence"] = "sequence" if c.ratio == "sequence" else "token"
-        return algo.policy_loss(
-            lp, old, t.adv[rows].to(lp.device), mask, t.weight[rows].to(lp.device), c.eps_low, c.eps_high, ratio
-        )
+    def _per_response(self, lp, mb: Minibatch, rows) -> tuple[torch.Tensor, dict]:
+        """A ``response_mean`` loss: a micro-batch contributes ``its responses / the minibatch's``
+        (rows without policy-gradient tokens left out)."""
+        t = mb.t
+        T = lp.shape[1]
+        rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
+        valid = rl_mask.sum(dim=1) > 0
+        if not bool(valid.any()):
+            return lp.sum() * 0.0, {}
+        ctx = self.context(mb, rows, lp.device)
+        own = valid & ~ctx.is_peer
+        for key in ("adv", "weight", "is_peer", "src_mean"):
+            setattr(ctx, key, getattr(ctx, key)[valid])
+        ctx.extras = {k: v[valid] for k, v in ctx.extras.items()}
+        loss, st = self.loss(lp[valid], t.old_for(rows, lp)[valid], rl_mask[valid], ctx)
+        # self / peer clipped-token fractions (Table 9 diagnostics): a clipped sequence ratio clips all its tokens
+        tokens = rl_mask[valid].sum(1)
+        clipped = st.pop("clipped_seq").to(tokens.dtype)
+        stats = {k: float(v) for k, v in st.items()}
+        for name, sel in (("self", ~ctx.is_peer), ("peer", ctx.is_peer)):
+            stats[f"clipped_tokens_{name}"] = float((clipped * tokens * sel.to(tokens.dtype)).sum())
+            stats[f"tokens_{name}"] = float((tokens * sel.to(tokens.dtype)).sum())
+        total = loss * (float(valid.sum()) / max(mb.responses, 1.0))
+        if self.loss.kl == "own_response_mean":
+            total = self._own_response_kl(lp, mb, rows, rl_mask, own, total, stats)
+        else:
+            total = self.with_kl(lp, mb, rows, rl_mask, total, stats)
+        return self.with_aux(lp, mb, rows, total), stats
 
     def with_kl(self, lp, mb: Minibatch, rows, rl_mask, total, stats: dict):
         """``total`` plus ``kl_coef`` x the token-mean k3 KL to the reference over the minibatch's
@@ -158,6 +210,23 @@ class Objective:
         stats["kl_ref"] = float(kl.detach())
         return total + self.cfg.kl_coef * kl * (float(rl_mask.sum()) / mb.rl_tokens)
 
-    def extra_loss(self, lp, mb: Minibatch, rows, total):
-        """``total`` plus a method's further terms (SGT's auxiliary NLL); none here."""
-        return total
+    def _own_response_kl(self, lp, mb: Minibatch, rows, rl_mask, own, total, stats: dict):
+        """HACPO's recipe's KL: ``low_var_kl`` per own response (token mean), summed and divided by the
+        minibatch's responses (verl's ``seq-mean-token-mean`` with ``global_batch_size``)."""
+        t = mb.t
+        if self.cfg.kl_coef <= 0 or t.ref is None or not bool(own.any()):
+            return total
+        ref = t.ref[rows, : lp.shape[1]].to(lp.device)
+        seq_kl = algo.sequence_reference_kl(lp[own], ref[own], rl_mask[own])
+        stats["kl_ref"] = float(seq_kl.detach().mean())
+        return total + self.cfg.kl_coef * seq_kl.sum() / max(mb.responses, 1.0)
+
+    def with_aux(self, lp, mb: Minibatch, rows, total):
+        """``total`` plus the auxiliary loss over this micro-batch's auxiliary targets (its token share)."""
+        if mb.aux_tokens <= 0:
+            return total
+        aux_mask = mb.t.aux_mask(rows)[:, : lp.shape[1]].to(lp.device)
+        if aux_mask.sum() <= 0:
+            return total
+        aux = self.aux_loss(lp, aux_mask, self.cfg)
+        return total if aux is None else total + aux * (float(aux_mask.sum()) / mb.aux_tokens)

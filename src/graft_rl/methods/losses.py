@@ -1,0 +1,111 @@
+"""Policy losses (``method.loss``) and auxiliary losses (``method.aux_loss``): one function each.
+
+A loss is ``fn(lp, old, mask, ctx) -> (loss, stats)`` over one micro-batch's rows: ``lp``/``old`` the
+current and pi_old log-probs ``[m, T]``, ``mask`` the policy-gradient tokens, ``ctx`` a
+:class:`LossContext` (per-row advantage, compatibility weight, whether the row is a peer's, the
+source's mean log-prob, method numbers such as HACPO's ``kappa``, the update index). It declares:
+
+- ``aggregation``: ``token_mean`` (its loss is the mean over ``mask``'s tokens; the objective
+  weighs each micro-batch by its share of the minibatch's tokens) or ``response_mean`` (the mean over
+  responses; rows without tokens are left out, each micro-batch weighed by its share of responses);
+- ``kl``: how ``kl_coef`` x the KL to the initial policy is added: ``token_mean`` (k3, token mean over
+  the minibatch) or ``own_response_mean`` (HACPO's recipe: per own response, mean over responses);
+- ``loss_mask`` (optional): tokens left out of the loss, e.g. HACPO's final EOS;
+- ``Params`` (optional): its own ``method.KEY`` keys; ``check`` (optional): bounds them.
+
+A loss that returns ``clipped_seq`` (``[m]`` bool) in its stats clips whole responses; the objective
+counts their tokens as clipped in the self/peer diagnostics (Table 9).
+
+An auxiliary loss is ``fn(lp, aux_mask, cfg) -> loss``: the token mean over auxiliary targets' tokens
+(SGT's NLL), added with the minibatch's token-mean weighting. The equations are in :mod:`graft_rl.algo`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from graft_rl import algo
+from graft_rl.methods.config import MethodConfig, check_range
+from graft_rl.methods.registry import AUX_LOSSES, LOSSES
+
+__all__ = ["LossContext", "register_aux_loss", "register_loss"]
+
+
+@dataclass
+class LossContext:
+    """Per-row inputs of a loss (``[m]`` each, on the log-probs' device) and the minibatch's place in the step."""
+
+    cfg: MethodConfig
+    adv: torch.Tensor
+    weight: torch.Tensor
+    is_peer: torch.Tensor
+    src_mean: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    step: int = 0
+    update_index: int = 0
+
+
+def register_loss(
+    name: str,
+    aggregation: str = "token_mean",
+    kl: str = "token_mean",
+    weighted: bool = True,
+    loss_mask=None,
+    Params=None,
+    check=None,
+) -> Callable:
+    """Decorator: make ``fn(lp, old, mask, ctx) -> (loss, stats)`` available as ``method.loss: NAME``.
+    ``weighted``: it applies ``ctx.weight`` (the compatibility weighting); a loss that does not must be
+    used with ``method.weighting: none``."""
+    if aggregation not in ("token_mean", "response_mean") or kl not in ("token_mean", "own_response_mean"):
+        raise ValueError(f"loss {name!r}: aggregation token_mean|response_mean, kl token_mean|own_response_mean")
+    return LOSSES.register(
+        name, aggregation=aggregation, kl=kl, weighted=weighted, loss_mask=loss_mask, Params=Params, check=check
+    )
+
+
+def register_aux_loss(name: str, Params=None, check=None) -> Callable:
+    """Decorator: make ``fn(lp, aux_mask, cfg) -> loss`` available as ``method.aux_loss: NAME``."""
+    return AUX_LOSSES.register(name, Params=Params, check=check)
+
+
+# --------------------------------------------------------------------------- the paper's
+@register_loss("token_mean_clip")
+def token_mean_clip(lp, old, mask, ctx: LossContext):
+    """GRPO/GRAFT's loss (Section 4.2): the token-clipped, compatibility-weighted surrogate, token mean
+    (:func:`graft_rl.algo.policy_loss`); ``ratio: sequence`` is the paper's sequence-ratio ablation."""
+    c = ctx.cfg
+    ratio: Literal["token", "sequence"] = "sequence" if c.ratio == "sequence" else "token"
+    return algo.policy_loss(lp, old, ctx.adv, mask, ctx.weight, c.eps_low, c.eps_high, ratio)
+
+
+# --------------------------------------------------------------------------- GSPO
+@dataclass
+class GSPOParams:
+    gspo_clip_low: float = 3e-4  # GSPO's sequence-ratio clip: [1 - low, 1 + high] (its paper's 3e-4 / 4e-4)
+    gspo_clip_high: float = 4e-4  # upper side of GSPO's clip
+
+
+def _check_gspo(cfg) -> None:
+    check_range(cfg, {"gspo_clip_low": (0.0, 1.0, True), "gspo_clip_high": (0.0, math.inf, True)})
+
+
+@register_loss("gspo", aggregation="response_mean", Params=GSPOParams, check=_check_gspo)
+def gspo(lp, old, mask, ctx: LossContext):
+    """GSPO (Zheng et al., 2025): length-normalised sequence ratio, one clip per response with its own
+    range, mean over responses (:func:`graft_rl.algo.gspo_policy_loss`). The compatibility weight scales
+    each peer response's term, as in GRAFT's token loss."""
+    c = ctx.cfg
+    return algo.gspo_policy_loss(lp, old, ctx.adv, mask, ctx.weight, c.gspo_clip_low, c.gspo_clip_high)
+
+
+# --------------------------------------------------------------------------- auxiliary losses
+@register_aux_loss("none")
+def no_aux_loss(lp, aux_mask, cfg):
+    """No auxiliary term."""
+    return None

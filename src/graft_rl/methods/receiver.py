@@ -1,0 +1,169 @@
+"""The receiver's side of a method, on the receiver's worker (Section 4.2): which rows enter the loss,
+the compatibility score and weight of each peer response, the minibatch order, and the loss.
+
+The worker (``graft_rl.engine.worker``) encodes a :class:`~graft_rl.methods.exchange.ReceiverBatch` under
+its policy and scores rows on request; everything a method decides is here, through its parts:
+the composition's ``keeps_cut``, the loss's ``loss_mask``, the weighting, the position of peer groups
+(``method.position``), and the :class:`~graft_rl.methods.objectives.Objective`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+
+from graft_rl import algo
+from graft_rl.methods.config import MethodConfig
+from graft_rl.methods.exchange import ReceiverBatch
+from graft_rl.methods.objectives import Objective, RowTensors
+from graft_rl.methods.registry import COMPOSITIONS, WEIGHTINGS
+
+__all__ = ["Receiver", "Weighed", "exchange_stats"]
+
+
+@dataclass
+class Weighed:
+    """A receiver batch as its receiver sees it before any update: the loss mask, pi_old where scored,
+    the peer rows (their compatibility ``(s_token, s_char)`` in ``compat``), each row's weight and
+    whether it is in the loss."""
+
+    mask: torch.Tensor
+    old: torch.Tensor
+    peer_rows: list[int]
+    compat: dict[int, tuple[float, float]]
+    weights: list[float]
+    included: list[bool]
+
+
+class Receiver:
+    """A method's receiver-side parts, built from its config on the receiver's worker."""
+
+    def __init__(self, cfg: MethodConfig):
+        self.cfg = cfg
+        self.composition = COMPOSITIONS.get(cfg.part_name("composition"))
+        self.weighting = WEIGHTINGS.get(cfg.part_name("weighting"))
+        self.objective = Objective(cfg)
+
+    def weigh(
+        self,
+        batch: ReceiverBatch,
+        response_ids: list[list[int]],
+        mask: torch.Tensor,
+        cut: list[int],
+        eos_token_ids,
+        score: Callable[[list[int], torch.Tensor], None],
+        gen: torch.Generator,
+    ) -> Weighed:
+        """Weight the batch's peer rows (Section 4.2): ``score(rows, old)`` fills ``old[rows]`` with the
+        receiver's current log-probs; ``cut``: peer rows longer than the receiver's budget, which leave
+        the loss unless the composition keeps them; the loss's ``loss_mask`` edits ``mask`` in place."""
+        weights = [r.weight for r in batch.rows]
+        included = [r.include for r in batch.rows]
+        for i in [] if self.composition.keeps_cut else cut:  # a peer response longer than this policy's
+            included[i] = False  # budget: it could never have produced it, and the answer may be cut
+        loss_mask = getattr(self.objective.loss, "loss_mask", None)
+        if loss_mask is not None:
+            loss_mask(response_ids, mask, eos_token_ids)
+        old = torch.zeros(mask.shape)  # pi_old, filled where it is needed before the first update
+        # compatibility of peer responses (Section 4.2); per-character variant logged too
+        peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
+        score(peer_rows, old)
+        recv_sum = (old * mask).sum(1)
+        recv_mean = algo.mean_token_logprob(old, mask)
+        compat: dict[int, tuple[float, float]] = {}
+        for src in dict.fromkeys(batch.rows[i].source for i in peer_rows):
+            rows = [i for i in peer_rows if batch.rows[i].source == src]
+            src_mean = torch.tensor([batch.rows[i].src_mean_logprob for i in rows])
+            s_tok = algo.compatibility_score(recv_mean[rows], src_mean)
+            chars = torch.tensor([max(len(batch.rows[i].text), 1) for i in rows], dtype=torch.float32)
+            src_sum = torch.tensor([batch.rows[i].src_logprob_sum for i in rows])
+            s_chr = algo.per_char_compatibility_score(recv_sum[rows], src_sum, chars)
+            w = self.weighting(s_tok if self.cfg.compatibility == "token_mean" else s_chr, self.cfg, gen)
+            for i, wi, st, sc in zip(rows, w.tolist(), s_tok.tolist(), s_chr.tolist(), strict=True):
+                weights[i] = wi
+                compat[i] = (st, sc)
+        return Weighed(mask, old, peer_rows, compat, weights, included)
+
+    def records(self, batch: ReceiverBatch, w: Weighed) -> list[dict]:
+        """One exchange record per peer row (``RUN_DIR/exchange``)."""
+        return [
+            {
+                "prompt_id": r.prompt_id,
+                "source": r.source,
+                "group_index": r.index,
+                "reward": r.reward,
+                "advantage": r.advantage,
+                "weight": w.weights[i],
+                "compat_token": w.compat.get(i, (None, None))[0],
+                "compat_char": w.compat.get(i, (None, None))[1],
+                "included": w.included[i],
+                "auxiliary": r.is_aux,
+            }
+            for i, r in enumerate(batch.rows)
+            if r.is_peer
+        ]
+
+    def order(self, batch: ReceiverBatch, minibatch: int, gen: torch.Generator) -> list[list[int]]:
+        """The step's minibatches as row indices: prompt groups, peer groups placed by ``method.position``
+        (peer-last by default, Section 4.2)."""
+        group_rows = batch.group_rows()
+        position = cast(Literal["last", "first", "uniform"], self.cfg.position)
+        order = algo.minibatch_order(torch.tensor(batch.group_is_peer), minibatch, position, gen)
+        return [[r for gi in mb.tolist() for r in group_rows[gi]] for mb in order]
+
+    def later_rows(self, batch: ReceiverBatch, w: Weighed, first: set[int]) -> list[int]:
+        """Rows that need pi_old scored before the first update: in the loss, trained after the first
+        minibatch, and not scored already (peer rows were, for their compatibility)."""
+        scored = set(w.peer_rows)
+        return [
+            i for i, r in enumerate(batch.rows) if i not in first and i not in scored and w.included[i] and not r.is_aux
+        ]
+
+    def tensors(self, batch: ReceiverBatch, w: Weighed, ref: torch.Tensor | None, first: set[int]) -> RowTensors:
+        """The per-row tensors the objective reads; rows of the first minibatch not scored take pi_old
+        from the update's own forward pass."""
+        rows = batch.rows
+        scored = set(w.peer_rows)
+        extras = {
+            key: [r.extras.get(key, 1.0) for r in rows] for key in dict.fromkeys(k for r in rows for k in r.extras)
+        }
+        return RowTensors(
+            w.old,
+            w.mask,
+            [r.advantage for r in rows],
+            w.weights,
+            [r.is_peer for r in rows],
+            w.included,
+            [r.is_aux for r in rows],
+            [r.src_mean_logprob for r in rows],
+            ref,
+            old_is_current=[i in first and i not in scored for i in range(len(rows))],
+            extras=extras,
+        )
+
+    def loss(self, t: RowTensors, rows: list[int], step: int, update_index: int):
+        """The ``loss_fn`` of one minibatch for :meth:`Policy.update`."""
+        return self.objective.minibatch(t, rows, step, update_index)
+
+
+def exchange_stats(batch: ReceiverBatch, w: Weighed) -> dict:
+    """Compatibility and admission of the peer rows (Section 4.2; in source order)."""
+    rows = batch.rows
+    by_source = [
+        i for src in dict.fromkeys(rows[i].source for i in w.peer_rows) for i in w.peer_rows if rows[i].source == src
+    ]
+    weights = [w.weights[i] for i in by_source]
+    s_tok = [w.compat[i][0] for i in by_source]
+    s_chr = [w.compat[i][1] for i in by_source]
+    return {
+        "admitted_frac": (sum(1 for x in weights if x > 0) / len(weights)) if weights else None,
+        "peer_weight_mean": statistics.fmean(weights) if weights else None,
+        "compat_token_median": statistics.median(s_tok) if s_tok else None,
+        "compat_char_median": statistics.median(s_chr) if s_chr else None,
+        "compat_token": [round(x, 5) for x in s_tok],
+        "compat_char": [round(x, 5) for x in s_chr],
+    }

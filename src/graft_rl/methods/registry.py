@@ -1,0 +1,244 @@
+"""The registries a method is composed from, and the user's plugins that add to them (docs/design.md,
+"Methods from parts").
+
+A method is a preset of parts, each chosen by a key of ``method`` in the config and each found here
+by name: ``advantage`` (:data:`ADVANTAGES`), ``selection`` (:data:`SELECTIONS`), ``composition``
+(:data:`COMPOSITIONS`), ``weighting`` (:data:`WEIGHTINGS`), ``loss`` (:data:`LOSSES`), ``aux_loss``
+(:data:`AUX_LOSSES`), and the method names themselves (:data:`METHODS`). A key is a registered
+name, or ``module:NAME`` / ``path/to/file.py:NAME``: the module is imported (in this process; a Ray
+actor imports it too) and ``NAME`` is the name it registered or an attribute of it.
+
+``plugins: [module, path/to/file.py]`` at the top of a config imports each listed module first, so
+that what it registers can be named as plainly as a shipped part (:func:`load_plugins`).
+
+This module imports nothing else of graft-rl but its errors: every other module of ``methods``
+imports it, and it imports none of them back.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from graft_rl.errors import ConfigError
+
+__all__ = [
+    "ADVANTAGES",
+    "AUX_LOSSES",
+    "COMPOSITIONS",
+    "LOSSES",
+    "METHODS",
+    "PART_KEYS",
+    "SELECTIONS",
+    "WEIGHTINGS",
+    "Registry",
+    "import_plugin",
+    "load_plugins",
+    "normalise",
+    "part_modules",
+    "plugin_file",
+    "plugin_sources",
+]
+
+
+class Registry:
+    """Name -> part of one kind (``kind``: the config key that chooses it, e.g. ``"advantage"``)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Any] = {}
+
+    def register(self, name: str, **attrs: Any) -> Callable[[Any], Any]:
+        """Decorator: make the function or class available as ``method.<kind>: NAME``; ``attrs`` are set
+        on it (e.g. a loss's ``aggregation``). A name registered twice by different objects is an error."""
+
+        def deco(obj):
+            old = self._entries.get(name)
+            if old is not None and old is not obj and _origin(old) != _origin(obj) and not _same_plugin(old, obj):
+                raise ValueError(f"{self.kind} {name!r} is registered twice ({_origin(old)}, {_origin(obj)})")
+            for key, value in attrs.items():
+                setattr(obj, key, value)
+            self._entries[name] = obj
+            return obj
+
+        return deco
+
+    def names(self) -> list[str]:
+        """The registered names, in registration order."""
+        return list(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def get(self, key: str, where: str | None = None) -> Any:
+        """The part a key names: a registered name, or ``module:NAME`` / ``file.py:NAME`` (imported now).
+        A key that names nothing is one :class:`~graft_rl.errors.ConfigError` line."""
+        where = where or f"method.{self.kind}"
+        if key in self._entries:
+            return self._entries[key]
+        if isinstance(key, str) and ":" in key:
+            module, _, attr = key.rpartition(":")
+            mod = import_plugin(module, where)
+            if attr in self._entries:
+                return self._entries[attr]
+            obj = getattr(mod, attr, None)
+            if obj is None:
+                raise ConfigError(
+                    f"{where}: {key!r}: {module} has no {attr!r} (and registers no {self.kind} of that name)"
+                )
+            self._entries[key] = obj
+            return obj
+        close = difflib.get_close_matches(str(key), self.names(), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"{where}: {key!r} is not one of {', '.join(self.names())}{hint} (or module:NAME / file.py:NAME of your own)"
+        )
+
+
+def _same_plugin(old, new) -> bool:
+    """The same definition from a plugin file imported again from another path (a run's plugin
+    copied or moved): the newer one is kept."""
+    same = getattr(old, "__qualname__", None) == getattr(new, "__qualname__", None)
+    return same and all(str(getattr(o, "__module__", "")).startswith(_PLUGIN_PREFIX) for o in (old, new))
+
+
+def _origin(obj) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+
+METHODS = Registry("name")
+ADVANTAGES = Registry("advantage")
+SELECTIONS = Registry("selection")
+COMPOSITIONS = Registry("composition")
+WEIGHTINGS = Registry("weighting")
+LOSSES = Registry("loss")
+AUX_LOSSES = Registry("aux_loss")
+
+#: the ``method`` keys that choose a part, and the registry each reads
+PART_KEYS: dict[str, Registry] = {
+    "advantage": ADVANTAGES,
+    "selection": SELECTIONS,
+    "composition": COMPOSITIONS,
+    "weighting": WEIGHTINGS,
+    "loss": LOSSES,
+    "aux_loss": AUX_LOSSES,
+}
+
+_PLUGIN_PREFIX = "graft_rl_plugin_"  # the module names file plugins are imported under
+
+#: plugin spec -> the file it was imported from (what a run's provenance hashes)
+_PLUGIN_FILES: dict[str, Path | None] = {}
+#: plugin spec -> its module (a file plugin shipped to a Ray actor is imported from its source)
+_MODULES: dict[str, Any] = {}
+#: file plugin spec -> the source this process imported (what a Ray actor is sent)
+_SOURCES: dict[str, bytes] = {}
+#: file plugins this process was sent (a Ray actor): kept as sent, never read from its own disk
+_PINNED: set[str] = set()
+
+
+def normalise(spec: str) -> str:
+    """A plugin spec as a run records it: a ``.py`` path made absolute (relative to the current
+    directory, as ``data.reward``'s file paths are), a module name as given."""
+    spec = str(spec).strip()
+    return str(Path(spec).expanduser().resolve()) if spec.endswith(".py") else spec
+
+
+def _exec_source(name: str, source: bytes, origin: str) -> Any:
+    import types
+
+    mod = types.ModuleType(name)
+    mod.__file__ = origin
+    sys.modules[name] = mod
+    try:
+        exec(compile(source, origin, "exec"), mod.__dict__)
+    except Exception:
+        del sys.modules[name]
+        raise
+    return mod
+
+
+def import_plugin(spec: str, where: str = "plugins") -> Any:
+    """Import a plugin: a module name (``my_lab.methods``; the current directory is searched too) or a
+    Python file (``path/to/parts.py``). Its decorators register its parts. A module is imported once per
+    process; a file again when its content changed (what a config names is what it reads now), unless
+    it was sent by the driver (a Ray actor keeps the driver's copy)."""
+    spec = str(spec).strip()
+    cached = _MODULES.get(spec)
+    if cached is not None and (spec in _PINNED or not spec.endswith(".py")):
+        return cached
+    if spec.endswith(".py"):
+        path = Path(spec).expanduser().resolve()
+        if not path.is_file():
+            if cached is not None:  # read before (the driver sends this copy to its actors)
+                return cached
+            raise ConfigError(f"{where}: {spec}: no such file")
+        source = path.read_bytes()
+        if cached is not None and _SOURCES.get(spec) == source:
+            return cached
+        digest = hashlib.sha1(str(path).encode() + source).hexdigest()[:10]
+        name = f"{_PLUGIN_PREFIX}{digest}_{path.stem}"
+        try:
+            mod = sys.modules.get(name) or _exec_source(name, source, str(path))
+        except Exception as exc:
+            raise ConfigError(f"{where}: {spec}: importing it raised {type(exc).__name__}: {exc}") from None
+        _PLUGIN_FILES[spec] = path
+        _SOURCES[spec] = source
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.append(str(Path.cwd()))  # a module beside the config, as `python -m` would find it
+        try:
+            mod = importlib.import_module(spec)
+        except ImportError as exc:
+            raise ConfigError(f"{where}: cannot import {spec!r} ({exc}); is it installed, or on PYTHONPATH?") from None
+        file = getattr(mod, "__file__", None)
+        _PLUGIN_FILES[spec] = Path(file).resolve() if file else None
+    _MODULES[spec] = mod
+    return mod
+
+
+def load_plugins(specs: Iterable[str] | dict[str, bytes | None]) -> None:
+    """Import every plugin of a config's ``plugins`` list (the driver, each Ray actor, every command
+    that reads a run's config do so before the method is built). A mapping ``{spec: source}`` (what
+    :func:`plugin_sources` gives a Ray actor) imports each file plugin from its source, so a node
+    without the file imports the driver's copy."""
+    items = specs.items() if isinstance(specs, dict) else ((s, None) for s in specs or ())
+    for i, (spec, source) in enumerate(items):
+        if source is not None and spec not in _MODULES:
+            name = f"{_PLUGIN_PREFIX}{hashlib.sha1(spec.encode() + source).hexdigest()[:10]}_{Path(spec).stem}"
+            try:
+                _MODULES[spec] = sys.modules.get(name) or _exec_source(name, source, spec)
+                _SOURCES[spec] = source
+                _PINNED.add(spec)
+            except Exception as exc:
+                raise ConfigError(f"plugins.{i}: {spec}: importing it raised {type(exc).__name__}: {exc}") from None
+            continue
+        import_plugin(spec, f"plugins.{i}")
+
+
+def plugin_sources(specs: Iterable[str]) -> dict[str, bytes | None]:
+    """``{spec: source}`` for :func:`load_plugins` in another process: a file plugin's bytes as this
+    process read them (a module plugin: None, imported by name there)."""
+    out: dict[str, bytes | None] = {}
+    for spec in specs:
+        import_plugin(spec)
+        out[spec] = _SOURCES.get(str(spec).strip())
+    return out
+
+
+def plugin_file(spec: str) -> Path | None:
+    """The source file a plugin spec was imported from (imported now if it was not yet): what a run's
+    provenance hashes, so that ``--resume`` knows when a plugin changed."""
+    import_plugin(spec)
+    return _PLUGIN_FILES.get(str(spec).strip())
+
+
+def part_modules(cfg) -> list[str]:
+    """The modules a config's part keys name in the ``module:NAME`` / ``file.py:NAME`` form."""
+    keys = [getattr(cfg, "name", "")] + [getattr(cfg, kind, "auto") for kind in PART_KEYS]
+    return [str(k).rpartition(":")[0] for k in keys if ":" in str(k)]
