@@ -285,3 +285,14 @@ def test_graft_trains_with_a_swapped_part_from_the_command_line(override, tmp_pa
     key, value = override.removeprefix("method.").split("=")
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert f"{key}: {value}" in saved
+
+
+def test_a_method_written_against_the_old_hooks_is_refused_when_registered():
+    from graft_rl.methods import Method, register_method
+
+    with pytest.raises(ValueError, match=r"method 'old_style' overrides objective\(\): a method now names its parts"):
+
+        @register_method("old_style")
+        class OldStyle(Method):
+            def objective(self):
+                return None

@@ -109,19 +109,12 @@ def show(what: str | None = None) -> str:
                 name: [f.name for p in method_params(name) for f in dataclasses.fields(p)] for name in method_names()
             }
             listing = "; ".join(f"{n}: {', '.join(k) or '-'}" for n, k in own.items())
-            out += "\n" + textwrap.fill(
-                f"a method's own keys (its parts' included), flat beside these: {listing}",
-                98,
-                initial_indent="  ",
-                subsequent_indent="    ",
-            )
             parts = "; ".join(f"{kind}: {', '.join(reg.names())}" for kind, reg in PART_KEYS.items())
-            out += "\n" + textwrap.fill(
+            for line in (
+                f"a method's own keys (its parts' included), flat beside these: {listing}",
                 f"the parts each part key can name (or module:NAME / file.py:NAME): {parts}",
-                98,
-                initial_indent="  ",
-                subsequent_indent="    ",
-            )
+            ):
+                out += "\n" + textwrap.fill(line, 98, initial_indent="  ", subsequent_indent="    ")
         return out
     if what in method_names():
         cls = method_class(what)
@@ -132,12 +125,14 @@ def show(what: str | None = None) -> str:
             if cls.uses_peers
             else "trains on its own groups only"
         )
-        parts = ", ".join(f"{kind} {cls.preset[kind]}" for kind in PART_KEYS)
+        parts = textwrap.fill(
+            "parts: " + ", ".join(f"{kind} {cls.preset[kind]}" for kind in PART_KEYS), 98, subsequent_indent="    "
+        )
         params = method_params(what)
         if not params:
-            return f"{head}\n  parts: {parts}\n  no keys of its own; {peers}"
+            return f"{head}\n  {parts}\n  no keys of its own; {peers}"
         rows = [row for p in params for row in describe(p)]
-        return _table(f"{head}\n  parts: {parts}\n  {peers}; its own keys (method.KEY):", rows)
+        return _table(f"{head}\n  {parts}\n  {peers}; its own keys (method.KEY):", rows)
     raise ConfigError(
         f"graft config show: {what!r} is neither a section ({', '.join(SECTIONS)}) nor a method "
         f"({', '.join(method_names())})"

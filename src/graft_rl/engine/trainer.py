@@ -133,23 +133,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
                 print(f"graft train: {self.run_dir} has no checkpoint yet; starting the run from step 1")
                 self._restart_from_scratch()
         write_text_atomic(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        pcs = []
-        for pc in cfg.policies:
-            if ckpt is not None:
-                ref = {
-                    "reference_model": pc.reference_model or pc.model,
-                    "reference_gguf_file": pc.reference_gguf_file if pc.reference_model else pc.gguf_file,
-                }
-                pc = PolicyConfig(
-                    **{
-                        **to_dict(pc),
-                        "model": str((ckpt / pc.name).absolute()),
-                        "gguf_file": None,
-                        "tokenizer": None,
-                        **ref,
-                    }
-                )
-            pcs.append(pc)
+        pcs = [_from_checkpoint(pc, ckpt) if ckpt is not None else pc for pc in cfg.policies]
         self.workers = self._start_workers(cfg, pcs)
         # name -> the in-process Policy, or (Ray) its config: the model lives in the actor
         self.policies = {name: h.policy for name, h in self.workers.items()}
@@ -454,3 +438,15 @@ def _summary(lines: list[dict]) -> str:
         ex = ln.get("exchanged_in", 0)
         parts.append(f"{ln['policy']} reward {ln['reward_mean']:.2f} grafted {int(ex)}")
     return " | ".join(parts)
+
+
+def _from_checkpoint(pc: PolicyConfig, ckpt: Path) -> PolicyConfig:
+    """A policy resumed from checkpoint ``ckpt``: its weights from there (an absolute path: a Ray actor
+    does not work in the driver's directory), its KL reference still the model it started from."""
+    ref = {
+        "reference_model": pc.reference_model or pc.model,
+        "reference_gguf_file": pc.reference_gguf_file if pc.reference_model else pc.gguf_file,
+    }
+    return PolicyConfig(
+        **{**to_dict(pc), "model": str((ckpt / pc.name).absolute()), "gguf_file": None, "tokenizer": None, **ref}
+    )

@@ -166,6 +166,12 @@ def register_method(name: str) -> Callable[[type[Method]], type[Method]]:
             clash = set(_COMMON) & {f.name for f in dataclasses.fields(cls.Params)}
             if clash:
                 raise ValueError(f"method {name!r}: Params key(s) {sorted(clash)} shadow common method keys")
+        legacy = [h for h in ("exchange", "objective", "weighting", "loss_mask") if callable(cls.__dict__.get(h))]
+        if legacy:
+            raise ValueError(
+                f"method {name!r} overrides {', '.join(legacy)}(): a method now names its parts in `preset` "
+                "(register the rule as an advantage, composition, weighting or loss: docs/contributing.md)"
+            )
         missing = set(PART_NAMES) - set(cls.preset)
         if missing:
             raise ValueError(f"method {name!r}: its preset names no {', '.join(sorted(missing))} part")

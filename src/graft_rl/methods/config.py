@@ -180,15 +180,16 @@ class MethodConfig:
             key = next(iter(self._foreign))
             users = [n for n in METHODS.names() if key in _param_fields(MethodConfig(name=n))]
             parts = [
-                f"{kind} {n!r}" for kind, reg in PART_KEYS.items() for n in reg.names() if key in _fields_of(reg.get(n))
+                f"method.{kind}: {n}"
+                for kind, reg in PART_KEYS.items()
+                for n in reg.names()
+                if key in _fields_of(reg.get(n))
             ]
-            also = (
-                f"; it is a key of {' and '.join(parts)} (method.{parts[0].split()[0]}: {parts[0].split()[1][1:-1]})"
-                if parts
-                else ""
-            )
+            owner = f"it belongs to {' / '.join(parts)}" if parts else ""
+            used = f"it is used by: {', '.join(users)}" if users else ""
             raise ConfigError(
-                f"method.{key} is not used by method {self.name!r} (it is used by: {', '.join(users) or 'none'}){also}"
+                f"method.{key} is not used by method {self.name!r} ({used or owner})"
+                + (f"; {owner}" if used and owner else "")
             )
         if not cls.uses_peers:
             default = MethodConfig(name=self.name)
