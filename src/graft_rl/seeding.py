@@ -4,7 +4,22 @@ run reproduces an uninterrupted one."""
 
 from __future__ import annotations
 
-__all__ = ["derive_seed", "rank_seed"]
+from enum import IntEnum
+
+__all__ = ["Purpose", "derive_seed", "rank_seed"]
+
+
+class Purpose(IntEnum):
+    """What a run's seed is derived for: ``derive_seed(run seed, Purpose.X, step, policy index, ...)``.
+    The values are the integers runs have always used (changing one changes every run's draws)."""
+
+    EPOCH_ORDER = 1  # the order of the training prompts in an epoch (per epoch)
+    GENERATE = 2  # a policy's rollouts of a step
+    REFILL_ORDER = 3  # dynamic sampling: the order of the prompts drawn to refill a step
+    REFILL_GENERATE = 4  # dynamic sampling: the rollouts of a refill batch
+    UPDATE = 5  # a receiver's update: random admission, uniform peer position (graft probe reproduces it)
+    EXCHANGE = 6  # the exchange's draws: count-matched random prompts, SGT's target (graft probe too)
+    VALIDATION = 7  # a policy's validation samples
 
 
 def derive_seed(*parts: int) -> int:
