@@ -48,7 +48,7 @@ def main() -> None:
         t0 = time.perf_counter()
         groups = {}
         for name in tr.policies:
-            groups[name] = tr._call(name, "generate", prompts, tr.sampling, tr._generation_seed(name, rep))
+            groups[name] = tr.workers[name].generate(prompts, tr.sampling, tr._generation_seed(name, rep)).get()[0]
             tr._verify(groups[name])
         times["generate + verify"].append(time.perf_counter() - t0)
         for label, ex in (("GRPO post-rollout (A+B)", grpo_ex), ("GRAFT post-rollout (A+B)", graft_ex)):

@@ -181,3 +181,26 @@ def test_algo_and_methods_type_check():
         check=False,
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_no_worker_call_is_made_by_a_string_name():
+    """The driver calls a policy's worker through typed handle methods (``handle.train(...)``), never by
+    naming a ``PolicyWorker`` method in a string; each public worker call has its handle method."""
+    import inspect
+    import re
+
+    from graft_rl.engine.handles import WorkerHandle
+    from graft_rl.engine.worker import PolicyWorker
+
+    calls = [
+        n for n, f in inspect.getmembers(PolicyWorker, inspect.isfunction) if not n.startswith("_") and n != "name"
+    ]
+    pattern = re.compile(rf"""["']({"|".join(calls)})["']\s*,""")
+    for folder in ("engine", "commands"):
+        for path in (SRC / folder).rglob("*.py"):
+            for line in path.read_text().splitlines():
+                if re.search(r"submit|_call|\.call\(|getattr\(", line):
+                    assert not pattern.search(line), f"{path.name}: {line.strip()}"
+    typed = {n for n, _ in inspect.getmembers(WorkerHandle, inspect.isfunction)}
+    wanted = {"generate", "train", "score_peers", "evaluate", "save", "load_state", "prompt_bound", "prompt_budget"}
+    assert wanted <= typed

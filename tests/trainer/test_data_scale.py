@@ -15,6 +15,7 @@ from hypothesis import given, settings
 
 from graft_rl.data import Problem
 from graft_rl.data.table import from_arrow
+from graft_rl.engine.handles import LocalHandle
 from graft_rl.engine.prompts import PromptRows, check_prompts
 from graft_rl.engine.worker import PolicyWorker, prompt_budget
 from graft_rl.methods import MethodConfig
@@ -58,14 +59,16 @@ class _Calls:
 
         monkeypatch.setattr(Policy, "prompt_token_ids", counted)
 
-    def submit(self, name, method, *args):
-        if method == "prompt_budget":
-            self.shipped += len(args[0])
-        return getattr(self.workers[name], method)(*args)
+    def handles(self) -> dict:
+        """Each worker behind a handle that counts the prompts a ``prompt_budget`` call carries."""
+        calls = self
 
-    @staticmethod
-    def result(x):
-        return x
+        class Counting(LocalHandle):
+            def prompt_budget(self, problems, max_new_tokens):
+                calls.shipped += len(problems)
+                return super().prompt_budget(problems, max_new_tokens)
+
+        return {n: Counting(w) for n, w in self.workers.items()}
 
 
 @pytest.mark.parametrize("max_new", [8, 300, 480])
@@ -73,7 +76,7 @@ def test_the_checks_give_what_tokenising_every_prompt_gives(policies, monkeypatc
     table = _table(400, long_every=37)
     val = [Problem("v0", "5+5=?", "10"), Problem("v1", "y " * 100, "1")]
     calls = _Calls(policies, monkeypatch)
-    got = check_prompts(calls.submit, calls.result, ["A", "B"], table, [val], max_new)
+    got = check_prompts(calls.handles(), table, [val], max_new)
     every = list(table) + val
     for name, p in policies.items():
         prompt_budget(p, every, 1)  # fits
@@ -85,7 +88,7 @@ def test_the_checks_give_what_tokenising_every_prompt_gives(policies, monkeypatc
 def test_a_large_table_tokenises_only_its_long_prompts(policies, monkeypatch):
     table = _table(20_000, long_every=5_000)
     calls = _Calls(policies, monkeypatch)
-    got = check_prompts(calls.submit, calls.result, ["A", "B"], table, [], 8)
+    got = check_prompts(calls.handles(), table, [], 8)
     assert got == {"A": (8, None), "B": (8, None)}
     assert calls.tokenised <= 2 * 2 * 4  # per policy: the 4 long prompts, for the fit and the budget checks
 
@@ -94,7 +97,7 @@ def test_a_prompt_too_long_is_still_one_line_naming_it(policies, monkeypatch):
     table = _table(5_000, long_every=4_999, long_len=300)  # rows 0 and 4998 are 600 bytes: over 400 tokens
     calls = _Calls(policies, monkeypatch)
     with pytest.raises(PromptTooLongError, match=r"prompt 'q0' has \d+ tokens, over max_prompt_tokens=400"):
-        check_prompts(calls.submit, calls.result, ["A", "B"], table, [], 8)
+        check_prompts(calls.handles(), table, [], 8)
 
 
 @settings(max_examples=60, deadline=None)

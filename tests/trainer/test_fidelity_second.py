@@ -92,15 +92,16 @@ def test_dynamic_sampling_stops_loudly_past_max_num_gen_batches(make_cfg, fake_r
     )
     calls = []
     tr = Trainer(cfg, show_progress=False)
-    real = tr._call
-    tr._call = lambda name, method, *a: (calls.append((name, method)), real(name, method, *a))[1]
+    for name, handle in tr.workers.items():
+        real = handle.generate
+        handle.generate = lambda *a, _name=name, _real=real: (calls.append((_name, "generate")), _real(*a))[1]
     with pytest.raises(
         DynamicSamplingError,
         match=r"policy 'A' has 3 of 4 prompts with mixed rewards after 3 generation "
         r"batches \(method.max_num_gen_batches=3\)",
     ):
         tr.run()
-    assert calls.count(("A", "generate_timed")) == 2  # the step's batch + 2 more = 3
+    assert calls.count(("A", "generate")) == 3  # the step's batch + 2 more = 3
 
 
 @pytest.mark.slow
@@ -123,14 +124,14 @@ def test_dynamic_sampling_refills_with_dapos_three_times_the_batch(make_cfg, fak
 
     cfg = make_cfg({"name": "grpo", "dynamic_sampling": True}, steps=1, run="dapo_x3", prompt_batch=2)
     tr = Trainer(cfg, show_progress=False)
-    sizes = []
-    real = tr._call
-    tr._call = lambda name, method, *a: (
-        sizes.append(len(a[0])) if method == "generate_timed" else None,
-        real(name, method, *a),
-    )[1]
+    sizes = {name: [] for name in tr.workers}
+    for name, handle in tr.workers.items():
+        real = handle.generate
+        handle.generate = lambda p, *a, _name=name, _real=real: (sizes[_name].append(len(p)), _real(p, *a))[1]
     lines = tr.run()
-    assert sizes and set(sizes) == {6}  # 3 x 2 prompts in every refill (8 prompts: 6 left after the first 2)
+    refills = [n for s in sizes.values() for n in s[1:]]  # each policy's first batch is the step's 2 prompts
+    assert all(s[0] == 2 for s in sizes.values())
+    assert refills and set(refills) == {6}  # 3 x 2 prompts in every refill (8 prompts: 6 left after the first 2)
     for ln in lines:
         assert ln["rollouts"] == (2 + 6 * (ln["gen_batches"] - 1)) * 4
 

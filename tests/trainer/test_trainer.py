@@ -79,20 +79,29 @@ def test_every_method_runs_two_steps(method, make_cfg, fake_rewards):
 def test_every_receiver_update_is_started_before_any_is_awaited(make_cfg, fake_rewards, tiny_data, monkeypatch):
     """Issue 22: the driver starts every policy's update (a Ray future under execution: ray) before it
     waits for the first, so the policies' devices train at once; validation and checkpoint writes too."""
+    from graft_rl.engine.handles import Pending, WorkerHandle
+
     events = []
-    for method in ("_train_receiver", "_finish_receiver", "_submit", "_result"):
+    for method in ("_train_receiver", "_finish_receiver"):
         real = getattr(Trainer, method)
 
         def spy(self, *args, _real=real, _method=method):
-            if _method == "_submit":
-                events.append(("submit", args[1], args[0]))
-            elif _method == "_result":
-                events.append(("result",))
-            else:
-                events.append((_method, args[0]))
+            events.append((_method, args[0]))
             return _real(self, *args)
 
         monkeypatch.setattr(Trainer, method, spy)
+    real_submit, real_get = WorkerHandle._submit, Pending.get
+
+    def submit(self, call, *args):  # every typed worker call goes through here
+        events.append(("submit", call.__name__, self.name))
+        return real_submit(self, call, *args)
+
+    def get(self):
+        events.append(("result",))
+        return real_get(self)
+
+    monkeypatch.setattr(WorkerHandle, "_submit", submit)
+    monkeypatch.setattr(Pending, "get", get)
     val = {"data": [str(tiny_data)], "every": 1, "samples": 1, "max_new_tokens": 4, "limit": 2}
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, validation=val), show_progress=False)
     tr.run()

@@ -25,6 +25,7 @@ from graft_rl.data import (
 )
 from graft_rl.engine.evaluation import EVAL_CHUNK, evaluate_policy, pass_at_k
 from graft_rl.engine.rundir import manifest_problem
+from graft_rl.engine.worker import PolicyWorker
 from graft_rl.policy import Policy, PolicyConfig, saved_policy_config
 from graft_rl.rewards import Reward, resolve_reward
 
@@ -501,8 +502,8 @@ def _start(target: str, pc: PolicyConfig, replicas: int) -> tuple[list, bool]:
 def _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm) -> dict:
     from graft_rl.engine.distributed import get
 
-    def call(worker, method, *args):
-        return getattr(worker, method).remote(*args) if actors else getattr(worker, method)(*args)
+    def call(worker, fn, *args):  # fn: the PolicyWorker method (a Ray actor's of the same name)
+        return getattr(worker, fn.__name__).remote(*args) if actors else getattr(worker, fn.__name__)(*args)
 
     def result(handle):
         return get(handle, pc.name) if actors else handle
@@ -510,7 +511,7 @@ def _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_
     per: dict = {}
     jobs = []  # (label, run, chunk start, handle)
     for label, problems in data.items():
-        budget, note = result(call(workers[0], "prompt_budget", problems, max_new_tokens))
+        budget, note = result(call(workers[0], PolicyWorker.prompt_budget, problems, max_new_tokens))
         if note and show:
             print(f"graft eval: {note} on {label}")
         verifier = bench[label]["reward"]
@@ -524,7 +525,7 @@ def _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_
                         s,
                         call(
                             w,
-                            "evaluate",
+                            PolicyWorker.evaluate,
                             problems[s : s + EVAL_CHUNK],
                             verifier,
                             samples,

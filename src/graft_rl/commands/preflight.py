@@ -488,7 +488,7 @@ def _stages_before_training(r: _Run) -> None:
             trainer = r.trainer = r.trainer_cls(toy.cfg, show_progress=False)
             prompts = trainer.prompts_for_step(1)[:2]  # the engine before any update (weight push row)
             r.checks_before = {
-                name: trainer._call(name, "rollout_check", prompts, TOY["max_new_tokens"], 1)
+                name: trainer.workers[name].rollout_check(prompts, TOY["max_new_tokens"], 1).get()
                 for name in trainer.policies
             }
             st.detail = "; ".join(
@@ -649,7 +649,7 @@ def _weight_push(trainer, before: dict, cfg: TrainConfig) -> str:
     parts = []
     for pc in cfg.policies:
         b = before[pc.name]
-        after = trainer._call(pc.name, "rollout_check", prompts, TOY["max_new_tokens"], 2, b)
+        after = trainer.workers[pc.name].rollout_check(prompts, TOY["max_new_tokens"], 2, b).get()
         tol = 2e-3 if pc.dtype == "float32" else 0.05
         _check(
             b["now_mean"] <= tol,

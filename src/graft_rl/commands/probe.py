@@ -38,7 +38,7 @@ from graft_rl.commands.analyze import compatibility_stats, complementarity, plot
 from graft_rl.engine.config import TrainConfig
 from graft_rl.engine.rundir import write_text_atomic
 from graft_rl.methods import MethodConfig, build_exchange
-from graft_rl.seeding import derive_seed
+from graft_rl.seeding import Purpose, derive_seed
 
 __all__ = ["probe", "format_probe", "plot_probe", "ProbeError"]
 
@@ -127,12 +127,16 @@ def probe(
             batches = tr.receiver_batches(step, groups, lines)
             pending, pending_c = {}, {}
             for recv in names:
-                seed = derive_seed(pcfg.seed, 5, step, tr.names.index(recv))  # the seed training step `step` uses
+                seed = derive_seed(
+                    pcfg.seed, Purpose.UPDATE, step, tr.names.index(recv)
+                )  # the seed training step `step` uses
                 budget = tr.samplings[recv].max_new_tokens
-                pending[recv] = tr._submit(recv, "score_peers", batches[recv], seed, pcfg.temperature, budget)
-                gen = torch.Generator().manual_seed(derive_seed(pcfg.seed, 6, step, tr.names.index(recv)))
+                pending[recv] = tr.workers[recv].score_peers(batches[recv], seed, pcfg.temperature, budget)
+                gen = torch.Generator().manual_seed(
+                    derive_seed(pcfg.seed, Purpose.EXCHANGE, step, tr.names.index(recv))
+                )
                 cb = unbalanced.build(recv, groups, tr.live, pcfg.n, gen)
-                pending_c[recv] = tr._submit(recv, "score_peers", cb, seed, pcfg.temperature, budget)
+                pending_c[recv] = tr.workers[recv].score_peers(cb, seed, pcfg.temperature, budget)
             for recv in names:
                 for r in tr._result(pending[recv]):
                     scored[(r["source"], recv)].append(r)

@@ -67,7 +67,7 @@ def _check_threads(saved: dict | None, now: dict[str, int], run_dir: Path, ckpt:
 
 class Checkpointing:
     """Checkpoint writing, choosing and restoring; mixed into the trainer, whose ``cfg``, ``run_dir``,
-    ``policies``, ``store``, ``method``, ``start_step``, ``_threads`` and ``_submit``/``_result``/``_call`` it uses."""
+    ``policies``, ``store``, ``method``, ``start_step``, ``_threads`` and ``workers`` (the policies' handles) and ``_result`` it uses."""
 
     def save_checkpoint(self, step: int) -> Path:
         """Write ``checkpoints/step_N`` under a temporary name, rename it, then prune old ones."""
@@ -77,7 +77,7 @@ class Checkpointing:
         try:
             if tmp.exists():
                 shutil.rmtree(tmp)
-            pending = [self._submit(name, "save", str((tmp / name).absolute())) for name in self.policies]  # at once
+            pending = [self.workers[name].save(str((tmp / name).absolute())) for name in self.policies]  # at once
             # under Ray; absolute: an actor does not work in the driver's directory
             for handle in pending:
                 self._result(handle)
@@ -246,7 +246,7 @@ class Checkpointing:
     def _restore(self, ckpt: Path) -> None:
         state = json.loads((ckpt / "trainer_state.json").read_text())
         step = int(state["step"])
-        for handle in [self._submit(name, "load_state", str((ckpt / name).absolute())) for name in self.policies]:
+        for handle in [self.workers[name].load_state(str((ckpt / name).absolute())) for name in self.policies]:
             self._result(handle)
         # the method's per-step state (e.g. HACPO's capability window; older checkpoints name it success_history)
         self.method.load_state_dict(state.get("method_state", {"success_history": state.get("success_history", {})}))

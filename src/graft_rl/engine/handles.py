@@ -1,8 +1,9 @@
 """One interface to a policy's worker, wherever it runs (docs/design.md, "Engine").
 
 The trainer, validation, checkpointing and ``graft probe`` call a policy's
-:class:`~graft_rl.engine.worker.PolicyWorker` through a :class:`WorkerHandle`: ``submit(method, *args)``
-starts a call and returns a pending result, ``result(pending)`` waits for it. In-process
+:class:`~graft_rl.engine.worker.PolicyWorker` through a :class:`WorkerHandle`, one typed method per
+worker call (``handle.train(batch, step, ...)``, ``handle.generate(...)``): each starts the call and
+returns a :class:`Pending`, whose ``get()`` waits for it. In-process
 (:class:`LocalHandle`) the call runs at submit; under Ray (:class:`RayHandle`) it runs in the
 policy's actor, or on every rank of its actor group, while the driver goes on, so the policies'
 devices work at the same time. :func:`start_workers` builds the handles a config asks for; the
@@ -11,8 +12,10 @@ trainer never asks which kind it holds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from graft_rl.engine.worker import PolicyWorker
 
 __all__ = ["LocalHandle", "Pending", "RayHandle", "WorkerHandle", "completion_order", "start_workers"]
 
@@ -39,14 +42,45 @@ class WorkerHandle:
         self.name = name
         self.policy = policy  # the in-process Policy, or (Ray) its PolicyConfig: the model lives in the actor
 
-    def submit(self, method: str, *args) -> Pending:
-        """Start ``PolicyWorker.<method>(*args)``."""
-        return Pending(self, self._start(method, *args))
+    def _submit(self, call: Callable, *args) -> Pending:
+        """Start ``call`` (a :class:`PolicyWorker` method) with ``args`` where the worker lives."""
+        return Pending(self, self._start(call.__name__, *args))
 
-    def call(self, method: str, *args) -> Any:
-        return self.submit(method, *args).get()
+    # ------------------------------------------------------------------ the worker's calls, typed
+    def generate(self, prompts, sampling, seed: int) -> Pending:
+        """``(groups, seconds)``: the policy's rollouts of ``prompts`` (:meth:`PolicyWorker.generate_timed`)."""
+        return self._submit(PolicyWorker.generate_timed, prompts, sampling, seed)
+
+    def train(self, batch, step: int, seed: int, temperature: float, max_new_tokens: int | None) -> Pending:
+        """The receiver's update on its batch (:meth:`PolicyWorker.train`): a ``ReceiverUpdate``."""
+        return self._submit(PolicyWorker.train, batch, step, seed, temperature, max_new_tokens)
+
+    def score_peers(self, batch, seed: int, temperature: float, max_new_tokens: int | None) -> Pending:
+        """What :meth:`train` computes for the peer rows, without updating (:meth:`PolicyWorker.score_peers`)."""
+        return self._submit(PolicyWorker.score_peers, batch, seed, temperature, max_new_tokens)
+
+    def evaluate(self, problems, reward, samples, temperature, top_p, max_new_tokens, seed, timeout, budget) -> Pending:
+        """pass@1 of the policy on ``problems`` (:meth:`PolicyWorker.evaluate`)."""
+        args = (problems, reward, samples, temperature, top_p, max_new_tokens, seed, timeout, budget)
+        return self._submit(PolicyWorker.evaluate, *args)
+
+    def save(self, path: str) -> Pending:
+        return self._submit(PolicyWorker.save, path)
+
+    def load_state(self, path: str) -> Pending:
+        return self._submit(PolicyWorker.load_state, path)
+
+    def prompt_bound(self) -> Pending:
+        return self._submit(PolicyWorker.prompt_bound)
+
+    def prompt_budget(self, problems, max_new_tokens: int) -> Pending:
+        return self._submit(PolicyWorker.prompt_budget, problems, max_new_tokens)
+
+    def rollout_check(self, prompts, max_new_tokens: int = 16, seed: int = 0, reference: dict | None = None) -> Pending:
+        return self._submit(PolicyWorker.rollout_check, prompts, max_new_tokens, seed, reference)
 
     def _start(self, method: str, *args) -> Any:
+        """Start ``PolicyWorker.<method>(*args)``; the reference :meth:`result` waits on."""
         raise NotImplementedError
 
     def result(self, ref: Any) -> Any:
@@ -119,7 +153,6 @@ def start_workers(cfg, policy_configs) -> dict[str, WorkerHandle]:
 
         actors = start_actors(cfg, policy_configs)
         return {pc.name: RayHandle(pc.name, pc, actors[pc.name]) for pc in policy_configs}
-    from graft_rl.engine.worker import PolicyWorker
     from graft_rl.policy import Policy
 
     handles: dict[str, WorkerHandle] = {}

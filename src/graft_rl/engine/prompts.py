@@ -124,13 +124,14 @@ def candidates(data: Sequence, bound: dict, limit: float) -> np.ndarray:
     return np.flatnonzero((size > limit) | chat_rows(data))  # a chat prompt's turns are rendered one by one
 
 
-def check_prompts(submit, result, names: list[str], train: Sequence, others: list[Sequence], max_new_tokens: int):
+def check_prompts(workers: dict, train: Sequence, others: list[Sequence], max_new_tokens: int):
     """``{policy: (max_new_tokens, note)}``: every prompt of ``train`` and ``others`` (validation sets)
     fits each policy (else its :class:`~graft_rl.policy.policy.PromptTooLongError`, naming the prompt),
     and the training responses' budget, clamped to the context the longest training prompt leaves.
-    ``submit(name, method, *args)`` / ``result(pending)`` call the policies' workers."""
-    bounds = {name: submit(name, "prompt_bound") for name in names}
-    bounds = {name: result(pending) for name, pending in bounds.items()}
+    ``workers``: each policy's :class:`~graft_rl.engine.handles.WorkerHandle` (every call started on
+    all of them before any is awaited)."""
+    bounds = {name: w.prompt_bound() for name, w in workers.items()}
+    bounds = {name: pending.get() for name, pending in bounds.items()}
     fits, budgets = {}, {}
     for name, b in bounds.items():
         ctx = b["context"]
@@ -139,14 +140,14 @@ def check_prompts(submit, result, names: list[str], train: Sequence, others: lis
             continue
         fit_limit = min(ctx - 1, b["max_prompt_tokens"])
         every = [take(d, candidates(d, b, fit_limit)) for d in (train, *others)]
-        fits[name] = submit(name, "prompt_budget", [p for ps in every for p in ps], 1)
+        fits[name] = workers[name].prompt_budget([p for ps in every for p in ps], 1)
     for pending in fits.values():
         if pending is not None:
-            result(pending)
+            pending.get()
     for name, b in bounds.items():
         if b["context"] is None:
             continue
-        budgets[name] = submit(
-            name, "prompt_budget", take(train, candidates(train, b, b["context"] - max_new_tokens)), max_new_tokens
+        budgets[name] = workers[name].prompt_budget(
+            take(train, candidates(train, b, b["context"] - max_new_tokens)), max_new_tokens
         )
-    return {name: (max_new_tokens, None) if p is None else result(p) for name, p in budgets.items()}
+    return {name: (max_new_tokens, None) if p is None else p.get() for name, p in budgets.items()}

@@ -16,7 +16,7 @@ import torch
 from graft_rl.data import check_answers, default_reward
 from graft_rl.policy import RolloutGroup
 from graft_rl.rewards import Reward, resolve_reward
-from graft_rl.seeding import derive_seed
+from graft_rl.seeding import Purpose, derive_seed
 
 __all__ = ["DynamicSamplingError", "Rollouts"]
 
@@ -28,13 +28,13 @@ class DynamicSamplingError(RuntimeError):
 class Rollouts:
     """The rollout phase; mixed into the trainer, whose ``cfg``, ``data``, ``_rows``, ``reward``,
     ``names``, ``policies``, ``peers``, ``samplings``, ``method``, ``scorer``, ``_prefetched`` and
-    ``_submit``/``_result``/``_call`` it uses."""
+    ``workers`` (the policies' handles) and ``_result`` it uses."""
 
     # ------------------------------------------------------------------ data order
     def prompts_for_step(self, step: int) -> list[tuple[str, str]]:
         """The prompt batch of a step: epoch-wise shuffles seeded by (seed, epoch)."""
         epoch, pos = divmod(step - 1, self.steps_per_epoch)
-        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 1, epoch))
+        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, Purpose.EPOCH_ORDER, epoch))
         perm = torch.randperm(len(self.data), generator=g)
         idx = perm[pos * self.cfg.prompt_batch : (pos + 1) * self.cfg.prompt_batch].tolist()
         return self._rows.draw(idx, step)  # the rows a reward gets for them are kept for the step
@@ -82,11 +82,11 @@ class Rollouts:
 
     # ------------------------------------------------------------------ generation
     def _generation_seed(self, name: str, step: int) -> int:
-        return derive_seed(self.cfg.seed, 2, step, self.names.index(name))
+        return derive_seed(self.cfg.seed, Purpose.GENERATE, step, self.names.index(name))
 
     def _start_generation(self, name: str, step: int):
-        return self._submit(
-            name, "generate_timed", self.prompts_for_step(step), self.samplings[name], self._generation_seed(name, step)
+        return self.workers[name].generate(
+            self.prompts_for_step(step), self.samplings[name], self._generation_seed(name, step)
         )
 
     def _dynamic_sampling(self, name, prompts, groups, step, vstats, times, rfilter) -> tuple[list, list, int, int]:
@@ -100,7 +100,9 @@ class Rollouts:
         Returns ``(kept groups, their prompts, extra rollouts, generation batches)``."""
         keep = [g for g in groups if rfilter.keep(g)]
         extra_rollouts = 0
-        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 3, step, self.names.index(name)))
+        g = torch.Generator().manual_seed(
+            derive_seed(self.cfg.seed, Purpose.REFILL_ORDER, step, self.names.index(name))
+        )
         used = {self._rows.index(pid) for pid, _ in prompts}  # table indices: no per-row lookups over the table
         pool = [p for p in torch.randperm(len(self.data), generator=g).tolist() if p not in used]
         cap = rfilter.max_batches
@@ -125,8 +127,8 @@ class Rollouts:
             size = rfilter.refill_factor * self.cfg.prompt_batch  # DAPO's gen_prompt_bsz
             take, pool = pool[:size], pool[size:]
             more_prompts = self._rows.draw(take, step)
-            seed = derive_seed(self.cfg.seed, 4, step, self.names.index(name), batches - 1)
-            more, gen_s = self._call(name, "generate_timed", more_prompts, self.samplings[name], seed)
+            seed = derive_seed(self.cfg.seed, Purpose.REFILL_GENERATE, step, self.names.index(name), batches - 1)
+            more, gen_s = self.workers[name].generate(more_prompts, self.samplings[name], seed).get()
             times["time_generate"] += gen_s
             extra_rollouts += len(more) * self.cfg.n
             t0 = time.perf_counter()

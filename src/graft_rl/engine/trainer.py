@@ -47,7 +47,7 @@ from graft_rl.methods import build_method
 from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.policy import PolicyConfig, RolloutGroup, SamplingParams
 from graft_rl.rewards import Reward
-from graft_rl.seeding import derive_seed
+from graft_rl.seeding import Purpose, derive_seed
 
 __all__ = ["Trainer", "RunInterrupted", "CheckpointError", "DynamicSamplingError", "derive_seed"]
 
@@ -147,9 +147,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         # and a response never runs past it: a policy whose context cannot hold the longest prompt plus
         # max_new_tokens samples at most what it leaves, and says so (a learned-position model would crash).
         # Only prompts whose size could reach a limit are tokenised (engine/prompts.py); validation clamps per call
-        budgets = check_prompts(
-            self._submit, self._result, list(self.policies), self.data, list(self.val_sets.values()), cfg.max_new_tokens
-        )
+        budgets = check_prompts(self.workers, self.data, list(self.val_sets.values()), cfg.max_new_tokens)
         self.samplings = {}
         for name, (budget, note) in budgets.items():
             if note:
@@ -160,23 +158,16 @@ class Trainer(Rollouts, Checkpointing, Validation):
             self._reconcile_best()  # best/ as the truncated validation log names it
 
     # ------------------------------------------------------------------ workers
-    def _submit(self, name: str, method: str, *args):
-        """Start a call on a policy's worker (:meth:`WorkerHandle.submit`)."""
-        return self.workers[name].submit(method, *args)
-
     def _result(self, pending: Pending):
         """Wait for a submitted call (:meth:`Pending.get`)."""
         return pending.get()
-
-    def _call(self, name: str, method: str, *args):
-        return self.workers[name].call(method, *args)
 
     # ------------------------------------------------------------------ one receiver
     def _train_receiver(self, name: str, batch: ReceiverBatch, step: int):
         """Start scoring, weighting and updating one receiver where its model lives: a Ray future
         (the call runs while the driver starts the next receiver's), or in-process the result."""
-        seed = derive_seed(self.cfg.seed, 5, step, self.names.index(name))
-        return self._submit(name, "train", batch, step, seed, self.cfg.temperature, self.samplings[name].max_new_tokens)
+        seed = derive_seed(self.cfg.seed, Purpose.UPDATE, step, self.names.index(name))
+        return self.workers[name].train(batch, step, seed, self.cfg.temperature, self.samplings[name].max_new_tokens)
 
     def _finish_receiver(self, name: str, batch: ReceiverBatch, step: int, handle) -> dict:
         """Wait for a receiver's update; keep its rows' weights and inclusion on the driver's batch
@@ -205,7 +196,9 @@ class Trainer(Rollouts, Checkpointing, Validation):
         self.method.observe(groups)
         batches: dict[str, ReceiverBatch] = {}
         for name in self.policies:
-            gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 6, step, self.names.index(name)))
+            gen = torch.Generator().manual_seed(
+                derive_seed(self.cfg.seed, Purpose.EXCHANGE, step, self.names.index(name))
+            )
             own = groups[name]
             batches[name] = self.method.build(name, groups, self.live, self.cfg.n, gen)
             line = lines[name]

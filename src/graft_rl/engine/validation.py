@@ -29,14 +29,14 @@ from graft_rl.engine.rundir import (
     write_text_atomic,
 )
 from graft_rl.rewards import Reward, resolve_reward
-from graft_rl.seeding import derive_seed
+from graft_rl.seeding import Purpose, derive_seed
 
 __all__ = ["Validation", "pass1_variance"]
 
 
 class Validation:
     """Validation and best-checkpoint keeping; mixed into the trainer, whose ``cfg``, ``run_dir``,
-    ``policies``, ``names``, ``val_sets`` (label -> problems), ``val_rewards``, ``_val_family``, ``best`` and ``_submit``/``_result``/``_call``
+    ``policies``, ``names``, ``val_sets`` (label -> problems), ``val_rewards``, ``_val_family``, ``best`` and ``workers`` (the policies' handles), ``_result``
     it uses."""
 
     def _load_validation(self, cfg) -> None:
@@ -62,16 +62,14 @@ class Validation:
         v = self.cfg.validation
         # every policy's evaluations submitted before any is awaited (at once under Ray)
         pending = {
-            (name, ds): self._submit(
-                name,
-                "evaluate",
+            (name, ds): self.workers[name].evaluate(
                 problems,
                 self.val_rewards[ds],
                 v.samples,
                 v.temperature,
                 v.top_p,
                 v.max_new_tokens,
-                derive_seed(self.cfg.seed, 7, step, self.names.index(name)),
+                derive_seed(self.cfg.seed, Purpose.VALIDATION, step, self.names.index(name)),
                 self.cfg.data.verify_timeout,
                 self.cfg.data.verify_budget,  # per chunk of problems, as a step's batch: validation time is bounded too
             )
@@ -110,7 +108,7 @@ class Validation:
                 if t.exists():
                     shutil.rmtree(t)
             try:
-                saving = [self._submit(name, "save", str(tmp[name].absolute())) for name in improved]
+                saving = [self.workers[name].save(str(tmp[name].absolute())) for name in improved]
                 for name, handle in zip(improved, saving, strict=True):
                     self._result(handle)
                     # graft eval checks best/<policy> against it: files, step and run
