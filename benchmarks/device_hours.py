@@ -2,6 +2,7 @@
 GPU-hours, 1.45x), on CPU with Ray: each policy its own actor on its own core ("device").
 
     python benchmarks/device_hours.py [--steps 12 --repeats 3]     # ~8 min on 2 cores
+    python benchmarks/device_hours.py --toy    # a minute's check that it runs (tests/trainer/test_benchmarks_run.py)
 
 - GRAFT: both policies of the shipped natural testbed pair, ``execution: ray``, one actor of one
   CPU (one torch thread) each: 2 devices for the run's wall time.
@@ -38,14 +39,12 @@ PAPER_RATIO = 43.3 / 29.9
 
 def sequential_updates(monkeypatch_target) -> None:
     """Emulate the driver before issue 22: each receiver's update awaited before the next starts."""
-    import ray
-
     real = monkeypatch_target._train_receiver
 
     def blocking(self, name, batch, step):
-        handle = real(self, name, batch, step)
-        ray.wait([handle], num_returns=1)
-        return handle
+        pending = real(self, name, batch, step)
+        pending.get()  # waits for the update (the trainer's own get later returns the same result)
+        return pending
 
     monkeypatch_target._train_receiver = blocking
 
@@ -59,6 +58,7 @@ def one_run(policies: list[str], steps: int, prompt_batch: int, method: str) -> 
     base.update(
         steps=steps,
         prompt_batch=prompt_batch,
+        minibatch=min(base["minibatch"], prompt_batch),
         checkpoint_every=10_000,
         validation={"data": []},
         execution="ray",
@@ -84,7 +84,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--prompt-batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--toy", action="store_true", help="1 step of 4 prompts, 1 trial: that it runs, not its figures")
     args = ap.parse_args()
+    if args.toy:
+        args.steps, args.prompt_batch, args.repeats = 1, 4, 1
     import ray
 
     from graft_rl.engine.trainer import Trainer

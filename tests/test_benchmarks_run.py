@@ -1,0 +1,34 @@
+"""Benchmarks are code: each one's toy-size run, so a change that breaks a script fails CI (its
+figures, measured at full size, are in docs/benchmarks.md with the command)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str, timeout: int = 900) -> str:
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
+def test_device_hours_runs_to_its_headline():
+    """GRAFT's device time against the two GRPO runs (README, Table 5): every row and the headline."""
+    out = _run("device_hours.py", "--toy")
+    assert "| GRAFT, after (updates at once) | 2 |" in out and "| GRPO, policy A alone | 1 |" in out
+    assert out.strip().splitlines()[-1].startswith("headline: GRAFT / two GRPO runs device-time = ")
