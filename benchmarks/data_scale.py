@@ -13,7 +13,7 @@ locally) with ``execution: local`` and ``ray``. Each cell runs in a fresh proces
 Goal: the first step at 1M rows within 1.5x of 1k, peak RSS growth under 500 MB.
 
     python benchmarks/data_scale.py                       # 1k, 100k, 1M rows; local and ray
-    python benchmarks/data_scale.py --rows 1000 --toy     # seconds: checks it runs (tests/trainer/test_data_scale.py)
+    python benchmarks/data_scale.py --rows 1000 --toy     # seconds: checks it runs (tests/test_benchmarks_run.py)
 
 Prints a Markdown table; results with the machine in docs/benchmarks.md ("Dataset size").
 """

@@ -3,7 +3,7 @@ Qwen2.5-3B's shape, trainer side (fp32 master cast to bf16, then digested) and e
 scaled to the whole model (3.09 B parameters).
 
     python benchmarks/push_digest.py           # one 77 M-parameter layer, 2 threads
-    python benchmarks/push_digest.py --toy     # a few seconds' check that it runs (tests/policy/test_push_verification.py)
+    python benchmarks/push_digest.py --toy     # a few seconds' check that it runs (tests/test_benchmarks_run.py)
 
 Prints a Markdown table; results with the machine in docs/benchmarks.md ("Push verification cost").
 """

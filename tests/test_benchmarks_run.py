@@ -32,3 +32,17 @@ def test_device_hours_runs_to_its_headline():
     out = _run("device_hours.py", "--toy")
     assert "| GRAFT, after (updates at once) | 2 |" in out and "| GRPO, policy A alone | 1 |" in out
     assert out.strip().splitlines()[-1].startswith("headline: GRAFT / two GRPO runs device-time = ")
+
+
+@pytest.mark.slow
+def test_data_scale_runs_at_toy_size():
+    """Time to the first step and peak RSS by dataset size (docs/benchmarks.md, "Dataset size")."""
+    out = _run("data_scale.py", "--rows", "1000", "--toy", timeout=300)
+    assert "| 1,000 |" in out and "| local |" in out
+
+
+@pytest.mark.slow
+def test_push_digest_runs_at_toy_size():
+    """The cost of verifying a vLLM weight push at 3B (docs/benchmarks.md, "Push verification cost")."""
+    out = _run("push_digest.py", "--toy", timeout=120)
+    assert "| engine (bf16) |" in out and "MB" in out

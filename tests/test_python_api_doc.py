@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "python_api.md"
 
 
@@ -26,6 +28,7 @@ def test_the_doc_has_the_promised_parts():
         assert call in code, call
 
 
+@pytest.mark.slow
 def test_every_python_block_of_the_doc_runs(tmp_path):
     script = "\n\n".join(blocks())
     (tmp_path / "doc.py").write_text(script)

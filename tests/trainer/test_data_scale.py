@@ -4,8 +4,6 @@ bound they rest on holds for every text; a step's rows are kept, not the table's
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -145,13 +143,3 @@ def test_a_step_keeps_its_rows_not_the_table():
     rows.draw([2], step=3)
     rows.draw([3], step=4)  # step 1's rows are two steps behind the newest: forgotten
     assert "q5" not in rows and {"q1", "q2", "q3"} <= set(rows)
-
-
-def test_the_data_scale_benchmark_runs_at_toy_size():
-    """benchmarks/data_scale.py stays runnable (its figures are in docs/benchmarks.md)."""
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "data_scale.py"
-    res = subprocess.run(
-        [sys.executable, str(script), "--rows", "1000", "--toy"], capture_output=True, text=True, timeout=300
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "| 1,000 |" in res.stdout and "| local |" in res.stdout

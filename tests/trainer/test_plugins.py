@@ -125,6 +125,7 @@ def test_a_part_named_by_file_and_name_needs_no_plugins_list(task):
     assert _marks(task, "advantage")
 
 
+@pytest.mark.slow
 def test_the_commands_that_read_a_run_import_its_plugins(task, capsys, tmp_path_factory):
     import subprocess
     import sys

@@ -143,6 +143,7 @@ def test_preflight_of_the_user_task(user_task, capsys):
     assert "resume" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_run_summary_counts_reward_calls_that_timed_out(user_task, tmp_path, capsys):
     """Issue 40, item 2: the run's output says how many reward calls timed out (their processes ended)."""
     (tmp_path / "slow_reward.py").write_text(
