@@ -47,6 +47,12 @@ PARTS = textwrap.dedent(
         return loss * 0.5, stats
 
 
+    def plain_loss(lp, old, mask, ctx):
+        """Not registered: named as parts.py:plain_loss, it is a token-mean, weighted loss by default."""
+        _mark("plain")
+        return token_mean_clip(lp, old, mask, ctx)
+
+
     @register_method("sign_graft")
     class SignGraft(Method):
         preset = {**Method.preset, "advantage": "sign", "loss": "half_clip"}
@@ -117,12 +123,13 @@ def test_a_users_method_from_a_file_trains_resumes_and_refuses_a_changed_plugin(
 def test_a_part_named_by_file_and_name_needs_no_plugins_list(task):
     cfg = yaml.safe_load((task / "task.yaml").read_text())
     cfg.update(plugins=[], run_dir="run2", steps=1)
-    cfg["method"] = {"name": "graft", "advantage": "parts.py:sign", "loss": "gspo", "balance": False}
+    cfg["method"] = {"name": "graft", "advantage": "parts.py:sign", "loss": "parts.py:plain_loss", "balance": False}
     (task / "keyed.yaml").write_text(yaml.safe_dump(cfg))
     assert main(["train", "keyed.yaml", "--no-progress"]) == 0
     saved = yaml.safe_load((task / "run2" / "config.yaml").read_text())
-    assert saved["method"]["advantage"] == f"{task / 'parts.py'}:sign" and saved["method"]["loss"] == "gspo"
-    assert _marks(task, "advantage")
+    assert saved["method"]["advantage"] == f"{task / 'parts.py'}:sign"
+    assert saved["method"]["loss"] == f"{task / 'parts.py'}:plain_loss"
+    assert _marks(task, "advantage") and _marks(task, "plain")
 
 
 @pytest.mark.slow

@@ -92,7 +92,7 @@ class Method:
         """Refuse parts that cannot work together (docs/design.md has the table), in one line."""
         part = {kind: PART_KEYS[kind].get(cfg.part_name(kind)) for kind in PART_NAMES}
         names = {kind: cfg.part_name(kind) for kind in PART_NAMES}
-        if getattr(part["advantage"], "needs_pool", False) and not part["composition"].pools:
+        if getattr(part["advantage"], "needs_pool", False) and not getattr(part["composition"], "pools", False):
             raise ConfigError(
                 f"method.advantage {names['advantage']!r} compares a receiver's group with a peer's and needs a "
                 f"composition that pools them (pool, hacpo_pool), not {names['composition']!r}"
@@ -102,13 +102,14 @@ class Method:
                 f"method.advantage {names['advantage']!r} reads each policy's capability, which method {cfg.name!r} "
                 f"does not track (method hacpo does)"
             )
-        if part["composition"].aux != (names["aux_loss"] != "none"):
-            need = "an aux_loss (sgt_nll)" if part["composition"].aux else "composition aux_target"
+        aux = getattr(part["composition"], "aux", False)
+        if aux != (names["aux_loss"] != "none"):
+            need = "an aux_loss (sgt_nll)" if aux else "composition aux_target"
             raise ConfigError(
                 f"method.composition {names['composition']!r} with aux_loss {names['aux_loss']!r}: "
                 f"auxiliary targets and their loss come together; set {need}"
             )
-        if cls.uses_peers and names["weighting"] != "none" and not part["loss"].weighted:
+        if cls.uses_peers and names["weighting"] != "none" and not getattr(part["loss"], "weighted", True):
             raise ConfigError(
                 f"method.weighting {names['weighting']!r} weighs peer responses, but loss {names['loss']!r} takes no "
                 "weight (it has its own off-policy correction); set method.weighting: none"

@@ -361,7 +361,7 @@ class Exchange:
             for q in torch.nonzero(mask).flatten().tolist():
                 from_peer[q] = peer
         pooled_with = {}  # every_prompt: prompt -> the peer whose group it pools when none was selected
-        if self.composition.every_prompt and len(groups) > 1:
+        if getattr(self.composition, "every_prompt", False) and len(groups) > 1:
             every, _ = Every(self.cfg).select(receiver, k, group_n, live, gen)  # deterministic: no draw
             for peer, mask in every.items():
                 pooled_with.update({q: peer for q in torch.nonzero(mask).flatten().tolist()})

@@ -150,7 +150,7 @@ class Objective:
 
     def micro(self, lp: torch.Tensor, mb: Minibatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """One micro-batch's ``(loss contribution, stats)``; ``lp``: its current log-probs ``[m, T]``."""
-        if self.loss.aggregation == "response_mean":
+        if getattr(self.loss, "aggregation", "token_mean") == "response_mean":
             return self._per_response(lp, mb, rows)
         t = mb.t
         T = lp.shape[1]
@@ -193,7 +193,7 @@ class Objective:
             stats[f"clipped_tokens_{name}"] = float((clipped * tokens * sel.to(tokens.dtype)).sum())
             stats[f"tokens_{name}"] = float((tokens * sel.to(tokens.dtype)).sum())
         total = loss * (float(valid.sum()) / max(mb.responses, 1.0))
-        if self.loss.kl == "own_response_mean":
+        if getattr(self.loss, "kl", "token_mean") == "own_response_mean":
             total = self._own_response_kl(lp, mb, rows, rl_mask, own, total, stats)
         else:
             total = self.with_kl(lp, mb, rows, rl_mask, total, stats)

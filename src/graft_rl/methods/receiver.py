@@ -63,7 +63,9 @@ class Receiver:
         the loss unless the composition keeps them; the loss's ``loss_mask`` edits ``mask`` in place."""
         weights = [r.weight for r in batch.rows]
         included = [r.include for r in batch.rows]
-        for i in [] if self.composition.keeps_cut else cut:  # a peer response longer than this policy's
+        for i in (
+            [] if getattr(self.composition, "keeps_cut", False) else cut
+        ):  # a peer response longer than this policy's
             included[i] = False  # budget: it could never have produced it, and the answer may be cut
         loss_mask = getattr(self.objective.loss, "loss_mask", None)
         if loss_mask is not None:
