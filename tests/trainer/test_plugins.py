@@ -39,7 +39,7 @@ PARTS = textwrap.dedent(
         return torch.sign(rewards - rewards.mean(dim=1, keepdim=True))
 
 
-    @register_loss("half_clip")
+    @register_loss("user_half_clip")
     def half_clip(lp, old, mask, ctx):
         """GRAFT's token loss at half the step."""
         _mark("loss")
@@ -55,7 +55,7 @@ PARTS = textwrap.dedent(
 
     @register_method("sign_graft")
     class SignGraft(Method):
-        preset = {**Method.preset, "advantage": "sign", "loss": "half_clip"}
+        preset = {**Method.preset, "advantage": "sign", "loss": "user_half_clip"}
     '''
 )
 
@@ -88,7 +88,13 @@ def task(tmp_path, tiny_pair, monkeypatch):
     }
     (tmp_path / "task.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     monkeypatch.chdir(tmp_path)
-    return tmp_path
+    yield tmp_path
+    from graft_rl.methods.registry import METHODS, PART_KEYS
+
+    for registry in (METHODS, *PART_KEYS.values()):  # what the plugin registered leaves with the test
+        for key, obj in list(registry._entries.items()):
+            if str(getattr(obj, "__module__", "")).startswith("graft_rl_plugin_"):
+                del registry._entries[key]
 
 
 def _marks(root: Path, what: str) -> set[int]:

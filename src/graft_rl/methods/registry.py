@@ -82,17 +82,16 @@ class Registry:
         where = where or f"method.{self.kind}"
         if key in self._entries:
             return self._entries[key]
-        if isinstance(key, str) and ":" in key:
+        if isinstance(key, str) and ":" in key:  # resolved each time: the module as imported now
             module, _, attr = key.rpartition(":")
             mod = import_plugin(module, where)
-            if attr in self._entries:
-                return self._entries[attr]
             obj = getattr(mod, attr, None)
+            if obj is None:
+                obj = self._entries.get(attr)  # a name the module registered under another
             if obj is None:
                 raise ConfigError(
                     f"{where}: {key!r}: {module} has no {attr!r} (and registers no {self.kind} of that name)"
                 )
-            self._entries[key] = obj
             return obj
         close = difflib.get_close_matches(str(key), self.names(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
