@@ -38,7 +38,7 @@ def main() -> None:
     base.update(prompt_batch=args.prompt_batch, n=args.n, validation={"data": []})
     tr = Trainer(load_config(base), show_progress=False)
     grpo_ex = build_exchange(load_config(dict(base, method={"name": "grpo"})).method)
-    graft_ex = tr.exchange
+    graft_ex = tr.method.exchange
     times = {"generate + verify": [], "GRPO post-rollout (A+B)": [], "GRAFT post-rollout (A+B)": []}
     exchanged = []
     pristine = {n: copy.deepcopy(p.model.state_dict()) for n, p in tr.policies.items()}
@@ -61,12 +61,10 @@ def main() -> None:
                 gen = torch.Generator().manual_seed(rep)
                 batch = ex.build(name, copy.deepcopy(groups), tr.live, args.n, gen)
                 n_ex += int(batch.stats.get("exchanged_in", 0))
-                tr.exchange = ex
-                tr._train_receiver(name, batch, rep)
+                tr._train_receiver(name, batch, rep).get()
             times[label].append(time.perf_counter() - t0)
             if ex is graft_ex:
                 exchanged.append(n_ex)
-        tr.exchange = graft_ex
     med = {k: statistics.median(v) for k, v in times.items()}
     print(
         f"testbed pair, {args.prompt_batch} prompts x n={args.n}, {args.repeats} repeats, CPU threads={torch.get_num_threads()}; "

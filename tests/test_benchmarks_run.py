@@ -46,3 +46,33 @@ def test_push_digest_runs_at_toy_size():
     """The cost of verifying a vLLM weight push at 3B (docs/benchmarks.md, "Push verification cost")."""
     out = _run("push_digest.py", "--toy", timeout=120)
     assert "| engine (bf16) |" in out and "MB" in out
+
+
+@pytest.mark.slow
+def test_step_overhead_runs_at_toy_size():
+    """GRAFT's post-rollout cost against GRPO's on the testbed pair (docs/benchmarks.md)."""
+    out = _run("step_overhead.py", "--repeats", "1", "--prompt-batch", "4", "--n", "2", timeout=300)
+    assert "| GRAFT post-rollout (A+B) |" in out and "post-rollout ratio GRAFT / GRPO:" in out
+
+
+@pytest.mark.slow
+def test_algo_bench_runs_at_toy_size():
+    """The algorithm's own cost per step, models aside (docs/benchmarks.md)."""
+    args = ["--prompts", "8", "--rollouts", "4", "--tokens", "64", "--minibatch", "4", "--repeats", "1"]
+    out = _run("algo_bench.py", *args, timeout=120)
+    assert "| loss fwd+bwd |" in out and "| total |" in out
+
+
+@pytest.mark.slow
+def test_rollout_bench_runs_at_toy_size():
+    """Generation and scoring throughput of the tiny pair (docs/benchmarks.md)."""
+    out = _run("rollout_bench.py", "--prompts", "2", "--n", "2", "--max-new", "8", timeout=300)
+    assert "| tiny llama / byte tok | hf |" in out and "| tiny gpt2 / BPE | hf |" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
+def test_ray_overlap_runs_at_toy_size():
+    """Seconds per step in-process against Ray actors (docs/benchmarks.md)."""
+    out = _run("ray_overlap.py", "--steps", "2", "--prompt-batch", "4", timeout=600)
+    assert "| local |" in out and "| ray |" in out
