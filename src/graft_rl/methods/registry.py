@@ -22,6 +22,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -148,17 +149,20 @@ def normalise(spec: str) -> str:
     return str(Path(spec).expanduser().resolve()) if spec.endswith(".py") else spec
 
 
-def _exec_source(name: str, source: bytes, origin: str) -> Any:
-    import types
-
-    mod = types.ModuleType(name)
-    mod.__file__ = origin
-    sys.modules[name] = mod
-    try:
-        exec(compile(source, origin, "exec"), mod.__dict__)
-    except Exception:
-        del sys.modules[name]
-        raise
+def _import_source(spec: str, source: bytes, where: str) -> Any:
+    """A file plugin's module from its source (one module per spec and content), recorded as imported."""
+    name = f"{_PLUGIN_PREFIX}{hashlib.sha1(spec.encode() + source).hexdigest()[:10]}_{Path(spec).stem}"
+    mod = sys.modules.get(name)
+    if mod is None:
+        mod = types.ModuleType(name)
+        mod.__file__ = spec
+        sys.modules[name] = mod
+        try:
+            exec(compile(source, spec, "exec"), mod.__dict__)
+        except Exception as exc:
+            del sys.modules[name]
+            raise ConfigError(f"{where}: {spec}: importing it raised {type(exc).__name__}: {exc}") from None
+    _MODULES[spec], _SOURCES[spec] = mod, source
     return mod
 
 
@@ -180,14 +184,8 @@ def import_plugin(spec: str, where: str = "plugins") -> Any:
         source = path.read_bytes()
         if cached is not None and _SOURCES.get(spec) == source:
             return cached
-        digest = hashlib.sha1(str(path).encode() + source).hexdigest()[:10]
-        name = f"{_PLUGIN_PREFIX}{digest}_{path.stem}"
-        try:
-            mod = sys.modules.get(name) or _exec_source(name, source, str(path))
-        except Exception as exc:
-            raise ConfigError(f"{where}: {spec}: importing it raised {type(exc).__name__}: {exc}") from None
         _PLUGIN_FILES[spec] = path
-        _SOURCES[spec] = source
+        return _import_source(spec, source, where)
     else:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
             sys.path.append(str(Path.cwd()))  # a module beside the config, as `python -m` would find it
@@ -209,13 +207,8 @@ def load_plugins(specs: Iterable[str] | dict[str, bytes | None]) -> None:
     items = specs.items() if isinstance(specs, dict) else ((s, None) for s in specs or ())
     for i, (spec, source) in enumerate(items):
         if source is not None and spec not in _MODULES:
-            name = f"{_PLUGIN_PREFIX}{hashlib.sha1(spec.encode() + source).hexdigest()[:10]}_{Path(spec).stem}"
-            try:
-                _MODULES[spec] = sys.modules.get(name) or _exec_source(name, source, spec)
-                _SOURCES[spec] = source
-                _PINNED.add(spec)
-            except Exception as exc:
-                raise ConfigError(f"plugins.{i}: {spec}: importing it raised {type(exc).__name__}: {exc}") from None
+            _import_source(spec, source, f"plugins.{i}")
+            _PINNED.add(spec)
             continue
         import_plugin(spec, f"plugins.{i}")
 
@@ -233,7 +226,8 @@ def plugin_sources(specs: Iterable[str]) -> dict[str, bytes | None]:
 def plugin_file(spec: str) -> Path | None:
     """The source file a plugin spec was imported from (imported now if it was not yet): what a run's
     provenance hashes, so that ``--resume`` knows when a plugin changed."""
-    import_plugin(spec)
+    if str(spec).strip() not in _MODULES:
+        import_plugin(spec)
     return _PLUGIN_FILES.get(str(spec).strip())
 
 
