@@ -195,7 +195,8 @@ def changes(before: dict, now: dict) -> list[tuple[str, str]]:
         if a is None or b is None:
             continue  # a plugin added or left out by the resumed config is a config change, judged there
         if a.get("sha256") != b.get("sha256"):
-            out.append(("plugin", f"plugin {spec}: {b['source']} changed (sha256 {_short(a)} -> {_short(b)})"))
+            where = spec if b["source"] == spec else f"{spec} ({b['source']})"  # a module: its file too
+            out.append(("plugin", f"plugin {where} changed (sha256 {_short(a)} -> {_short(b)})"))
     old_d, new_d = before.get("data", {}), now.get("data", {})
     for spec in sorted(set(old_d) | set(new_d)):
         a, b = old_d.get(spec), new_d.get(spec)
