@@ -11,7 +11,7 @@ groups that failed entirely, the peer groups grafted in and the share of their r
 admitted, and the wall time.
 
 Reproduce (4 seeds x 2 methods, about 30 s a run on 2 cores):
-    python benchmarks/mechanism.py [--seeds 0 1 2 3] [--out runs/mechanism]
+    python benchmarks/mechanism.py [--seeds 0 1 2 3] [--out runs/mechanism] [--toy]
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 CONFIGS = {"graft": ROOT / "configs" / "lookup" / "graft.yaml", "grpo": ROOT / "configs" / "lookup" / "grpo.yaml"}
 
 
-def run(method: str, seed: int, out: Path) -> dict:
+#: ``--toy``: 2 steps, a small held-out set (the benchmark's code path, not its figures; tests/test_benchmarks_run.py)
+TOY = ["steps=2", "checkpoint_every=2", "validation.every=2", "validation.limit=16", "validation.samples=1"]
+
+
+def run(method: str, seed: int, out: Path, overrides: list[str] = ()) -> dict:
     from graft_rl.commands.report import family_summary
     from graft_rl.engine.config import load_config
     from graft_rl.engine.trainer import Trainer
@@ -37,7 +41,7 @@ def run(method: str, seed: int, out: Path) -> dict:
     run_dir = out / f"{method}_s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    Trainer(load_config(CONFIGS[method], [f"run_dir={run_dir}", f"seed={seed}"]), show_progress=False).run()
+    Trainer(load_config(CONFIGS[method], [f"run_dir={run_dir}", f"seed={seed}", *overrides]), show_progress=False).run()
     rows = {(r["policy"], r["family"]): r for r in family_summary(run_dir)}
     return {"rows": rows, "seconds": time.perf_counter() - t0}
 
@@ -50,6 +54,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--out", default="runs/mechanism")
+    ap.add_argument("--toy", action="store_true", help="2 steps and a small held-out set: the code path only")
     args = ap.parse_args()
     import torch
     from build_testbed import cpu_model
@@ -75,7 +80,7 @@ def main() -> int:
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for seed in args.seeds:
         for method in CONFIGS:
-            r = run(method, seed, Path(args.out))
+            r = run(method, seed, Path(args.out), TOY if args.toy else [])
             a3, a6 = r["rows"][("A", "shift3")], r["rows"][("A", "shift6")]
             fail = a3["all_fail"] / a3["groups"] if a3["groups"] else None
             print(

@@ -1,7 +1,7 @@
 """Padding waste in scoring and updates: useful tokens / computed tokens, before and after micro-batches
 formed by length (issue 22), and the update throughput that follows.
 
-    python benchmarks/padding.py            # ~2 min on 2 cores
+    python benchmarks/padding.py [--repeats 3]           # ~2 min on 2 cores
 
 1. **Paper scale, arithmetic**: one step of the pair-1 presets (128 prompts x n = 8, minibatch 32
    prompts = 256 rows per update, ``micro_batch_tokens`` 32768, 2 FSDP ranks per policy) on a
@@ -13,7 +13,7 @@ formed by length (issue 22), and the update throughput that follows.
    32 prompts x 8, its config's budget).
 3. **Measured**: forward + backward of one minibatch (the paper mix scaled by 1/8: responses up to
    512 tokens, budget 4,096) on a toy Llama (hidden 128, 2 layers) on this CPU; useful tokens per
-   second, before and after, median of 3.
+   second, before and after, median of ``--repeats``.
 
 "Before" is the previous rule (rows in arrival order, a rank takes rows ``rank, rank + W, ...``);
 "after" is :func:`graft_rl.policy.policy.length_micro_batches` (rows dealt to ranks by length,
@@ -125,6 +125,11 @@ def measured(rule: str, repeats: int = 3) -> tuple[float, int]:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3, help="timed updates per rule (the median is printed)")
+    args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
     paper = paper_mix(1024)
@@ -154,7 +159,7 @@ def main() -> None:
     print("|---|---:|---:|")
     speed = {}
     for rule in ("before", "after"):
-        speed[rule], passes = measured(rule)
+        speed[rule], passes = measured(rule, args.repeats)
         print(f"| {rule} | {speed[rule]:,.0f} | {passes} |")
     print()
     after = rows[1][2]

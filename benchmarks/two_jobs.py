@@ -1,6 +1,6 @@
 """Two `graft train` runs at once on the same cores: seconds per step alone vs side by side.
 
-    python benchmarks/two_jobs.py                   # ~3 minutes on 2 cores; run it alone
+    python benchmarks/two_jobs.py [--steps 6] [--toy]   # ~3 minutes on 2 cores; run it alone
 
 For each OpenMP spin setting (libgomp's default 300,000 and the CLI's default 5,000) it runs the
 default testbed job for 6 steps (no validation) once alone and twice concurrently, and prints the
@@ -10,6 +10,7 @@ second one shares its cores is oversubscribed: spinning OpenMP threads steal eac
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -21,19 +22,27 @@ from pathlib import Path
 STEPS = 6
 
 
-def launch(run_dir: Path, env: dict) -> subprocess.Popen:
+def launch(run_dir: Path, env: dict, steps: int = STEPS, toy: bool = False) -> subprocess.Popen:
     args = [
         sys.executable,
         "-m",
         "graft_rl.commands.cli",
         "train",
         f"run_dir={run_dir}",
-        f"steps={STEPS}",
+        f"steps={steps}",
         "validation.data=[]",
         "checkpoint_every=100",
+        *(["prompt_batch=4", "n=2"] if toy else []),
         "--no-progress",
     ]
-    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait(proc: subprocess.Popen) -> None:
+    """Wait for a run; a failed one stops the benchmark with its last lines."""
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"graft train exited {proc.returncode}: {err.strip()[-2000:]}")
 
 
 def seconds_per_step(run_dir: Path) -> float:
@@ -47,16 +56,20 @@ def seconds_per_step(run_dir: Path) -> float:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--toy", action="store_true", help="4 prompts x 2 responses a step: the code path only")
+    args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="two_jobs_"))
     print("| GOMP_SPINCOUNT | alone s/step | two at once s/step (each) | slowdown |\n|---:|---:|---:|---:|")
     for spin in ("300000", "5000"):
         env = {**os.environ, "GOMP_SPINCOUNT": spin}
         solo = root / f"solo_{spin}"
-        launch(solo, env).wait()
+        wait(launch(solo, env, args.steps, args.toy))
         pair = [root / f"pair_{spin}_{i}" for i in range(2)]
-        procs = [launch(d, env) for d in pair]
+        procs = [launch(d, env, args.steps, args.toy) for d in pair]
         for p in procs:
-            p.wait()
+            wait(p)
         t_solo = seconds_per_step(solo)
         t_pair = [seconds_per_step(d) for d in pair]
         print(

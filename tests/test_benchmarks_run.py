@@ -76,3 +76,59 @@ def test_ray_overlap_runs_at_toy_size():
     """Seconds per step in-process against Ray actors (docs/benchmarks.md)."""
     out = _run("ray_overlap.py", "--steps", "2", "--prompt-batch", "4", timeout=600)
     assert "| local |" in out and "| ray |" in out
+
+
+@pytest.mark.slow
+def test_mechanism_runs_at_toy_size(tmp_path):
+    """GRAFT against GRPO on the lookup pair (docs/benchmarks.md, "Mechanism"): both rows of a seed."""
+    out = _run("mechanism.py", "--seeds", "0", "--toy", "--out", str(tmp_path), timeout=600)
+    assert "model A: p(right digit)" in out and "| 0 | graft |" in out and "| 0 | grpo |" in out
+
+
+@pytest.mark.slow
+def test_padding_runs_at_toy_size():
+    """Useful / computed tokens before and after length micro-batches (docs/benchmarks.md, "Padding")."""
+    out = _run("padding.py", "--repeats", "1", timeout=600)
+    assert "| paper mix, pair-1 preset (2 ranks, 32k budget) | after |" in out
+    assert out.strip().splitlines()[-1].startswith("headline: useful / computed tokens after the change")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
+def test_preflight_presets_runs_on_the_testbed_preset(tmp_path):
+    """The preflight table over presets (docs/benchmarks.md); here the testbed's GRAFT preset, the
+    smallest, rather than a paper preset (those are rehearsed by tests/test_preflight.py)."""
+    out = _run("preflight_presets.py", "--presets", "../testbed/graft.yaml", "--out", str(tmp_path / "p.json"))
+    assert "| ../testbed/graft.yaml | passed |" in out and "1/1 passed" in out
+
+
+@pytest.mark.slow
+def test_testbed_runs_at_toy_size(tmp_path):
+    """Every method on the testbed pair (docs/testbed.md): one method, one seed, two steps."""
+    args = ["--methods", "graft", "--seeds", "0", "--steps", "2", "--pool", "32", "--every", "2"]
+    out = _run("testbed.py", *args, "--eval-prompts", "4", "--eval-samples", "1", "--out", str(tmp_path), timeout=900)
+    assert "Complementarity at the start" in out and (tmp_path / "complementarity.md").is_file()
+
+
+@pytest.mark.slow
+def test_transfer_runs_at_toy_size(tmp_path):
+    """The transfer pair's curves and table (docs/transfer.md): one method, one seed, two steps."""
+    args = ["--methods", "graft", "--seeds", "0", "--steps", "2", "--every", "2", "--val-prompts", "8"]
+    _run("transfer.py", *args, "--val-samples", "1", "--eval-samples", "1", "--out", str(tmp_path), timeout=900)
+    assert (tmp_path / "start.json").is_file() and (tmp_path / "curves.png").is_file()
+
+
+@pytest.mark.slow
+def test_two_jobs_runs_at_toy_size():
+    """Two runs at once on the same cores (docs/benchmarks.md, "Two jobs"): both spin settings."""
+    out = _run("two_jobs.py", "--steps", "2", "--toy", timeout=900)
+    assert "| 300000 |" in out and "| 5000 |" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed (the bench extra)")
+def test_vs_trl_runs_at_toy_size():
+    """One GRPO step of graft-rl against TRL's GRPOTrainer (docs/benchmarks.md)."""
+    args = ["--prompts", "4", "--n", "2", "--max-new-tokens", "8", "--steps", "2", "--repeats", "1", "--threads", "1"]
+    out = _run("vs_trl.py", *args, timeout=900)
+    assert "graft-rl" in out and "TRL" in out
