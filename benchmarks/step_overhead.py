@@ -44,12 +44,14 @@ def main() -> None:
     pristine = {n: copy.deepcopy(p.model.state_dict()) for n, p in tr.policies.items()}
     opt_state = {n: copy.deepcopy(p.optimizer.state_dict()) for n, p in tr.policies.items()}
     for rep in range(1, args.repeats + 1):
-        prompts = tr.prompts_for_step(rep)
+        prompts = tr.rollouts.prompts_for_step(rep)
         t0 = time.perf_counter()
         groups = {}
         for name in tr.policies:
-            groups[name] = tr.workers[name].generate(prompts, tr.sampling, tr._generation_seed(name, rep)).get()[0]
-            tr._verify(groups[name])
+            groups[name] = (
+                tr.workers[name].generate(prompts, tr.sampling, tr.rollouts.generation_seed(name, rep)).get()[0]
+            )
+            tr.rollouts.verify(groups[name])
         times["generate + verify"].append(time.perf_counter() - t0)
         for label, ex in (("GRPO post-rollout (A+B)", grpo_ex), ("GRAFT post-rollout (A+B)", graft_ex)):
             for name, pol in tr.policies.items():  # identical starting weights for both methods

@@ -69,7 +69,7 @@ def test_paper_preset_passes_every_stage(preset):
 def test_a_failing_stage_is_one_line_and_stops_the_rest(monkeypatch, capsys):
     from graft_rl.engine.trainer import Trainer
 
-    def broken(self, step):
+    def broken(self, step, stop=None):
         raise RuntimeError("the step broke\nsecond line")
 
     monkeypatch.setattr(Trainer, "step", broken)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from graft_rl.engine.config import load_config
+from graft_rl.engine.rollouts import Rollouts
 
 # success counts per policy per prompt (n = 4): reward(policy, q, i) = 1 if i < K[policy][q]
 K = {
@@ -29,9 +30,8 @@ def fake_verify(self, groups):
 
 @pytest.fixture
 def fake_rewards(monkeypatch):
-    from graft_rl.engine.trainer import Trainer
 
-    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify", fake_verify)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import graft_rl.commands.evaluate_cli as ev
 from graft_rl.commands.analyze import AnalysisError, analyze
 from graft_rl.commands.cli import main
 from graft_rl.engine.trainer import Trainer
+from graft_rl.engine.validation import best_from_log
 from graft_rl.policy import RolloutGroup
 
 from .conftest import quick_eval_args
@@ -194,9 +195,7 @@ def test_analyze_best_step_is_the_trainers(make_cfg, fake_rewards, tiny_data):
     rewrite_log(log, lines)
     s = analyze(tr.run_dir)
     assert {p: s["policies"][p]["best_step"] for p in ("A", "B")} == {"A": 2, "B": 2}
-    assert Trainer.resume(tr.run_dir, show_progress=False)._best_from_log() == {
-        p: {"step": 2, "score": 0.5} for p in "AB"
-    }
+    assert best_from_log(tr.run_dir, select_initial=False) == {p: {"step": 2, "score": 0.5} for p in "AB"}
 
 
 def test_eval_of_a_checkpoint_keeps_its_prompt_format(make_cfg, fake_rewards, tmp_path, tiny_pair):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graft_rl.engine.rollouts import Rollouts
 from graft_rl.engine.store import RecordStore
 from graft_rl.engine.trainer import Trainer
 
@@ -22,7 +23,7 @@ def test_ray_matches_in_process(make_cfg, ray_local, monkeypatch):
     # applied in the driver (the driver verifies rewards in both modes)
     from .conftest import fake_verify
 
-    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify", fake_verify)
     threads = torch.get_num_threads()
     local = Trainer(make_cfg({"name": "graft"}, steps=2, run="local"), show_progress=False)
     local_lines = local.run()
@@ -31,10 +32,10 @@ def test_ray_matches_in_process(make_cfg, ray_local, monkeypatch):
         show_progress=False,
     )
     events = []
-    gen, finish = Trainer._start_generation, Trainer._finish_receiver
+    gen, finish = Rollouts.start, Trainer._finish_receiver
     monkeypatch.setattr(
-        Trainer,
-        "_start_generation",
+        Rollouts,
+        "start",
         lambda self, name, step: (events.append(("gen", name, step)), gen(self, name, step))[1],
     )
     monkeypatch.setattr(
@@ -81,7 +82,7 @@ def test_dead_actor_is_reported_with_its_policy_name(make_cfg, ray_local, monkey
 
     from .conftest import fake_verify
 
-    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify", fake_verify)
     tr = Trainer(make_cfg({"name": "graft"}, steps=2, run="dies", execution="ray"), show_progress=False)
     tr.run(max_steps=1)
     ray.kill(tr.workers["B"].actor)
@@ -98,7 +99,7 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
 
     from .conftest import fake_verify
 
-    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify", fake_verify)
     pols = [
         {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3, "micro_batch_tokens": 64},
         {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "micro_batch_tokens": 64},
@@ -158,7 +159,7 @@ def test_fsdp_policy_groups_resume_exactly(make_cfg, ray_local, monkeypatch, tin
     gives the uninterrupted sharded run's step 3."""
     from .conftest import fake_verify
 
-    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify", fake_verify)
     pols = [
         {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3, "world_size": 2},
         {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "world_size": 2},
@@ -227,7 +228,7 @@ def test_probe_under_ray_equals_the_in_process_probe(make_cfg, ray_local, monkey
 
     from .conftest import fake_verify
 
-    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify", fake_verify)
     threads = torch.get_num_threads()
     local = probe(make_cfg({"name": "graft"}, run="pl"), out_dir=tmp_path / "l", show=False)
     remote = probe(
@@ -256,7 +257,7 @@ def test_a_resume_that_changes_execution_keeping_threads_is_the_uninterrupted_ru
 
     from .conftest import fake_verify
 
-    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify", fake_verify)
     threads = torch.get_num_threads()
     local = {"torch_threads": threads}
     ray_kw = {"execution": "ray", "ray": {"num_cpus": 0.5, "torch_threads": threads}}

@@ -17,15 +17,17 @@ from graft_rl.engine import checkpointing as checkpointing_mod
 from graft_rl.engine import validation as validation_mod
 from graft_rl.engine.config import ConfigError, to_dict
 from graft_rl.engine.handles import LocalHandle, Pending
+from graft_rl.engine.rollouts import Rollouts
 from graft_rl.engine.rundir import RunDirError, read_log
 from graft_rl.engine.store import RecordStore
 from graft_rl.engine.trainer import CheckpointError, RunInterrupted, Trainer
+from graft_rl.engine.validation import Validation
 
 
 def _patch_eval(monkeypatch) -> None:
     """Validation scores that rise with the step and depend on the weights, so every validation
     writes best/ and a resumed run with wrong weights or a wrong step would score differently."""
-    real_validate = Trainer.validate
+    real_validate = Validation.run
     at = {}
 
     def validate(self, step):
@@ -36,7 +38,7 @@ def _patch_eval(monkeypatch) -> None:
         digest = sum(abs(x) for x in self.policy.param_digest())
         return Pending(self, {"pass@1": at["step"] / 100 + (digest % 1.0) / 1000})
 
-    monkeypatch.setattr(Trainer, "validate", validate)
+    monkeypatch.setattr(Validation, "run", validate)
     monkeypatch.setattr(LocalHandle, "evaluate", evaluate)
 
 
@@ -116,7 +118,7 @@ def baseline(tmp_path_factory, tiny_pair, tiny_data):
     from .conftest import cfg_maker, fake_verify
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Trainer, "_verify", fake_verify)
+        mp.setattr(Rollouts, "verify", fake_verify)
         _patch_eval(mp)
         make = _cfg_for(cfg_maker(tmp_path_factory.mktemp("reliability"), tiny_pair, tiny_data), tiny_data)
         tr = Trainer(make("baseline"), show_progress=False)
@@ -130,9 +132,9 @@ def _sigterm():
 
 # phase -> (object, attribute, predicate on the call's arguments) at which step 2's signal is sent
 PHASES = {
-    "generate": (Trainer, "_generation_seed", lambda self, name, step: step == 2),
+    "generate": (Rollouts, "generation_seed", lambda self, name, step: step == 2),
     "update": (Trainer, "_train_receiver", lambda self, name, batch, step: step == 2 and name == "B"),
-    "validate": (Trainer, "validate", lambda self, step: step == 2),
+    "validate": (Validation, "run", lambda self, step: step == 2),
     "checkpoint": (Trainer, "save_checkpoint", lambda self, step: step == 2),
     "best-write": (
         validation_mod,
@@ -158,13 +160,13 @@ def test_a_signal_at_any_phase_then_resume_equals_the_uninterrupted_run(
         return real(*args, **kw)
 
     if phase == "best-write":  # the best/ write of step 2's validation
-        real_validate = Trainer.validate
+        real_validate = Validation.run
 
         def validate(self, step):
             os.environ["PHASE_STEP"] = f"step{step}"
             return real_validate(self, step)
 
-        monkeypatch.setattr(Trainer, "validate", validate)
+        monkeypatch.setattr(Validation, "run", validate)
     monkeypatch.setattr(owner, attr, wrapped)
     # pruning happens only when more than keep_checkpoints exist: checkpoint every step there
     # (when checkpoints are written does not change what a step computes)
@@ -519,7 +521,7 @@ def test_best_matches_the_logs_after_a_resume_that_drops_later_validations(cfg_f
     """Issue 24: killed right after step 3's validation (best/ then holds step 3's weights), resumed
     from the step-2 checkpoint with validation.every changed: the log keeps steps <= 2, and best/
     holds exactly the weights best.json and the log name (step 2's, kept beside that checkpoint)."""
-    real = Trainer.validate
+    real = Validation.run
 
     def killed_after(self, step):
         lines = real(self, step)
@@ -527,13 +529,13 @@ def test_best_matches_the_logs_after_a_resume_that_drops_later_validations(cfg_f
             raise KeyboardInterrupt  # as kill -9 right after the validation's writes
         return lines
 
-    monkeypatch.setattr(Trainer, "validate", killed_after)
+    monkeypatch.setattr(Validation, "run", killed_after)
     val = {**to_dict(cfg_for("probe").validation), "every": 1}
     tr = Trainer(cfg_for("best_vs_logs", validation=val), show_progress=False)
     with pytest.raises(KeyboardInterrupt):
         tr.run()
     assert json.loads((tr.run_dir / "best" / "best.json").read_text())["A"]["step"] == 3
-    monkeypatch.setattr(Trainer, "validate", real)
+    monkeypatch.setattr(Validation, "run", real)
     resumed = Trainer.resume(tr.run_dir, show_progress=False, overrides=["validation.every=2"])
     assert "best/A restored to step 2's weights" in capsys.readouterr().out
     best = json.loads((tr.run_dir / "best" / "best.json").read_text())

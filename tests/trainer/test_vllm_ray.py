@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
 
+from graft_rl.engine.rollouts import Rollouts  # noqa: E402
 from graft_rl.engine.store import RecordStore  # noqa: E402
 from graft_rl.engine.trainer import Trainer  # noqa: E402
 
@@ -49,7 +50,7 @@ def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(
 
     from .conftest import fake_verify
 
-    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify", fake_verify)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     vk = {"max_model_len": 512}
     pols = [
@@ -138,7 +139,7 @@ def test_every_rank_engine_samples_its_share_from_the_pushed_weights(make_cfg, v
 
     from .conftest import fake_verify
 
-    monkeypatch.setattr(Trainer, "_verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify", fake_verify)
     ray.init(
         num_cpus=2,
         include_dashboard=False,

@@ -316,13 +316,14 @@ def pattern_rewards(position: int, policy_index: int, n: int) -> list[float]:
 
 
 def _pattern_trainer(names_seen: dict):
+    from graft_rl.engine.rollouts import Rollouts
     from graft_rl.engine.trainer import Trainer
 
-    class PreflightTrainer(Trainer):
+    class PatternRollouts(Rollouts):
         """Runs the config's reward on every response (counted), then trains on :func:`pattern_rewards`."""
 
-        def _verify(self, groups):
-            st = super()._verify(groups)
+        def verify(self, groups):
+            st = super().verify(groups)
             names_seen["responses"] = names_seen.get("responses", 0) + sum(g.n for g in groups)
             names_seen["correct"] = names_seen.get("correct", 0) + sum(g.k for g in groups)
             for key in ("verify_timeouts", "verify_errors", "verify_over_budget"):
@@ -331,6 +332,9 @@ def _pattern_trainer(names_seen: dict):
                 g.rewards = pattern_rewards(i, self.names.index(g.policy), g.n)
                 g.success = self.reward.successes(g.rewards)
             return st
+
+    class PreflightTrainer(Trainer):
+        rollouts_cls = PatternRollouts
 
     return PreflightTrainer
 
@@ -486,7 +490,7 @@ def _stages_before_training(r: _Run) -> None:
     with cl.stage("model build") as st:
         if st is not None:
             trainer = r.trainer = r.trainer_cls(toy.cfg, show_progress=False)
-            prompts = trainer.prompts_for_step(1)[:2]  # the engine before any update (weight push row)
+            prompts = trainer.rollouts.prompts_for_step(1)[:2]  # the engine before any update (weight push row)
             r.checks_before = {
                 name: trainer.workers[name].rollout_check(prompts, TOY["max_new_tokens"], 1).get()
                 for name in trainer.policies
@@ -645,7 +649,7 @@ def _weight_push(trainer, before: dict, cfg: TrainConfig) -> str:
     """After step 1's update: the engine's log-probs of fresh samples match the updated weights, and
     the update moved the trainer's log-probs of the samples drawn before it by more than that (so a
     stale engine would have been caught)."""
-    prompts = trainer.prompts_for_step(1)[:2]
+    prompts = trainer.rollouts.prompts_for_step(1)[:2]
     parts = []
     for pc in cfg.policies:
         b = before[pc.name]

@@ -6,7 +6,7 @@ data at the start of training, so they can be measured in minutes: each policy s
 ``n`` responses for ``--limit`` training prompts, the rewards are verified, and the trainer's own
 step phases run up to (not including) the update:
 
-- :meth:`Trainer.rollouts` (generation, verification) and :meth:`Trainer.receiver_batches`
+- :meth:`Rollouts.generate`, :meth:`Rollouts.score` (generation, verification) and :meth:`Trainer.exchange`
   (selection, balanced exchange, source advantages) — the same calls a training step makes, with the
   same seeds, so the probe's first batch *is* training step 1's when ``--limit`` equals
   ``prompt_batch``;
@@ -117,14 +117,14 @@ def probe(
     try:
         bar = tqdm(range(1, pcfg.steps + 1), desc="graft probe", unit="batch", disable=not show)
         for step in bar:
-            groups, lines = tr.rollouts(step)
-            if tr._family:
-                family.update({g.prompt_id: tr._family[g.prompt_id] for gs in groups.values() for g in gs})
+            groups, lines = tr.rollouts.score(step, tr.rollouts.generate(step, tr.policies))
+            if tr.family:
+                family.update({g.prompt_id: tr.family[g.prompt_id] for gs in groups.values() for g in gs})
             for name in tr.policies:
                 tr.store.write(step, groups[name])
             for name, gs in groups.items():
                 groups_all[name] += gs
-            batches = tr.receiver_batches(step, groups, lines)
+            batches = tr.exchange(step, groups, lines)
             pending, pending_c = {}, {}
             for recv in names:
                 seed = derive_seed(
@@ -138,9 +138,9 @@ def probe(
                 cb = unbalanced.build(recv, groups, tr.live, pcfg.n, gen)
                 pending_c[recv] = tr.workers[recv].score_peers(cb, seed, pcfg.temperature, budget)
             for recv in names:
-                for r in tr._result(pending[recv]):
+                for r in pending[recv].get():
                     scored[(r["source"], recv)].append(r)
-                for r in tr._result(pending_c[recv]):
+                for r in pending_c[recv].get():
                     cand_rows[(r["source"], recv)].append(r)
                 st = batches[recv].stats
                 per_step.append(

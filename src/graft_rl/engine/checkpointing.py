@@ -1,6 +1,6 @@
 """Checkpoints and exact resume (docs/design.md, layer 5; docs/reliability.md).
 
-:class:`Checkpointing` is a part of :class:`~graft_rl.engine.trainer.Trainer`: ``checkpoints/step_N``
+:class:`Checkpoints` is the trainer's collaborator for step 6 and resume: ``checkpoints/step_N``
 holds every policy's weights (``save_pretrained``), optimiser and RNG state and the trainer's own
 state (step, success history, the config), written under a temporary name and renamed; resume
 takes the newest complete checkpoint (skipping damaged ones, saying so), refuses a config change
@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from graft_rl.engine.config import ConfigError, load_config, to_dict
 from graft_rl.engine.provenance import CHANGE_KINDS, CHANGES, changes
@@ -30,10 +32,14 @@ from graft_rl.engine.rundir import (
     write_manifest,
     write_text_atomic,
 )
+from graft_rl.engine.store import RecordStore
 
-__all__ = ["Checkpointing", "CheckpointError", "COMMITTED", "is_write_error", "write_error_text", "cpu_threads"]
+if TYPE_CHECKING:
+    from graft_rl.engine.handles import WorkerHandle
 
-#: ``best/.committed``: the best weights as of the newest checkpoint (see ``Checkpointing._commit_best``).
+__all__ = ["Checkpoints", "CheckpointError", "COMMITTED", "is_write_error", "write_error_text", "cpu_threads"]
+
+#: ``best/.committed``: the best weights as of the newest checkpoint (see :meth:`Checkpoints.commit_best`).
 COMMITTED = ".committed"
 
 
@@ -65,27 +71,36 @@ def _check_threads(saved: dict | None, now: dict[str, int], run_dir: Path, ckpt:
             )
 
 
-class Checkpointing:
-    """Checkpoint writing, choosing and restoring; mixed into the trainer, whose ``cfg``, ``run_dir``,
-    ``policies``, ``store``, ``method``, ``start_step``, ``_threads`` and ``workers`` (the policies' handles) and ``_result`` it uses."""
+class Checkpoints:
+    """Step 6 of a training step and exact resume: ``checkpoints/step_N`` of a run in ``run_dir``
+    (its config ``cfg``, its record ``store``; ``threads`` and ``provenance`` as the run started,
+    recorded in every checkpoint)."""
 
-    def save_checkpoint(self, step: int) -> Path:
-        """Write ``checkpoints/step_N`` under a temporary name, rename it, then prune old ones."""
+    def __init__(self, cfg, run_dir: Path, store: RecordStore, threads: dict[str, int], provenance: dict):
+        self.cfg, self.run_dir, self.store, self.threads, self.provenance = cfg, run_dir, store, threads, provenance
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether step ``step`` of a run of ``last`` steps ends with a checkpoint."""
+        return step % self.cfg.checkpoint_every == 0 or step == last
+
+    def save(self, step: int, workers: Mapping[str, WorkerHandle], method_state: dict, best: dict) -> Path:
+        """Write ``checkpoints/step_N`` (every policy's part from its worker, at once under Ray; the
+        method's per-step state) under a temporary name, rename it, prune old ones, and commit ``best``."""
         root = self.run_dir / "checkpoints"
         final = root / f"step_{step:06d}"
         tmp = root / f".step_{step:06d}.tmp"
         try:
             if tmp.exists():
                 shutil.rmtree(tmp)
-            pending = [self.workers[name].save(str((tmp / name).absolute())) for name in self.policies]  # at once
-            # under Ray; absolute: an actor does not work in the driver's directory
-            for handle in pending:
-                self._result(handle)
+            # absolute: an actor does not work in the driver's directory
+            pending = [handle.save(str((tmp / name).absolute())) for name, handle in workers.items()]
+            for p in pending:
+                p.get()
             state = {
                 "step": step,
-                "method_state": self.method.state_dict(),
+                "method_state": method_state,
                 "config": to_dict(self.cfg),
-                "threads": self._threads,  # as the run started (Trainer._init)
+                "threads": self.threads,  # as the run started
                 "provenance": self.provenance,  # the rewards' sources and data files (engine/provenance.py)
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state))
@@ -99,18 +114,18 @@ class Checkpointing:
         kept = sorted(p for p in root.glob("step_*") if p.is_dir())
         for old in kept[: -self.cfg.keep_checkpoints]:
             remove_dir(old)  # renamed away first: never a half-deleted step_N
-        self._commit_best(step)
+        self.commit_best(step, best)
         return final
 
     # ------------------------------------------------------------------ best/ and the checkpoint it belongs to
-    def _commit_best(self, step: int) -> None:
+    def commit_best(self, step: int, best: dict[str, dict]) -> None:
         """After checkpoint ``step``: keep the best weights as of that step in ``best/.committed`` (hard
         links, no copy). A run resumed from this checkpoint drops the validations after it, so a best/
         written later (the weights of a step the resumed run recomputes) is replaced by these."""
         committed = self.run_dir / "best" / COMMITTED
         record = _read_json(committed / "best.json") or {}
         changed = False
-        for name, b in self.best.items():
+        for name, b in best.items():
             if b["step"] <= step and record.get(name) != b and (self.run_dir / "best" / name).is_dir():
                 tmp = committed / f".{name}.tmp"
                 _link_tree(self.run_dir / "best" / name, tmp)
@@ -120,17 +135,17 @@ class Checkpointing:
         if changed:
             write_text_atomic(committed / "best.json", json.dumps(record, indent=1))
 
-    def _reconcile_best(self) -> None:
-        """On resume: make ``best/`` hold what the (truncated) validation log names as best. A best/
-        written after the checkpoint gives way to the one committed with it; without one, it is
-        removed (saying so) rather than left naming weights the logs do not mention."""
+    def reconcile_best(self, best: dict[str, dict]) -> None:
+        """On resume: make ``best/`` hold what the (truncated) validation log names as ``best`` (updated
+        in place). A best/ written after the checkpoint gives way to the one committed with it; without
+        one, it is removed (saying so) rather than left naming weights the logs do not mention."""
         best_dir = self.run_dir / "best"
         on_disk = _read_json(best_dir / "best.json") or {}
-        if on_disk == self.best:
+        if on_disk == best:
             return
         committed = _read_json(best_dir / COMMITTED / "best.json") or {}
-        for name in set(on_disk) | set(self.best):
-            want = self.best.get(name)
+        for name in set(on_disk) | set(best):
+            want = best.get(name)
             if on_disk.get(name) == want:
                 continue
             if want is not None and committed.get(name) == want:
@@ -143,14 +158,15 @@ class Checkpointing:
                 )
                 continue
             remove_dir(best_dir / name)
-            self.best.pop(name, None)
+            best.pop(name, None)
             print(
                 f"graft train: best/{name} removed: it held step {on_disk.get(name, {}).get('step')}'s weights, from after "
                 f"the checkpoint; the next validation writes it again"
             )
-        write_text_atomic(best_dir / "best.json", json.dumps(self.best, indent=1))
+        write_text_atomic(best_dir / "best.json", json.dumps(best, indent=1))
 
-    def _latest_checkpoint(self, announce: bool = False) -> Path | None:
+    # ------------------------------------------------------------------ resume
+    def latest(self, announce: bool = False) -> Path | None:
         """The newest checkpoint whose files match their checksums and are readable (damaged ones are
         skipped, saying so); None if there is none. Checkpoints that are all damaged raise
         :class:`CheckpointError` when ``announce`` (resume): nothing is deleted or retrained then."""
@@ -172,7 +188,13 @@ class Checkpointing:
             )
         return None
 
-    def _check_config(self, ckpt: Path) -> None:
+    def check(self, ckpt: Path, total_steps: int, allow_changed: Sequence[str]) -> list[tuple[str, str]]:
+        """Refuse, before anything is rewritten, to resume from ``ckpt`` what would not be the checkpointed
+        run: :meth:`check_config`, then :meth:`check_provenance`; returns the changes a resume goes on with."""
+        self.check_config(ckpt, total_steps)
+        return self.check_provenance(ckpt, allow_changed)
+
+    def check_config(self, ckpt: Path, total_steps: int) -> None:
         """Refuse to resume with a config whose results would differ from the checkpointed run's, or
         with fewer steps than the checkpoint has done (it would rewrite config.yaml to a shorter run)."""
         for link in sorted(p for p in (self.run_dir / "best").glob("*") if p.is_symlink()):
@@ -182,40 +204,37 @@ class Checkpointing:
             )
         state = json.loads((ckpt / "trainer_state.json").read_text())
         done = int(state["step"])
-        if self.total_steps < done:
+        if total_steps < done:
             raise ConfigError(
                 f"{self.run_dir}: the run has done {done} steps (checkpoint {ckpt.name}) and would stop at "
-                f"{self.total_steps}; a resumed run may raise steps (or epochs), not lower them"
+                f"{total_steps}; a resumed run may raise steps (or epochs), not lower them"
             )
-        _check_threads(
-            state.get("threads"), getattr(self, "_threads", None) or cpu_threads(self.cfg), self.run_dir, ckpt.name
-        )
+        _check_threads(state.get("threads"), self.threads, self.run_dir, ckpt.name)
         saved = state.get("config")
         if saved is None:
             return  # a checkpoint from before configs were recorded in it
-        changes = config_changes(_normalised(saved), to_dict(self.cfg))
-        if changes:
-            key, before, now = changes[0]
-            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        found = config_changes(_normalised(saved), to_dict(self.cfg))
+        if found:
+            key, before, now = found[0]
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
             raise ConfigError(
                 f"{self.run_dir}: config key {key} changed since checkpoint {ckpt.name} ({before!r} -> {now!r}){more}; "
                 f"a resumed run may change only {', '.join(HARMLESS_KEYS[1:])}"
             )
 
-    def _check_provenance(self, ckpt: Path) -> None:
+    def check_provenance(self, ckpt: Path, allow_changed: Sequence[str]) -> list[tuple[str, str]]:
         """Compare what the checkpoint was trained on and with (:func:`~graft_rl.engine.provenance.fingerprint`)
         with today's: a new version of a built-in verifier's package is reported; a changed reward source
-        or data file is refused in one line unless ``allow_changed`` names it, then kept for
-        :meth:`_record_changes` (``changes.jsonl``, which ``graft analyze`` marks)."""
+        or data file is refused in one line unless ``allow_changed`` names it. Returns those allowed, for
+        :meth:`record_changes` (``changes.jsonl``, which ``graft analyze`` marks)."""
         saved = (_read_json(ckpt / "trainer_state.json") or {}).get("provenance")
-        self._changes: list[tuple[str, str]] = []
         if saved is None:  # a checkpoint from before runs recorded it
-            return
+            return []
         found = changes(saved, self.provenance)
         for kind, what in found:
             if kind == "version":
                 print(f"graft train: {what} since checkpoint {ckpt.name} (reported; a resume goes on with it)")
-        refused = [(k, w) for k, w in found if k in CHANGE_KINDS and k not in self.allow_changed]
+        refused = [(k, w) for k, w in found if k in CHANGE_KINDS and k not in allow_changed]
         if refused:
             kind, what = refused[0]
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
@@ -223,36 +242,37 @@ class Checkpointing:
                 f"{self.run_dir}: {what} since checkpoint {ckpt.name}{more}; its results would mix two {kind}s. "
                 f"Restore it, or resume with --allow-changed {kind} to go on with it (the change is recorded)"
             )
-        self._changes = [(k, w) for k, w in found if k in CHANGE_KINDS]
+        return [(k, w) for k, w in found if k in CHANGE_KINDS]
 
-    def _record_changes(self, step: int) -> None:
+    def record_changes(self, step: int, found: list[tuple[str, str]]) -> None:
         """``changes.jsonl``: one line per change a resume went on with, at the first step it affects;
         lines after the checkpoint (from an interrupted resume) are dropped first, as the logs are."""
         path = self.run_dir / CHANGES
         records = [r for r in read_log(path)[0] if r["step"] < step]
-        records += [{"step": step, "kind": k, "change": w} for k, w in getattr(self, "_changes", [])]
-        for _, what in getattr(self, "_changes", []):
+        records += [{"step": step, "kind": k, "change": w} for k, w in found]
+        for _, what in found:
             print(f"graft train: {what}; going on with it from step {step} (--allow-changed, recorded in {CHANGES})")
         if records or path.exists():
             rewrite_log(path, records)
 
-    def _restart_from_scratch(self) -> None:
+    def restart_from_scratch(self) -> None:
         """A run with no checkpoint: drop its logs, records, validation and best, as a fresh run would."""
         for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl", self.run_dir / CHANGES):
             log.unlink(missing_ok=True)
         self.store.truncate_after(0)
         remove_dir(self.run_dir / "best")
 
-    def _restore(self, ckpt: Path) -> None:
+    def restore(
+        self, ckpt: Path, workers: Mapping[str, WorkerHandle], found: list[tuple[str, str]]
+    ) -> tuple[dict, int]:
+        """Load every policy's part of ``ckpt`` on its worker, record the allowed changes ``found``, and
+        drop what the interrupted run wrote after the checkpoint (recomputed identically). Returns the
+        method's per-step state (e.g. HACPO's capability window) and the step: ``(state, step)``."""
         state = json.loads((ckpt / "trainer_state.json").read_text())
         step = int(state["step"])
-        for handle in [self.workers[name].load_state(str((ckpt / name).absolute())) for name in self.policies]:
-            self._result(handle)
-        # the method's per-step state (e.g. HACPO's capability window; older checkpoints name it success_history)
-        self.method.load_state_dict(state.get("method_state", {"success_history": state.get("success_history", {})}))
-        self.start_step = step + 1
-        self._record_changes(self.start_step)
-        # drop what the interrupted run wrote after the checkpoint: it is recomputed identically
+        for p in [handle.load_state(str((ckpt / name).absolute())) for name, handle in workers.items()]:
+            p.get()
+        self.record_changes(step + 1, found)
         for log in (self.run_dir / "metrics.jsonl", self.run_dir / "validation.jsonl"):
             records, torn = read_log(log)
             if torn:
@@ -260,6 +280,8 @@ class Checkpointing:
             if log.exists():
                 rewrite_log(log, [r for r in records if r["step"] <= step])
         self.store.truncate_after(step)
+        # older checkpoints name the method's state success_history
+        return state.get("method_state", {"success_history": state.get("success_history", {})}), step
 
 
 def _read_json(path: Path):

@@ -32,17 +32,17 @@ import yaml
 from tqdm.auto import tqdm
 
 from graft_rl.data import Problem
-from graft_rl.engine.checkpointing import CheckpointError, Checkpointing, cpu_threads
+from graft_rl.engine.checkpointing import CheckpointError, Checkpoints, cpu_threads
 from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.engine.handles import Pending, WorkerHandle, completion_order, start_workers
 from graft_rl.engine.plan import check_resources
 from graft_rl.engine.prompts import PromptRows, check_prompts, prompt_families, training_data
 from graft_rl.engine.provenance import check_allowed, fingerprint
-from graft_rl.engine.rollouts import DynamicSamplingError, Rollouts
+from graft_rl.engine.rollouts import DynamicSamplingError, Rollouts, run_reward
 from graft_rl.engine.rundir import RunLock, append_lines, clean_stale, finite_json, write_text_atomic
 from graft_rl.engine.store import RecordStore
 from graft_rl.engine.trackers import Trackers, completion_rows
-from graft_rl.engine.validation import Validation
+from graft_rl.engine.validation import Validation, best_from_log, validation_sets
 from graft_rl.methods import build_method
 from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.policy import PolicyConfig, RolloutGroup, SamplingParams
@@ -52,8 +52,18 @@ from graft_rl.seeding import Purpose, derive_seed
 __all__ = ["Trainer", "RunInterrupted", "CheckpointError", "DynamicSamplingError", "derive_seed"]
 
 
-class Trainer(Rollouts, Checkpointing, Validation):
-    """Co-train the configured policies with the configured method."""
+class Trainer:
+    """Co-train the configured policies with the configured method.
+
+    The trainer holds the run's state and its collaborators, each given what it works on:
+    :class:`~graft_rl.engine.rollouts.Rollouts` (generation and rewards),
+    :class:`~graft_rl.engine.validation.Validation` (validation and ``best/``) and
+    :class:`~graft_rl.engine.checkpointing.Checkpoints` (checkpoints and resume). The exchange and
+    the update are the method's (:mod:`graft_rl.methods`), run by :meth:`exchange` and :meth:`update`.
+    """
+
+    #: The rollout phase's class (a subclass may score differently: ``graft preflight``'s fixed rewards).
+    rollouts_cls: type[Rollouts] = Rollouts
 
     def __init__(
         self,
@@ -70,7 +80,8 @@ class Trainer(Rollouts, Checkpointing, Validation):
         Python function ``(responses, problems) -> list[float]`` (docs/tasks.md); it scores training,
         validation sets without a reward of their own, and is recorded in ``config.yaml``.
         ``scorer``: scores a step's groups in place (sets each group's ``rewards``) and returns its
-        counts (``verify_timeouts``, ...), bypassing the reward (tests, preflight); default :meth:`score_groups`.
+        counts (``verify_timeouts``, ...), bypassing the reward (tests, preflight); default
+        :meth:`Rollouts.score_groups <graft_rl.engine.rollouts.Rollouts.score_groups>`.
         ``workers``: builds each policy's :class:`~graft_rl.engine.handles.WorkerHandle` from the config and
         the policies' configs; default: in-process or Ray actors, as ``execution`` says.
         ``allow_changed``: on resume, go on although the reward's source (``"reward"``) or a data file
@@ -79,9 +90,6 @@ class Trainer(Rollouts, Checkpointing, Validation):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.show_progress = show_progress
-        self.scorer, self._reward_arg = scorer, reward  # no bound method stored: no cycle keeps Ray actors alive
-        self._start_workers = workers
-        self.allow_changed = check_allowed(allow_changed)
         self.workers: dict[str, WorkerHandle] = {}
         self.lock = RunLock(self.run_dir)
         if not resume:
@@ -91,7 +99,7 @@ class Trainer(Rollouts, Checkpointing, Validation):
         for name in START_LEFTOVERS[1:]:  # a start killed mid-write (the lock is ours now: nobody writes them)
             (self.run_dir / name).unlink(missing_ok=True)
         try:
-            self._init(cfg, resume)
+            self._init(cfg, resume, reward, scorer, workers, check_allowed(allow_changed))
         except BaseException:
             self.close()
             if not resume:  # bad input leaves nothing behind in a fresh run directory
@@ -101,78 +109,130 @@ class Trainer(Rollouts, Checkpointing, Validation):
                     self.run_dir.rmdir()
             raise
 
-    def _init(self, cfg: TrainConfig, resume: bool) -> None:
+    def _init(self, cfg: TrainConfig, resume: bool, reward_arg, scorer, start, allow_changed) -> None:
+        """Everything is checked before a model loads: data, rewards, validation sets, the checkpoint
+        and its config and provenance; then the workers start and the run resumes or begins."""
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
-        self._threads = cpu_threads(cfg)  # before any engine changes this process's count (vLLM sets 1)
+        threads = cpu_threads(cfg)  # before any engine changes this process's count (vLLM sets 1)
         self.store = RecordStore(self.run_dir)
         self.data: Sequence[Problem] = training_data(cfg)  # a table file stays Arrow columns
-        self._rows = PromptRows(self.data)  # what the reward gets for a prompt, for the prompts drawn lately
-        self.reward = self._run_reward(cfg, self._reward_arg)
-        self._load_validation(cfg)  # each set and its reward (checked now: one line before any model loads)
+        rows = PromptRows(self.data)  # what the reward gets for a prompt, for the prompts drawn lately
+        self.reward = run_reward(cfg, self.data, reward_arg)
+        val_sets, val_rewards = validation_sets(cfg, self.reward)
         # prompt id -> family, when the data names a few; validation sets scored per family too
-        self._family, self._val_family = prompt_families(self._rows, self.data, self.val_sets)
-        self.provenance = fingerprint(cfg, {"train": self.reward, **self.val_rewards})
-        self.steps_per_epoch = len(self.data) // cfg.prompt_batch
-        self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
+        self.family, val_family = prompt_families(rows, self.data, val_sets)
+        self.provenance = fingerprint(cfg, {"train": self.reward, **val_rewards})  # what resume compares
+        self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * (len(self.data) // cfg.prompt_batch)
         self.method = build_method(cfg.method)  # the driver's side of it: exchange, per-step state, filter
         self.sampling = SamplingParams(cfg.n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens)
         self.start_step = 1
-        # Ray: generations started for the next step as each policy's update finished (see step)
-        self._prefetched: dict[tuple[str, int], object] = {}
-        self._prefetch_until = 0  # the last step of the current run() call
-        ckpt = None
+        self.checkpoints = Checkpoints(cfg, self.run_dir, self.store, threads, self.provenance)
+        ckpt, changes = None, []
         if resume:
             for stale in clean_stale(self.run_dir):
                 print(f"graft train: removed {stale} (left by an interrupted write)")
-            ckpt = self._latest_checkpoint(announce=True)
-            if ckpt is not None:
-                self._check_config(ckpt)
-                self._check_provenance(ckpt)  # before anything is rewritten: a refusal changes nothing
+            ckpt = self.checkpoints.latest(announce=True)
+            if ckpt is not None:  # before anything is rewritten: a refusal changes nothing
+                changes = self.checkpoints.check(ckpt, self.total_steps, allow_changed)
             else:  # killed before its first checkpoint: start again from step 1 with the saved config
                 print(f"graft train: {self.run_dir} has no checkpoint yet; starting the run from step 1")
-                self._restart_from_scratch()
+                self.checkpoints.restart_from_scratch()
         write_text_atomic(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        pcs = [_from_checkpoint(pc, ckpt) if ckpt is not None else pc for pc in cfg.policies]
-        self.workers = self._start_workers(cfg, pcs)
+        self.workers = start(cfg, [_from_checkpoint(pc, ckpt) if ckpt else pc for pc in cfg.policies])
         # name -> the in-process Policy, or (Ray) its config: the model lives in the actor
         self.policies = {name: h.policy for name, h in self.workers.items()}
-        self.peers = {p.name or p.policy: (RecordStore(p.records), p.policy) for p in cfg.peers}
+        peers = {p.name or p.policy: (RecordStore(p.records), p.policy) for p in cfg.peers}
         self.live = set(self.policies)
-        self.names = [p.name for p in cfg.policies] + list(self.peers)
+        self.names = [p.name for p in cfg.policies] + list(peers)
         if ckpt is not None:
-            self._restore(ckpt)
+            method_state, done = self.checkpoints.restore(ckpt, self.workers, changes)
+            self.method.load_state_dict(method_state)
+            self.start_step = done + 1
         self.trackers = Trackers(cfg.trackers, self.run_dir, to_dict(cfg), cfg.tracking)
         # every prompt fits every policy's context (and max_prompt_tokens): one line now, not a crash mid-run
         # and a response never runs past it: a policy whose context cannot hold the longest prompt plus
         # max_new_tokens samples at most what it leaves, and says so (a learned-position model would crash).
         # Only prompts whose size could reach a limit are tokenised (engine/prompts.py); validation clamps per call
-        budgets = check_prompts(self.workers, self.data, list(self.val_sets.values()), cfg.max_new_tokens)
+        budgets = check_prompts(self.workers, self.data, list(val_sets.values()), cfg.max_new_tokens)
         self.samplings = {}
         for name, (budget, note) in budgets.items():
             if note:
                 print(f"graft train: {note}")
             self.samplings[name] = dataclasses.replace(self.sampling, max_new_tokens=budget)
-        self.best: dict[str, dict] = self._best_from_log()
+        self.rollouts = self.rollouts_cls(
+            cfg, self.data, rows, self.reward, self.workers, self.samplings, self.names, self.method, peers, scorer
+        )
+        best = best_from_log(self.run_dir, cfg.validation.select_initial)
         if ckpt is not None:
-            self._reconcile_best()  # best/ as the truncated validation log names it
+            self.checkpoints.reconcile_best(best)  # best/ as the truncated validation log names it
+        self.validation = Validation(
+            cfg, self.run_dir, val_sets, val_rewards, val_family, self.workers, self.names, self.trackers, best
+        )
 
-    # ------------------------------------------------------------------ workers
-    def _result(self, pending: Pending):
-        """Wait for a submitted call (:meth:`Pending.get`)."""
-        return pending.get()
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int, stop: _GracefulStop | None = None) -> list[dict]:
+        """One training step (paper Section 4; the six phases in order) and its metric lines.
+        ``stop``: the run's signal handler; a signal during the step makes it end with a checkpoint."""
+        pending = self.rollouts.generate(step, self.policies)  # 1. generate (at once under Ray)
+        groups, lines = self.rollouts.score(step, pending)  # 2. score: rewards, dynamic sampling, peers
+        for name in self.policies:
+            self.store.write(step, groups[name])
+        batches = self.exchange(step, groups, lines)  # 3. exchange: each receiver's batch
+        self.update(step, batches, groups, lines)  # 4. update: every receiver's epoch
+        out = [lines[n] for n in self.policies]
+        self._write_metrics(out)
+        if self.validation.due(step, self.total_steps):
+            self.validation.run(step)  # 5. validate, and keep each policy's best
+        if self.checkpoints.due(step, self.total_steps) or (stop is not None and stop.signum is not None):
+            self.save_checkpoint(step)  # 6. checkpoint
+        return out
 
-    # ------------------------------------------------------------------ one receiver
-    def _train_receiver(self, name: str, batch: ReceiverBatch, step: int):
-        """Start scoring, weighting and updating one receiver where its model lives: a Ray future
-        (the call runs while the driver starts the next receiver's), or in-process the result."""
+    def exchange(
+        self, step: int, groups: dict[str, list[RolloutGroup]], lines: dict[str, dict]
+    ) -> dict[str, ReceiverBatch]:
+        """A step's exchange phase: the method's per-step state (:meth:`Method.observe`), each
+        receiver's batch (selection, composition, advantages; Section 4.1), and the groups'
+        statistics in ``lines``. (``graft probe`` runs this.)"""
+        self.method.observe(groups)
+        batches: dict[str, ReceiverBatch] = {}
+        for name in self.policies:
+            gen = torch.Generator().manual_seed(
+                derive_seed(self.cfg.seed, Purpose.EXCHANGE, step, self.names.index(name))
+            )
+            batches[name] = self.method.build(name, groups, self.live, self.cfg.n, gen)
+            lines[name].update(_group_stats(groups[name]))
+        return batches
+
+    def update(
+        self,
+        step: int,
+        batches: dict[str, ReceiverBatch],
+        groups: dict[str, list[RolloutGroup]],
+        lines: dict[str, dict],
+    ) -> None:
+        """A step's update phase: every receiver scores, weighs and trains on its batch where its model
+        lives (Section 4.2-4.3); all are started before any is awaited, so under Ray each policy's
+        devices score and train at the same time (in-process one after the other). Under Ray a policy
+        whose update is done starts generating the next step at once (its weights are final for the
+        step), rather than idle until the slower policy's update is done too."""
+        pending = {name: self._train_receiver(name, batches[name], step) for name in self.policies}
+        if step < self._prefetch_until and any(self.workers[name].concurrent for name in pending):
+            self.rollouts.prefetch(completion_order(pending), step + 1)
+        for name in self.policies:
+            lines[name].update(self._finish_receiver(name, batches[name], step, pending[name]))
+            if self.family:
+                lines[name].update(batches[name].family_stats(self.family, groups[name]))
+
+    def _train_receiver(self, name: str, batch: ReceiverBatch, step: int) -> Pending:
+        """Start scoring, weighting and updating one receiver where its model lives."""
         seed = derive_seed(self.cfg.seed, Purpose.UPDATE, step, self.names.index(name))
         return self.workers[name].train(batch, step, seed, self.cfg.temperature, self.samplings[name].max_new_tokens)
 
-    def _finish_receiver(self, name: str, batch: ReceiverBatch, step: int, handle) -> dict:
+    def _finish_receiver(self, name: str, batch: ReceiverBatch, step: int, handle: Pending) -> dict:
         """Wait for a receiver's update; keep its rows' weights and inclusion on the driver's batch
         (the per-family counts read them) and record what it grafted."""
-        upd = self._result(handle)
+        upd = handle.get()
         for r, w, inc in zip(batch.rows, upd.weights, upd.included, strict=True):
             r.weight, r.include = w, inc
         self.store.write_exchange(step, name, upd.exchange_rows)
@@ -186,49 +246,9 @@ class Trainer(Rollouts, Checkpointing, Validation):
             raise FloatingPointError(f"step {step}, policy {name!r}: non-finite loss or gradient (nonfinite_loss=stop)")
         return stats
 
-    # ------------------------------------------------------------------ one step
-    def receiver_batches(
-        self, step: int, groups: dict[str, list[RolloutGroup]], lines: dict[str, dict]
-    ) -> dict[str, ReceiverBatch]:
-        """A step's exchange phase: the method's per-step state (:meth:`Method.observe`), each
-        receiver's batch (selection, composition, advantages; Section 4.1), and the groups'
-        statistics in ``lines``. (``graft probe`` runs this.)"""
-        self.method.observe(groups)
-        batches: dict[str, ReceiverBatch] = {}
-        for name in self.policies:
-            gen = torch.Generator().manual_seed(
-                derive_seed(self.cfg.seed, Purpose.EXCHANGE, step, self.names.index(name))
-            )
-            own = groups[name]
-            batches[name] = self.method.build(name, groups, self.live, self.cfg.n, gen)
-            line = lines[name]
-            rewards = [r for g in own for r in g.rewards]
-            line["reward_mean"] = statistics.fmean(rewards)
-            line["all_fail_frac"] = sum(1 for g in own if g.k == 0) / len(own)
-            line["all_pass_frac"] = sum(1 for g in own if g.k == g.n) / len(own)
-            lengths = [len(ids) for g in own for ids in g.token_ids]
-            line["response_len_mean"] = statistics.fmean(lengths)
-            line["truncated_frac"] = sum(1 for g in own for f in g.finish_reasons if f == "length") / len(lengths)
-        return batches
-
-    def step(self, step: int) -> list[dict]:
-        groups, lines = self.rollouts(step)
-        for name in self.policies:
-            self.store.write(step, groups[name])
-        batches = self.receiver_batches(step, groups, lines)
-        # every receiver's update is started before any is awaited: under Ray each policy's devices
-        # score and train at the same time (in-process they run one after the other)
-        pending = {name: self._train_receiver(name, batches[name], step) for name in self.policies}
-        if step < self._prefetch_until and any(self.workers[name].concurrent for name in pending):
-            # a policy whose update is done starts generating the next step at once (its weights are
-            # final for the step), rather than idle until the slower policy's update is done too
-            for name in completion_order(pending):
-                self._prefetched[(name, step + 1)] = self._start_generation(name, step + 1)
-        for name in self.policies:
-            lines[name].update(self._finish_receiver(name, batches[name], step, pending[name]))
-            if self._family:
-                lines[name].update(batches[name].family_stats(self._family, groups[name]))
-        return [lines[n] for n in self.policies]
+    def save_checkpoint(self, step: int) -> Path:
+        """``checkpoints/step_N`` of every policy, the method's state, and best/ committed with it."""
+        return self.checkpoints.save(step, self.workers, self.method.state_dict(), self.validation.best)
 
     # ------------------------------------------------------------------ run
     def run(self, max_steps: int | None = None) -> list[dict]:
@@ -252,29 +272,15 @@ class Trainer(Rollouts, Checkpointing, Validation):
         )
         stop = _GracefulStop()
         self._prefetch_until = end
-        if self.val_sets:
-            v = self.cfg.validation
-            sizes = ", ".join(f"{ds} {len(ps)}" for ds, ps in self.val_sets.items())
-            print(
-                textwrap.fill(
-                    f"graft train: validation every {v.every} steps: {v.samples} samples per problem at "
-                    f"temperature {v.temperature:g} ({sizes} problems); best/ by their mean pass@1",
-                    80,
-                    subsequent_indent="  ",
-                )
-            )
+        if self.validation.sets:
+            print(textwrap.fill(self.validation.announce(), 80, subsequent_indent="  "))
         try:
-            if self.start_step == 1 and self.cfg.validation.at_start and self.val_sets:
-                self.validate(0)
+            if self.start_step == 1 and self.cfg.validation.at_start and self.validation.sets:
+                self.validation.run(0)
             for step in bar:
-                lines = self.step(step)
-                self._write_metrics(lines)
+                lines = self.step(step, stop)
                 all_lines.extend(lines)
                 bar.set_postfix_str(_summary(lines))
-                if self.val_sets and (step % self.cfg.validation.every == 0 or step == self.total_steps):
-                    self.validate(step)
-                if step % self.cfg.checkpoint_every == 0 or step == self.total_steps or stop.signum:
-                    self.save_checkpoint(step)
                 self.start_step = step + 1  # a later run() call continues here
                 if stop.signum:
                     bar.close()
@@ -295,11 +301,13 @@ class Trainer(Rollouts, Checkpointing, Validation):
             raise
         finally:
             self._prefetch_until = 0
-            self._prefetched.clear()  # a generation started for a step this call does not run: dropped
+            self.rollouts.drop_prefetched()  # a generation started for a step this call does not run: dropped
             stop.restore()
             bar.close()
             self.lock.release()
         return all_lines
+
+    _prefetch_until = 0  # the last step of the current run() call (generations may start up to it)
 
     def close(self) -> None:
         """Release the run-directory lock, the trackers, and any Ray actors and placement groups."""
@@ -334,6 +342,19 @@ class Trainer(Rollouts, Checkpointing, Validation):
             source = _config_from_checkpoints(Path(run_dir), cfg_path, exc)
         cfg = load_config(source, [*(overrides or []), f"run_dir={run_dir}"], saved=True)
         return cls(cfg, resume=True, show_progress=show_progress, allow_changed=allow_changed)
+
+
+def _group_stats(own: list[RolloutGroup]) -> dict:
+    """A policy's own groups in its metric line: reward, all-fail/all-pass fractions, lengths."""
+    rewards = [r for g in own for r in g.rewards]
+    lengths = [len(ids) for g in own for ids in g.token_ids]
+    return {
+        "reward_mean": statistics.fmean(rewards),
+        "all_fail_frac": sum(1 for g in own if g.k == 0) / len(own),
+        "all_pass_frac": sum(1 for g in own if g.k == g.n) / len(own),
+        "response_len_mean": statistics.fmean(lengths),
+        "truncated_frac": sum(1 for g in own for f in g.finish_reasons if f == "length") / len(lengths),
+    }
 
 
 def _saved_config(run_dir: Path) -> Path:
