@@ -51,8 +51,8 @@ def sequential_updates(monkeypatch_target) -> None:
 
 def one_run(policies: list[str], steps: int, prompt_batch: int, method: str) -> dict:
     from graft_rl.engine.config import load_config
-    from graft_rl.engine.testbed import shipped_testbed
     from graft_rl.engine.trainer import Trainer
+    from graft_rl.testbed import shipped_testbed
 
     base = shipped_testbed().train_config(run_dir=tempfile.mkdtemp() + "/run", method=method)
     base.update(

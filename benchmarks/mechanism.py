@@ -1,6 +1,6 @@
 """The end-to-end mechanism check over several seeds: GRAFT vs GRPO on the lookup pair.
 
-The lookup pair (``graft_rl.engine.testbed``, ``configs/lookup/graft.yaml``): model A was taught a wrong
+The lookup pair (``graft_rl.testbed``, ``configs/lookup/graft.yaml``): model A was taught a wrong
 rule for the family ``shift3`` and sharpened, so every one of its groups there fails; B is right
 about half the time; the pool holds only ``shift3``. GRPO gives A no gradient; GRAFT grafts B's
 mixed groups into A's batch. ``tests/trainer/test_mechanism_e2e.py`` runs seed 0 as a regression
@@ -60,7 +60,7 @@ def main() -> int:
     from build_testbed import cpu_model
 
     from graft_rl.data import load_jsonl
-    from graft_rl.engine.testbed import lookup_right_digit_probability, shipped_root
+    from graft_rl.testbed import lookup_right_digit_probability, shipped_root
 
     print(f"# lookup pair, {torch.get_num_threads()} threads, {cpu_model()}, torch {torch.__version__}\n")
     root = shipped_root("lookup")

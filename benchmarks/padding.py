@@ -16,7 +16,7 @@ formed by length (issue 22), and the update throughput that follows.
    second, before and after, median of ``--repeats``.
 
 "Before" is the previous rule (rows in arrival order, a rank takes rows ``rank, rank + W, ...``);
-"after" is :func:`graft_rl.policy.policy.length_micro_batches` (rows dealt to ranks by length,
+"after" is :func:`graft_rl.policy.scoring.length_micro_batches` (rows dealt to ranks by length,
 passes cut from length-sorted rows). Prints Markdown tables and ends with the headline line.
 """
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from build_testbed import cpu_model  # noqa: E402
 
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch  # noqa: E402
-from graft_rl.policy.policy import length_micro_batches  # noqa: E402
+from graft_rl.policy.scoring import length_micro_batches  # noqa: E402
 
 
 def arrival_order_micro_batches(lengths, budget):
@@ -89,7 +89,7 @@ def paper_mix(rows: int, seed: int = 0, scale: float = 1.0, cap: int = 4096) -> 
 def testbed_lengths() -> tuple[list[int], int]:
     from graft_rl.data import load_dataset
     from graft_rl.engine.config import load_config
-    from graft_rl.engine.testbed import shipped_testbed
+    from graft_rl.testbed import shipped_testbed
 
     cfg = load_config(shipped_testbed().train_config(run_dir=tempfile.mkdtemp()))
     pol = Policy(cfg.policies[0])

@@ -18,8 +18,8 @@ import time
 
 def run(execution: str, steps: int, prompt_batch: int, threads: int) -> dict:
     from graft_rl.engine.config import load_config
-    from graft_rl.engine.testbed import shipped_testbed
     from graft_rl.engine.trainer import Trainer
+    from graft_rl.testbed import shipped_testbed
 
     tb = shipped_testbed()  # the pair every machine shares
     base = tb.train_config(run_dir=tempfile.mkdtemp())

@@ -29,9 +29,9 @@ def main() -> None:
     import torch
 
     from graft_rl.engine.config import load_config
-    from graft_rl.engine.testbed import shipped_testbed
     from graft_rl.engine.trainer import Trainer
     from graft_rl.methods import build_exchange
+    from graft_rl.testbed import shipped_testbed
 
     tb = shipped_testbed()  # the pair every machine shares
     base = tb.train_config(run_dir=tempfile.mkdtemp())

@@ -1,6 +1,6 @@
 """GRAFT vs baselines on the CPU testbed: held-out pass@1, training-pool coverage, wall time, rollouts.
 
-Trains the testbed pair (graft_rl.engine.testbed) on a fixed pool of prompts with each method for the
+Trains the testbed pair (graft_rl.testbed) on a fixed pool of prompts with each method for the
 same number of steps and seeds, evaluates both models on held-out prompts (T=1, top-p 1,
 ``--eval-samples`` per prompt) before, during and after training, and writes:
 
@@ -281,7 +281,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/testbed")
     ap.add_argument("--summarize-only", action="store_true")
     args = ap.parse_args()
-    from graft_rl.engine.testbed import shipped_testbed
+    from graft_rl.testbed import shipped_testbed
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Capability transfer on the constructed testbed pair: does a model learn the family it lacks?
 
-The transfer pair (``graft_rl.engine.testbed``, ``PAIRS["transfer"]``) is *constructed to expose the
+The transfer pair (``graft_rl.testbed``, ``PAIRS["transfer"]``) is *constructed to expose the
 mechanism*: A solves two-digit chains ``a+b-c`` (``add3_hi``) about half the time and almost never
 ``a*b+c`` with ``b`` in 6-9 (``muladd_hi``); B the other way round. On its missing family nearly all
 of a model's groups fail, so GRPO gets (almost) no gradient there, while the peer's groups are
@@ -173,7 +173,7 @@ def main() -> None:
     args = ap.parse_args()
     from tqdm import tqdm
 
-    from graft_rl.engine.testbed import shipped_testbed
+    from graft_rl.testbed import shipped_testbed
 
     tb = shipped_testbed("transfer")
     out = Path(args.out)

@@ -36,8 +36,8 @@ def graft_steps(model: str, problems, args, seed: int, gen_batch: int | None = N
     """(seconds, mean completion tokens) of each step of one single-policy GRPO run; its per-phase
     seconds go to PHASE_TIMES."""
     from graft_rl.engine.config import load_config
-    from graft_rl.engine.testbed import PLAIN_TEMPLATE
     from graft_rl.engine.trainer import Trainer
+    from graft_rl.testbed import PLAIN_TEMPLATE
 
     run_dir = Path(tempfile.mkdtemp(prefix="vs_trl_graft_"))
     cfg = {
@@ -91,8 +91,8 @@ def trl_steps(model_dir: str, problems, args, seed: int) -> list[tuple[float, fl
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from graft_rl.engine.testbed import PLAIN_TEMPLATE
     from graft_rl.rewards import verify_gsm8k
+    from graft_rl.testbed import PLAIN_TEMPLATE
 
     ds = Dataset.from_list(
         [{"prompt": PLAIN_TEMPLATE.replace("{prompt}", p.problem), "answer": p.answer} for p in problems]

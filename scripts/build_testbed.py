@@ -28,8 +28,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from graft_rl.engine.testbed import PAIRS, Testbed, ensure_testbed, shipped_root  # noqa: E402
+from testbed_build import ensure_testbed  # noqa: E402
+
+from graft_rl.testbed import PAIRS, Testbed, shipped_root  # noqa: E402
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 SAMPLE = 64  # held-out problems the shipped accuracy is measured on (greedy)

@@ -135,7 +135,7 @@ def main() -> None:
     d = ROOT / "testbed"
     d.mkdir(parents=True, exist_ok=True)
     (d / "base.yaml").write_text(
-        "# Testbed scale (CPU, minutes): the tiny pair of graft_rl.engine.testbed that ships in the package\n"
+        "# Testbed scale (CPU, minutes): the tiny pair of graft_rl.testbed that ships in the package\n"
         "# (zoo:testbed-a / zoo:testbed-b, data testbed_train / testbed_heldout): no build, no cache.\n"
         + yaml.safe_dump(_testbed_base(), sort_keys=False)
     )
@@ -145,7 +145,7 @@ def main() -> None:
 
 
 def _testbed_base() -> dict:
-    from graft_rl.engine.testbed import shipped_testbed
+    from graft_rl.testbed import shipped_testbed
 
     return shipped_testbed().train_config(run_dir="runs/testbed")
 

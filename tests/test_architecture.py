@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "policy": 3,
     "methods": 4,
     "engine": 5,
+    "testbed": 5,
     "commands": 6,
 }
 

@@ -6,17 +6,17 @@ import pytest
 import torch
 
 from graft_rl.commands.cli import main
-from graft_rl.engine.config import ConfigError, load_config
-from graft_rl.engine.plan import (
+from graft_rl.commands.plan import (
     ALLOCATOR_MARGIN,
     KNOWN_SHAPES,
     RUNTIME_BYTES,
     GiB,
-    check_resources,
     model_shape,
     plan,
     plan_policy,
 )
+from graft_rl.engine.config import ConfigError, load_config
+from graft_rl.engine.resources import check_resources
 from graft_rl.policy import PolicyConfig, PolicyError
 
 
@@ -118,7 +118,7 @@ def test_eval_estimate_of_the_paper_protocol():
     """Issue 21: `graft plan` says how long the paper's eval protocol takes on the run's GPUs."""
     from pathlib import Path
 
-    from graft_rl.engine.plan import eval_estimate
+    from graft_rl.commands.plan import eval_estimate
 
     ROOT = Path(__file__).resolve().parents[1]
     cfg = load_config(ROOT / "configs" / "paper" / "pair1" / "graft.yaml")
@@ -181,7 +181,7 @@ def test_collective_timeout_is_a_config_key_with_a_long_default():
 def test_step_work_counts_the_flops_of_generation_scoring_and_the_update():
     """Issue 32 item 7: 2 N per generated and prefilled token; 2 N scoring (+2 N with a KL reference)
     and 6 N + 2 N recompute per trained token."""
-    from graft_rl.engine.plan import step_work
+    from graft_rl.commands.plan import step_work
 
     cfg = load_config("configs/paper/pair1/graft.yaml")
     pc = cfg.policies[1]
@@ -194,7 +194,7 @@ def test_step_work_counts_the_flops_of_generation_scoring_and_the_update():
 
 
 def test_the_suggested_split_equalises_the_policies_pace():
-    from graft_rl.engine.plan import StepWork, suggest_split
+    from graft_rl.commands.plan import StepWork, suggest_split
 
     big, small = StepWork("A", 0.0, 1.8), StepWork("B", 0.0, 1.0)
     split, t = suggest_split([big, small], 8)

@@ -91,12 +91,12 @@ def test_whole_table_checks_are_column_operations():
 
 
 def test_a_large_jsonl_read_by_pyarrow_gives_the_line_reader_s_problems(tmp_path, monkeypatch):
-    from graft_rl import data
+    from graft_rl.data import loading
 
     path = tmp_path / "big.jsonl"
     rows = [{"id": f"q{i}", "problem": f"{i}*{i}?", "answer": str(i * i), "meta": {"k": i}} for i in range(50)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(data, "JSONL_TABLE_BYTES", 1)
+    monkeypatch.setattr(loading, "JSONL_TABLE_BYTES", 1)
     table = load_table(str(path), columns=None)
     assert isinstance(table, ProblemTable)
     _same(table, load_jsonl(path))

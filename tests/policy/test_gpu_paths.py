@@ -207,8 +207,9 @@ def _two_vllm(execution="local", sleep_b=None):
 def test_local_execution_with_two_vllm_engines_on_cuda_is_refused_before_anything_loads():
     """Issue 39.2: whatever their sleep settings (a second engine without sleep mode would reuse the first
     one's rotary cache from its sleep pool), naming execution: ray with a fractional GPU share."""
+    from graft_rl.commands.plan import format_plan, plan
     from graft_rl.engine.config import ConfigError
-    from graft_rl.engine.plan import check_vllm_engines, format_plan, plan
+    from graft_rl.engine.resources import check_vllm_engines
 
     for cfg in (_two_vllm(), _two_vllm(sleep_b=False)):
         with pytest.raises(ConfigError) as err:
@@ -222,7 +223,7 @@ def test_local_execution_with_two_vllm_engines_on_cuda_is_refused_before_anythin
 
 def test_a_vllm_policy_on_a_gpu_other_than_cuda_0_under_local_execution_is_refused():
     from graft_rl.engine.config import ConfigError, load_config
-    from graft_rl.engine.plan import check_vllm_engines
+    from graft_rl.engine.resources import check_vllm_engines
 
     pols = [{"name": "A", "model": "m", "device": "cuda:1", "backend": "vllm"}, {"name": "B", "model": "m"}]
     with pytest.raises(ConfigError, match=r"policy 'A': device cuda:1 .*CUDA_VISIBLE_DEVICES=1.*execution: ray"):

@@ -66,7 +66,7 @@ def test_finished_rows_leave_the_decode_batch_without_changing_any_row(monkeypat
     """Compaction of finished rows (and their KV cache): greedy outputs equal the uncompacted ones,
     and sampled responses' generation log-probs equal a full forward pass's."""
     from graft_rl.data import load_dataset
-    from graft_rl.engine.testbed import PLAIN_TEMPLATE
+    from graft_rl.testbed import PLAIN_TEMPLATE
 
     pol = Policy(
         PolicyConfig("T", "zoo:transfer-a", prompt_format="plain", plain_template=PLAIN_TEMPLATE, prompt_suffix=None)
@@ -159,7 +159,7 @@ def test_automatic_micro_batch_budget_follows_the_vocabulary(pol_a):
     assert auto_micro_batch_tokens(10**9) == 512
     assert pol_a.micro_batch_tokens == 16384
     # the chunked LM head by default only where a micro-batch's logits would be large
-    from graft_rl.policy.policy import uses_fused_head
+    from graft_rl.policy.config import uses_fused_head
 
     assert not pol_a.fused_head and not uses_fused_head(None, 259, 16384)
     assert uses_fused_head(None, 49152, 5461) and uses_fused_head(None, 262144, 1024)
@@ -181,7 +181,7 @@ def test_identical_prompts_in_one_call_get_independent_groups(pol_a, pol_b):
 
 def test_automatic_generation_batch_follows_the_kv_cache(pol_a, pol_b, monkeypatch):
     """gen_batch_size null: rows per generate call from the model's KV-cache size and a memory budget."""
-    from graft_rl.policy import rollout
+    from graft_rl.policy import hf_backend as rollout  # where the hf backend reads its budget
 
     for pol in (pol_a, pol_b):  # llama (num_key_value_heads, head_dim) and gpt2 (n_layer, n_head, n_embd)
         cfg = pol.model.config

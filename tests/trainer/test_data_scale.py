@@ -18,7 +18,7 @@ from graft_rl.engine.prompts import PromptRows, check_prompts
 from graft_rl.engine.worker import PolicyWorker, prompt_budget
 from graft_rl.methods import MethodConfig
 from graft_rl.policy import Policy, PolicyConfig
-from graft_rl.policy.policy import PromptTooLongError
+from graft_rl.policy.tokens import PromptTooLongError
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_a_prompt_too_long_is_still_one_line_naming_it(policies, monkeypatch):
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=0, max_size=120))
 def test_the_token_bound_holds_for_any_text(policies, text):
-    from graft_rl.policy.policy import prompt_bound
+    from graft_rl.policy.tokens import prompt_bound
 
     for p in policies.values():
         b = prompt_bound(p)
@@ -116,7 +116,7 @@ def test_the_token_bound_holds_for_the_real_small_lms_tokenizers(model):
     pytest.importorskip("gguf", reason="the real small LMs need the gguf extra")
     from transformers import AutoTokenizer
 
-    from graft_rl.policy.policy import token_factor
+    from graft_rl.policy.tokens import token_factor
     from graft_rl.policy.zoo import resolve
 
     path = Path(resolve(model))

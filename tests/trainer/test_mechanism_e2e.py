@@ -1,6 +1,6 @@
 """End-to-end regression check on GRAFT's mechanism (issue 13, item 3).
 
-The lookup pair (``graft_rl.engine.testbed``, ``zoo:lookup-a/b``, ``configs/lookup/graft.yaml``): model A
+The lookup pair (``graft_rl.testbed``, ``zoo:lookup-a/b``, ``configs/lookup/graft.yaml``): model A
 was taught a wrong rule for the family ``shift3`` and sharpened, so none of its samples there is
 expected to be right (p ~ 1e-6 each) and its groups all fail; model B is right about half the
 time. The pool holds only ``shift3``. So GRPO gives A no gradient at all, and the only way A can learn the family is from B's mixed groups,
@@ -29,8 +29,8 @@ from graft_rl import algo
 from graft_rl.commands.report import family_summary
 from graft_rl.data import load_jsonl
 from graft_rl.engine.config import load_config
-from graft_rl.engine.testbed import lookup_right_digit_probability, shipped_root
 from graft_rl.engine.trainer import Trainer
+from graft_rl.testbed import lookup_right_digit_probability, shipped_root
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "lookup" / "graft.yaml"
 FAMILY = "shift3"  # A's missing family: the whole pool

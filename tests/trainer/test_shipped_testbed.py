@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from graft_rl.engine.testbed import PAIRS, shipped_root, shipped_testbed
+from graft_rl.testbed import PAIRS, shipped_root, shipped_testbed
 
 ROOT = Path(__file__).resolve().parents[2]
 META = {pair: json.loads((shipped_root(pair) / "testbed.json").read_text()) for pair in PAIRS}

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from testbed_build import ensure_testbed  # noqa: E402  (the build code is a script: scripts/testbed_build.py)
+
 from graft_rl.commands.cli import main
 from graft_rl.data import load_jsonl
 from graft_rl.engine.config import load_config
 from graft_rl.engine.evaluation import pass_at_k
-from graft_rl.engine.testbed import TASKS, TRANSFER_KINDS, ensure_testbed, make_problem, make_split
 from graft_rl.engine.trainer import Trainer
 from graft_rl.rewards import verify_gsm8k
+from graft_rl.testbed import TASKS, TRANSFER_KINDS, make_problem, make_split
 
 
 @pytest.fixture(scope="module")

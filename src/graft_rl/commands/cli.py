@@ -464,8 +464,8 @@ def _write_failed(exc: OSError) -> str:
 
 
 def _plan(ns) -> int:
+    from graft_rl.commands.plan import eval_estimate, format_pace, format_plan, plan
     from graft_rl.engine.config import ConfigError, load_config
-    from graft_rl.engine.plan import eval_estimate, format_pace, format_plan, plan
 
     try:
         cfg = load_config(ns.config, ns.overrides)

@@ -10,8 +10,8 @@ __all__ = ["default_config", "cache_dir"]
 
 def default_config(overrides: list[str] | None = None) -> TrainConfig:
     """The shipped capability-transfer testbed pair (two tiny heterogeneous models, each missing a
-    prompt family the other has; :mod:`graft_rl.engine.testbed`) co-trained with GRAFT on procedural
+    prompt family the other has; :mod:`graft_rl.testbed`) co-trained with GRAFT on procedural
     arithmetic; nothing is built or downloaded."""
-    from graft_rl.engine.testbed import shipped_testbed
+    from graft_rl.testbed import shipped_testbed
 
     return load_config(shipped_testbed("transfer").train_config(), overrides or [])

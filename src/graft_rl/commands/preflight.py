@@ -37,10 +37,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from graft_rl.commands.plan import KNOWN_SHAPES, eval_estimate, format_plan, model_shape, plan
 from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
-from graft_rl.engine.plan import KNOWN_SHAPES, eval_estimate, format_plan, model_shape, plan
 from graft_rl.methods import method_class
-from graft_rl.policy.policy import uses_fused_head
+from graft_rl.policy.config import uses_fused_head
 
 __all__ = ["Stage", "toy_config", "run_preflight", "format_checklist", "STAGES", "ARCHITECTURES"]
 

@@ -6,7 +6,7 @@ Start-up and per-step cost do not grow with the table:
   ``max_prompt_tokens``, else one line before step 1) and clamps ``max_new_tokens`` to what the
   longest training prompt leaves, as before, but tokenises only the prompts that could reach a
   limit: a prompt of ``b`` UTF-8 bytes has at most ``factor * (overhead + b) + slack`` tokens
-  (:func:`graft_rl.policy.policy.prompt_bound`), computed for the whole table as one column
+  (:func:`graft_rl.policy.tokens.prompt_bound`), computed for the whole table as one column
   operation. Every other prompt is shorter than the limit, so the result is the one tokenising
   every prompt gives. Under Ray only those prompts travel to the actors, never the table.
 - :class:`PromptRows` turns the rows a step draws into the dicts a reward gets, and keeps only the
@@ -126,7 +126,7 @@ def candidates(data: Sequence, bound: dict, limit: float) -> np.ndarray:
 
 def check_prompts(workers: dict, train: Sequence, others: list[Sequence], max_new_tokens: int):
     """``{policy: (max_new_tokens, note)}``: every prompt of ``train`` and ``others`` (validation sets)
-    fits each policy (else its :class:`~graft_rl.policy.policy.PromptTooLongError`, naming the prompt),
+    fits each policy (else its :class:`~graft_rl.policy.tokens.PromptTooLongError`, naming the prompt),
     and the training responses' budget, clamped to the context the longest training prompt leaves.
     ``workers``: each policy's :class:`~graft_rl.engine.handles.WorkerHandle` (every call started on
     all of them before any is awaited)."""

@@ -35,9 +35,9 @@ from graft_rl.data import Problem
 from graft_rl.engine.checkpointing import CheckpointError, Checkpoints, cpu_threads
 from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.engine.handles import Pending, WorkerHandle, completion_order, start_workers
-from graft_rl.engine.plan import check_resources
 from graft_rl.engine.prompts import PromptRows, check_prompts, prompt_families, training_data
 from graft_rl.engine.provenance import check_allowed, fingerprint
+from graft_rl.engine.resources import check_resources
 from graft_rl.engine.rollouts import DynamicSamplingError, Rollouts, run_reward
 from graft_rl.engine.rundir import RunLock, append_lines, clean_stale, finite_json, write_text_atomic
 from graft_rl.engine.store import RecordStore

