@@ -95,24 +95,25 @@ class Skip(Exception):
 
 # ---------------------------------------------------------------------------------------- helpers
 def build_model(out: Path, smoke: bool) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """The Qwen3-shaped model of the check (:func:`graft_rl.policy.tiny.build_tiny_model`, the package's
+    one toy-model builder), with a byte-level tokenizer; nothing fetched from a hub."""
+    from graft_rl.policy.tiny import build_tiny_model, char_tokenizer
 
-    from graft_rl.policy.tiny import char_tokenizer
-
-    tok = char_tokenizer()
-    cfg = Qwen3Config(
-        **model_shape(smoke),
-        tie_word_embeddings=True,
-        max_position_embeddings=8192,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.eos_token_id,
+    sh = model_shape(smoke)
+    return build_tiny_model(
+        out,
+        "qwen3",
+        char_tokenizer(),
+        hidden=sh["hidden_size"],
+        layers=sh["num_hidden_layers"],
+        heads=sh["num_attention_heads"],
+        max_positions=8192,
+        seed=0,
+        intermediate=sh["intermediate_size"],
+        kv_heads=sh["num_key_value_heads"],
+        head_dim=sh["head_dim"],
+        vocab_size=sh["vocab_size"],
     )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 def model_shape(smoke: bool) -> dict:

@@ -115,40 +115,29 @@ def _family(pc) -> str | None:
 
 def build_toy_model(out: Path, family: str, tokenizer_kind: int, seed: int = 0) -> Path:
     """A two-layer, randomly initialised model of ``family`` with a local tokenizer (0: byte-level,
-    1: a small BPE; both with a ChatML template), saved with ``save_pretrained``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    1: a small BPE; both with a ChatML template), saved with ``save_pretrained``
+    (:func:`graft_rl.policy.tiny.build_tiny_model`)."""
     from transformers.utils import logging as hf_logging
 
-    from graft_rl.policy.tiny import CHATML_TEMPLATE, bpe_tokenizer, char_tokenizer
+    from graft_rl.policy.tiny import CHATML_TEMPLATE, bpe_tokenizer, build_tiny_model, char_tokenizer
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars in the checklist
-
     tok = char_tokenizer() if tokenizer_kind == 0 else bpe_tokenizer(chat_template=CHATML_TEMPLATE)
-    shape = dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        vocab_size=len(tok),
-        tie_word_embeddings=True,
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
     try:
-        cfg = AutoConfig.for_model(family, **shape)
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(f"transformers cannot build a {family!r} model offline: {exc}") from None
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+        return build_tiny_model(
+            out,
+            family,
+            tok,
+            hidden=128,
+            layers=2,
+            heads=2,
+            max_positions=4096,
+            seed=seed,
+            intermediate=256,
+            head_dim=64,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _toy_model(pc, index: int, work: Path) -> tuple[str, str]:

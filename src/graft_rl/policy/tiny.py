@@ -86,33 +86,53 @@ def build_tiny_model(
     heads: int = 4,
     max_positions: int = 512,
     seed: int = 0,
+    *,
+    intermediate: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    vocab_size: int | None = None,
 ) -> Path:
-    """Build, randomly initialise (from ``seed``) and ``save_pretrained`` a tiny causal LM.
+    """Build, randomly initialise (from ``seed``) and ``save_pretrained`` a small causal LM with a local
+    tokenizer: the one toy-model builder of the package (tests, the testbed, ``graft preflight``'s
+    stand-ins, ``scripts/gpu_check.py``'s Qwen3-shaped model). Nothing is fetched from a hub.
 
-    ``arch``: ``llama`` (RoPE, RMSNorm, SwiGLU) or ``gpt2`` (learned positions, LayerNorm, GELU).
+    ``arch``: ``llama`` (RoPE, RMSNorm, SwiGLU), ``gpt2`` (learned positions, LayerNorm, GELU), or any
+    other transformers model type (``qwen3``, ``gemma3_text``, ``smollm3``, ...) built from its config
+    class with the shape given. ``intermediate`` (MLP size; default ``2 * hidden``), ``kv_heads``
+    (default ``heads``), ``head_dim`` (default ``hidden // heads``) and ``vocab_size`` (default the
+    tokenizer's; larger for an embedding of a real model's size) shape it further; the embeddings are tied.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     tok = tokenizer if tokenizer is not None else (char_tokenizer() if arch == "llama" else bpe_tokenizer())
     ids = dict(
-        vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        vocab_size=vocab_size or len(tok),
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
+    shape = dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate or hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        **ids,
+    )
+    if head_dim is not None:
+        shape["head_dim"] = head_dim
     if arch == "llama":
-        cfg = LlamaConfig(
-            hidden_size=hidden,
-            intermediate_size=hidden * 2,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=True,
-            **ids,
-        )
+        cfg = LlamaConfig(**shape)
     elif arch == "gpt2":
         cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, **ids)
     else:
-        raise ValueError(f"build_tiny_model: arch must be 'llama' or 'gpt2', got {arch!r}")
+        try:
+            cfg = AutoConfig.for_model(arch, **shape)
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"build_tiny_model: transformers cannot build a {arch!r} model offline: {exc}") from None
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     out = Path(out_dir)
