@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 
 import pytest
@@ -112,18 +113,42 @@ def _same(a, b):
             assert all(torch.equal(x, y) for x, y in zip(a[key][n], b[key][n], strict=True)), (key, n)
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory, tiny_pair, tiny_data):
-    """The uninterrupted run every interrupted one is compared with: run once per module (only read)."""
+def _shared_run(tmp_path_factory, tiny_pair, tiny_data, name: str, max_steps: int | None = None):
+    """A run made once per module, which tests copy instead of training their own."""
     from .conftest import cfg_maker, fake_verify
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Rollouts, "verify", fake_verify)
         _patch_eval(mp)
         make = _cfg_for(cfg_maker(tmp_path_factory.mktemp("reliability"), tiny_pair, tiny_data), tiny_data)
-        tr = Trainer(make("baseline"), show_progress=False)
-        tr.run()
-        return _snapshot(tr.run_dir)
+        tr = Trainer(make(name), show_progress=False)
+        tr.run(max_steps)
+        tr.close()
+        return tr.run_dir
+
+
+@pytest.fixture(scope="module")
+def baseline_run(tmp_path_factory, tiny_pair, tiny_data):
+    """The uninterrupted run every interrupted one is compared with (4 steps; only read or copied)."""
+    return _shared_run(tmp_path_factory, tiny_pair, tiny_data, "baseline")
+
+
+@pytest.fixture(scope="module")
+def baseline(baseline_run):
+    return _snapshot(baseline_run)
+
+
+@pytest.fixture(scope="module")
+def stopped_at_3(tmp_path_factory, tiny_pair, tiny_data):
+    """The same run stopped after step 3 (done, not checkpointed: a resume redoes it)."""
+    return _shared_run(tmp_path_factory, tiny_pair, tiny_data, "stopped", max_steps=3)
+
+
+def _copy_run(run_dir, tmp_path, name):
+    """A copy of a shared run to resume (its config names another run_dir: a resume sets its own)."""
+    dest = tmp_path / name
+    shutil.copytree(run_dir, dest)
+    return dest
 
 
 def _sigterm():
@@ -145,7 +170,11 @@ PHASES = {
 }
 
 
-@pytest.mark.parametrize("phase", list(PHASES))
+#: each phase's stop is one check; these three run in the fast tier, the rest in the slow one (same path)
+FAST_PHASES = ("generate", "update", "checkpoint")
+
+
+@pytest.mark.parametrize("phase", [p if p in FAST_PHASES else pytest.param(p, marks=pytest.mark.slow) for p in PHASES])
 def test_a_signal_at_any_phase_then_resume_equals_the_uninterrupted_run(
     phase, cfg_for, baseline, fake_eval, monkeypatch
 ):
@@ -325,23 +354,31 @@ DAMAGE = {  # how a file of the newest checkpoint is damaged -> what resume says
 }
 
 
-@pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.parametrize(  # two kinds in the fast tier (one per check: size, sha256), every kind in the slow one
+    "damage",
+    [
+        d
+        if d in ("emptied optimiser state", "deleted manifest and zeroed weights")
+        else pytest.param(d, marks=pytest.mark.slow)
+        for d in DAMAGE
+    ],
+)
 def test_resume_falls_back_to_the_previous_checkpoint_when_the_newest_is_damaged(
-    damage, cfg_for, baseline, fake_eval, capsys
+    damage, baseline_run, baseline, fake_eval, capsys, tmp_path
 ):
     """Issue 24: every checkpoint file is checked against the sha256 recorded when it was written, so
     damage that leaves a loadable file (zeroed bytes inside, a changed state) is caught too."""
-    tr = Trainer(cfg_for(f"damaged_{damage.replace(' ', '_')}"), show_progress=False)
-    tr.run()
-    newest = sorted((tr.run_dir / "checkpoints").glob("step_*"))[-1]
+    run_dir = _copy_run(baseline_run, tmp_path, "damaged")
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     harm, message = DAMAGE[damage]
     harm(newest)
-    resumed = Trainer.resume(tr.run_dir, show_progress=False)
+    capsys.readouterr()
+    resumed = Trainer.resume(run_dir, show_progress=False)
     out = capsys.readouterr().out
     assert re.search(rf"checkpoint step_000004 is damaged \({message}", out), out
     assert resumed.start_step == 3
     resumed.run()
-    _same(_snapshot(tr.run_dir), baseline)
+    _same(_snapshot(run_dir), baseline)
 
 
 def test_when_every_checkpoint_is_damaged_resume_refuses_and_deletes_nothing(cfg_for, fake_eval):
@@ -686,20 +723,22 @@ ALLOWED = {  # override on resume -> what stays comparable with the uninterrupte
 }
 
 
-@pytest.mark.parametrize("change", list(ALLOWED))
-def test_every_change_a_resume_allows_gives_the_uninterrupted_run(change, cfg_for, baseline, fake_eval):
+@pytest.mark.parametrize(  # two changes in the fast tier, every one in the slow one (the same resume path)
+    "change",
+    [c if c in ("steps=6", "validation.every=1") else pytest.param(c, marks=pytest.mark.slow) for c in ALLOWED],
+)
+def test_every_change_a_resume_allows_gives_the_uninterrupted_run(change, stopped_at_3, baseline, fake_eval, tmp_path):
     """Issue 33 (docs/reliability.md lists these): stopped within step 3 (the last checkpoint is step 2's),
     resumed with the change: steps 1-4's rollouts, exchanges, metrics and step 4's weights are the
     uninterrupted run's."""
-    tr = Trainer(cfg_for(f"allowed_{re.sub(r'[^a-z]+', '_', change)}"), show_progress=False)
-    tr.run(max_steps=3)  # step 3 done, not checkpointed: a resume redoes it
+    run_dir = _copy_run(stopped_at_3, tmp_path, "allowed")
     overrides = [o.format(threads=torch.get_num_threads()) for o in ALLOWED[change]]
-    resumed = Trainer.resume(tr.run_dir, show_progress=False, overrides=overrides)
+    resumed = Trainer.resume(run_dir, show_progress=False, overrides=overrides)
     assert resumed.start_step == 3
     resumed.run()
-    snap = _snapshot(tr.run_dir)
+    snap = _snapshot(run_dir)
     assert _training_part(snap) == _training_part(baseline)
-    step4 = tr.run_dir / "checkpoints" / "step_000004"
+    step4 = run_dir / "checkpoints" / "step_000004"
     for n in ("A", "B"):
         assert all(torch.equal(x, y) for x, y in zip(_load(step4 / n), baseline["weights"][n], strict=True)), n
 

@@ -19,11 +19,13 @@ from graft_rl.engine.config import load_config
 from graft_rl.engine.evaluation import pass_at_k
 from graft_rl.engine.trainer import Trainer
 from graft_rl.rewards import verify_gsm8k
-from graft_rl.testbed import TASKS, TRANSFER_KINDS, make_problem, make_split
+from graft_rl.testbed import TASKS, TRANSFER_KINDS, make_problem, make_split, shipped_root
+from graft_rl.testbed import Testbed as _Pair  # (not "Test...": pytest would collect it)
 
 
 @pytest.fixture(scope="module")
-def testbed(tmp_path_factory):
+def built(tmp_path_factory):
+    """A pair built here by scripts/testbed_build.py (a few seconds of warm-up): the build's own tests."""
     return ensure_testbed(
         tmp_path_factory.mktemp("testbed"), warmup_steps=(20, 20), pool=120, heldout=24, progress=False
     )
@@ -43,14 +45,24 @@ def test_a_split_larger_than_its_task_space_is_an_error():
         make_split(200, 0, {"mul_lo": 1.0})  # 14 x 4 distinct products
 
 
-def test_splits_are_reproducible_and_disjoint(testbed):
+@pytest.fixture(scope="module")
+def testbed():
+    """The shipped natural pair, by paths (as a user's own build is named): the runs' tests."""
+    return _Pair(shipped_root("natural"))
+
+
+@pytest.mark.slow
+def test_splits_are_reproducible_and_disjoint(built):
+    testbed = built
     assert make_split(50, 3) == make_split(50, 3)
     train = {p.problem for p in load_jsonl(testbed.train_file)}
     held = {p.problem for p in load_jsonl(testbed.eval_file)}
     assert len(train) == 120 and not train & held
 
 
-def test_pair_differs_in_architecture_tokenizer(testbed):
+@pytest.mark.slow
+def test_pair_differs_in_architecture_tokenizer(built):
+    testbed = built
     from transformers import AutoConfig, AutoTokenizer
 
     assert AutoConfig.from_pretrained(testbed.model_a).model_type == "llama"
@@ -60,14 +72,17 @@ def test_pair_differs_in_architecture_tokenizer(testbed):
     assert len(ta(text).input_ids) > len(tb(text).input_ids)
 
 
-def test_testbed_build_is_cached(testbed):
+@pytest.mark.slow
+def test_testbed_build_is_cached(built):
+    testbed = built
     stamp = (testbed.root / "testbed.json").stat().st_mtime
     again = ensure_testbed(testbed.root, warmup_steps=(20, 20), pool=120, heldout=24, progress=False)
     assert (again.root / "testbed.json").stat().st_mtime == stamp
 
 
 @pytest.mark.slow
-def test_testbed_cache_from_other_settings_is_rebuilt(testbed, tmp_path):
+def test_testbed_cache_from_other_settings_is_rebuilt(built, tmp_path):
+    testbed = built
     import shutil
 
     root = tmp_path / "old"
