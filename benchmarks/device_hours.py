@@ -2,7 +2,7 @@
 GPU-hours, 1.45x), on CPU with Ray: each policy its own actor on its own core ("device").
 
     python benchmarks/device_hours.py [--steps 12 --repeats 3]     # ~8 min on 2 cores
-    python benchmarks/device_hours.py --toy    # a minute's check that it runs (tests/trainer/test_benchmarks_run.py)
+    python benchmarks/device_hours.py --toy    # a minute's check that it runs (tests/engine/test_benchmarks_run.py)
 
 - GRAFT: both policies of the shipped natural testbed pair, ``execution: ray``, one actor of one
   CPU (one torch thread) each: 2 devices for the run's wall time.

@@ -3,7 +3,7 @@
 The lookup pair (``graft_rl.testbed``, ``configs/lookup/graft.yaml``): model A was taught a wrong
 rule for the family ``shift3`` and sharpened, so every one of its groups there fails; B is right
 about half the time; the pool holds only ``shift3``. GRPO gives A no gradient; GRAFT grafts B's
-mixed groups into A's batch. ``tests/trainer/test_mechanism_e2e.py`` runs seed 0 as a regression
+mixed groups into A's batch. ``tests/engine/test_mechanism_e2e.py`` runs seed 0 as a regression
 check; this script first prints how the pair is built (each model's probability of the right
 digit on the held-out ``shift3`` prompts), then runs both configs for each seed and prints, per run, A's held-out pass@1 on
 ``shift3`` (its missing family) and ``shift6`` (the family it half knows), the share of A's own

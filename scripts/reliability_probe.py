@@ -11,7 +11,7 @@ through graft eval, a start killed at its first write, a YAML tab, SIGTERM in ev
 
 Settings as in the issue: testbed default, ``steps=8 checkpoint_every=2 validation.every=4
 validation.limit=32``. Prints one Markdown row per check; exits 1 if any fails. The deterministic
-versions of these checks are the tests in ``tests/trainer/test_reliability.py``.
+versions of these checks are the tests in ``tests/engine/test_reliability.py``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+#: The fixtures of the run tests (tests/engine, tests/commands): tiny configs, fake rewards, Ray.
+pytest_plugins = ["runs"]
+
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):

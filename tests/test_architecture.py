@@ -163,6 +163,7 @@ def test_formatted():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.slow  # mypy's first run in a fresh clone analyses torch: about 45 s on 2 cores (3 s cached)
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy not installed")
 def test_algo_and_methods_type_check():
     res = subprocess.run(
@@ -205,3 +206,11 @@ def test_no_worker_call_is_made_by_a_string_name():
     typed = {n for n, _ in inspect.getmembers(WorkerHandle, inspect.isfunction)}
     wanted = {"generate", "train", "score_peers", "evaluate", "save", "load_state", "prompt_bound", "prompt_budget"}
     assert wanted <= typed
+
+
+def test_the_tests_mirror_the_package():
+    """A folder of tests is a folder of the package (tests/engine tests graft_rl/engine, ...); tests of the
+    top-level modules, scripts, benchmarks and docs sit in tests/ itself."""
+    package = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    tests = {p.parent.name for p in (ROOT / "tests").glob("*/test_*.py")}
+    assert tests <= package, f"test folders that are not package folders: {sorted(tests - package)}"

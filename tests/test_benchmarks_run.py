@@ -97,7 +97,7 @@ def test_padding_runs_at_toy_size():
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
 def test_preflight_presets_runs_on_the_testbed_preset(tmp_path):
     """The preflight table over presets (docs/benchmarks.md); here the testbed's GRAFT preset, the
-    smallest, rather than a paper preset (those are rehearsed by tests/test_preflight.py)."""
+    smallest, rather than a paper preset (those are rehearsed by tests/commands/test_preflight.py)."""
     out = _run("preflight_presets.py", "--presets", "../testbed/graft.yaml", "--out", str(tmp_path / "p.json"))
     assert "| ../testbed/graft.yaml | passed |" in out and "1/1 passed" in out
 

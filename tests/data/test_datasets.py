@@ -93,6 +93,7 @@ def test_verifier_for():
     assert verifier_for("reasoning_gym:chain_sum") == "gym"
 
 
+@pytest.mark.slow  # builds reasoning-gym tasks and scores them in the verifier pool
 def test_reasoning_gym_task_rows_and_scoring():
     task = ReasoningGymTask("chain_sum", size=5, seed=1)
     rows = task.problems()

@@ -2,7 +2,7 @@
 a torn last line, directories replaced atomically, checkpoints checked before they are trusted,
 and the config check on resume.
 
-Guarantees (tested in ``tests/trainer/test_reliability.py``, summarised in docs/reliability.md):
+Guarantees (tested in ``tests/engine/test_reliability.py``, summarised in docs/reliability.md):
 
 - one ``graft train`` per run directory at a time (``flock`` on ``RUN_DIR/.lock``, holder's pid in it);
 - a log line is either whole or, if the machine died while writing the last one, ignored;

@@ -21,7 +21,7 @@ def _strip(lines):
 def test_ray_matches_in_process(make_cfg, ray_local, monkeypatch):
     # rewards from the real verifier are all 0 for random tiny models: use the fixed table instead,
     # applied in the driver (the driver verifies rewards in both modes)
-    from .conftest import fake_verify
+    from runs import fake_verify
 
     monkeypatch.setattr(Rollouts, "verify", fake_verify)
     threads = torch.get_num_threads()
@@ -78,9 +78,9 @@ def test_ray_matches_in_process(make_cfg, ray_local, monkeypatch):
 
 
 def test_dead_actor_is_reported_with_its_policy_name(make_cfg, ray_local, monkeypatch):
-    from graft_rl.engine.distributed import ActorDied
+    from runs import fake_verify
 
-    from .conftest import fake_verify
+    from graft_rl.engine.distributed import ActorDied
 
     monkeypatch.setattr(Rollouts, "verify", fake_verify)
     tr = Trainer(make_cfg({"name": "graft"}, steps=2, run="dies", execution="ray"), show_progress=False)
@@ -94,10 +94,10 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
     """Issue 11: each policy a group of 2 Ray actors trained data-parallel with FSDP2 (gloo on CPU);
     GRAFT with real exchanges for 3 steps gives the in-process run's selections, weights, metrics
     and parameters."""
+    from runs import fake_verify
+
     from graft_rl.engine.distributed import ActorGroup, get
     from graft_rl.policy import Policy, PolicyConfig
-
-    from .conftest import fake_verify
 
     monkeypatch.setattr(Rollouts, "verify", fake_verify)
     pols = [
@@ -157,7 +157,7 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
 def test_fsdp_policy_groups_resume_exactly(make_cfg, ray_local, monkeypatch, tiny_pair):
     """A sharded run stopped after step 2 and resumed (sharded optimiser states reloaded per rank)
     gives the uninterrupted sharded run's step 3."""
-    from .conftest import fake_verify
+    from runs import fake_verify
 
     monkeypatch.setattr(Rollouts, "verify", fake_verify)
     pols = [
@@ -224,9 +224,9 @@ def test_a_sigkilled_driver_leaves_none_of_its_local_ray_instance(tmp_path):
 def test_probe_under_ray_equals_the_in_process_probe(make_cfg, ray_local, monkeypatch, tmp_path):
     """`graft probe` on a Ray config: each policy samples and scores in its actor; the report equals
     the in-process one (issue 25)."""
-    from graft_rl.commands.probe import probe
+    from runs import fake_verify
 
-    from .conftest import fake_verify
+    from graft_rl.commands.probe import probe
 
     monkeypatch.setattr(Rollouts, "verify", fake_verify)
     threads = torch.get_num_threads()
@@ -253,9 +253,9 @@ def test_a_resume_that_changes_execution_keeping_threads_is_the_uninterrupted_ru
     (checked: checkpointing.cpu_threads), steps 3-4 are the uninterrupted run's, bit for bit."""
     import json
 
-    from graft_rl.engine.rundir import read_log
+    from runs import fake_verify
 
-    from .conftest import fake_verify
+    from graft_rl.engine.rundir import read_log
 
     monkeypatch.setattr(Rollouts, "verify", fake_verify)
     threads = torch.get_num_threads()

@@ -115,7 +115,7 @@ def _same(a, b):
 
 def _shared_run(tmp_path_factory, tiny_pair, tiny_data, name: str, max_steps: int | None = None):
     """A run made once per module, which tests copy instead of training their own."""
-    from .conftest import cfg_maker, fake_verify
+    from runs import cfg_maker, fake_verify
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Rollouts, "verify", fake_verify)

@@ -138,7 +138,7 @@ def test_plan_and_config_show(user_task, capsys):
     assert "columns" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # the preflight path is tests/test_preflight.py's; here the user's task through it
+@pytest.mark.slow  # the preflight path is tests/commands/test_preflight.py's; here the user's task through it
 def test_preflight_of_the_user_task(user_task, capsys):
     assert main(["preflight", str(user_task / "task.yaml")]) == 0
     assert "resume" in capsys.readouterr().out

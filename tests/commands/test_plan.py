@@ -120,7 +120,7 @@ def test_eval_estimate_of_the_paper_protocol():
 
     from graft_rl.commands.plan import eval_estimate
 
-    ROOT = Path(__file__).resolve().parents[1]
+    ROOT = Path(__file__).resolve().parents[2]
     cfg = load_config(ROOT / "configs" / "paper" / "pair1" / "graft.yaml")
     line = eval_estimate(cfg)
     # 872 problems x 8 x 5 = 34,880 responses; at 10k tokens/s/GPU on 4 GPUs: 1,000 tokens -> 15 min, 4,096 -> 60 min

@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+from runs import quick_eval_args
 
 import graft_rl.commands.evaluate_cli as ev
 from graft_rl.commands.analyze import AnalysisError, analyze
@@ -13,8 +14,6 @@ from graft_rl.commands.cli import main
 from graft_rl.engine.trainer import Trainer
 from graft_rl.engine.validation import best_from_log
 from graft_rl.policy import RolloutGroup
-
-from .conftest import quick_eval_args
 
 
 class FakePolicy:

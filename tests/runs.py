@@ -1,3 +1,6 @@
+"""Shared by the run tests (tests/engine, tests/commands): tiny configs and data, deterministic fake
+rewards, a local Ray; loaded by tests/conftest.py as a plugin."""
+
 from __future__ import annotations
 
 import json

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runs import EXPECTED_A_TO_B, K
 
 from graft_rl import algo
 from graft_rl.engine.config import MethodConfig
 from graft_rl.methods import build_exchange
 from graft_rl.policy import RolloutGroup
-
-from .conftest import EXPECTED_A_TO_B, K
 
 
 def _groups(policy: str, n: int = 4) -> list[RolloutGroup]:

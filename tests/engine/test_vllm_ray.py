@@ -44,11 +44,11 @@ def _strip(lines):
 def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(
     make_cfg, vllm_pair, tiny_data, monkeypatch
 ):
+    from runs import fake_verify
+
     from graft_rl.commands.analyze import analyze
     from graft_rl.commands.evaluate_cli import run_eval
     from graft_rl.policy import Policy, PolicyConfig
-
-    from .conftest import fake_verify
 
     monkeypatch.setattr(Rollouts, "verify", fake_verify)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -135,9 +135,9 @@ def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(
 def test_every_rank_engine_samples_its_share_from_the_pushed_weights(make_cfg, vllm_pair, monkeypatch):
     """Issue 22 (default rollouts): each rank's engine samples its share of the prompts with its own
     seed; step 2's rollouts of both shares score against step 1's weights."""
-    from graft_rl.policy import Policy, PolicyConfig
+    from runs import fake_verify
 
-    from .conftest import fake_verify
+    from graft_rl.policy import Policy, PolicyConfig
 
     monkeypatch.setattr(Rollouts, "verify", fake_verify)
     ray.init(

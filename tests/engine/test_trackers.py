@@ -58,6 +58,7 @@ def wandb_history(run_dir) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # two trackers' packages in one run
 def test_wandb_offline_and_an_mlflow_file_store_get_everything(make_cfg, tiny_data, fake_rewards, capsys):
     cfg = _cfg(make_cfg, tiny_data, ["wandb", "mlflow"])
     tr = Trainer(cfg, show_progress=False)

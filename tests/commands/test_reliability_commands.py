@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from runs import quick_eval_args
 
 from graft_rl.commands.cli import main
 from graft_rl.engine.config import ConfigError, to_dict
 from graft_rl.engine.trainer import Trainer
-
-from .conftest import quick_eval_args
 
 ROOT = Path(__file__).resolve().parents[2]
 

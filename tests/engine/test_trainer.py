@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
+from runs import EXPECTED_A_TO_B, EXPECTED_B_TO_A, K
 
 from graft_rl import algo
 from graft_rl.engine.config import ConfigError, load_config
 from graft_rl.engine.rundir import read_log
 from graft_rl.engine.store import RecordError, RecordStore
 from graft_rl.engine.trainer import Trainer
-
-from .conftest import EXPECTED_A_TO_B, EXPECTED_B_TO_A, K
 
 METHODS = {
     "grpo": {"name": "grpo"},

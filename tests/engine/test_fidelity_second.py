@@ -352,10 +352,11 @@ def test_hacpo_graft_which_keeps_peer_responses_of_unselected_prompts_with_zero_
     """Appendix G: 'We keep the HACPO configuration [...] Peer responses on all other prompts receive
     zero advantage': every prompt pools the peer group (own advantages from HACPO's pooled
     baseline), and only the selected prompts' peer responses carry an advantage."""
+    from runs import EXPECTED_A_TO_B
+
     from graft_rl import algo
     from graft_rl.methods import build_exchange
 
-    from .conftest import EXPECTED_A_TO_B
     from .test_exchange import _groups
 
     ex = build_exchange(_method(name="hacpo", selection="graft"))

@@ -11,7 +11,7 @@ from graft_rl.commands.cli import main
 from graft_rl.commands.preflight import STAGES, pattern_rewards, run_preflight, toy_config
 from graft_rl.engine.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAPER = ROOT / "configs" / "paper" / "pair1"
 
 

@@ -94,6 +94,7 @@ for i in range(40):
 """
 
 
+@pytest.mark.slow  # two processes at once: seconds
 def test_two_evals_writing_at_once_lose_nothing(tmp_path):
     """Two `graft eval` processes writing into one eval.json at once: every policy's every benchmark
     survives (read-modify-write under a lock; each process's own earlier writes are merged too)."""
