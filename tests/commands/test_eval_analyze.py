@@ -9,6 +9,7 @@ import pytest
 from runs import quick_eval_args
 
 import graft_rl.commands.evaluate_cli as ev
+import graft_rl.engine.evaluators as evaluators
 from graft_rl.commands.analyze import AnalysisError, analyze
 from graft_rl.commands.cli import main
 from graft_rl.engine.trainer import Trainer
@@ -41,7 +42,7 @@ def test_eval_pass1_averages_samples_then_problems_and_std_over_runs(tmp_path, m
     bench.write_text(
         "".join(json.dumps({"id": f"t-{i}", "problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(5))
     )
-    monkeypatch.setattr(ev, "Policy", FakePolicy)
+    monkeypatch.setattr(evaluators, "Policy", FakePolicy)  # where the in-process evaluator builds it
     res = ev.run_eval(
         str(tmp_path / "modelX"), [str(bench)], samples=4, runs=3, out_dir=str(tmp_path / "out"), show=False
     )
@@ -270,7 +271,7 @@ def test_eval_keeps_finished_policies_on_ctrl_c_and_checks_its_output_first(
     assert main([*args, "--out", str(tmp_path / "afile")]) == 2
     assert "is a file; give a directory" in capsys.readouterr().err
 
-    real, calls = ev._evaluate, []
+    real, calls = ev.evaluate_benchmarks, []
 
     def second_interrupted(pc, *a):
         calls.append(pc.name)
@@ -278,13 +279,13 @@ def test_eval_keeps_finished_policies_on_ctrl_c_and_checks_its_output_first(
             raise KeyboardInterrupt
         return real(pc, *a)
 
-    monkeypatch.setattr(ev, "_evaluate", second_interrupted)
+    monkeypatch.setattr(ev, "evaluate_benchmarks", second_interrupted)
     assert main(args) == 130
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("graft eval:")]  # (bars aside)
     assert len(err) == 1 and "interrupted; finished policies (A) written to" in err[0]
     saved = json.loads((tr.run_dir / "eval" / "eval.json").read_text())
     assert list(saved["policies"]) == ["A"] and saved["complete"] is False
-    monkeypatch.setattr(ev, "_evaluate", real)
+    monkeypatch.setattr(ev, "evaluate_benchmarks", real)
     assert main(args) == 0
     saved = json.loads((tr.run_dir / "eval" / "eval.json").read_text())
     assert list(saved["policies"]) == ["A", "B"] and saved["complete"] is True

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 import graft_rl.commands.evaluate_cli as ev
+import graft_rl.engine.evaluators as evaluators
 from graft_rl.commands.results import check_comparable, merge_eval
 from graft_rl.engine.config import to_dict
 
@@ -37,7 +38,7 @@ def _eval(tmp_path, model, benchmarks, **kw):
 
 
 def test_eval_of_one_policy_then_another_keeps_both(tmp_path, bench, monkeypatch, capsys):
-    monkeypatch.setattr(ev, "Policy", FakePolicy)
+    monkeypatch.setattr(evaluators, "Policy", FakePolicy)  # where the in-process evaluator builds it
     toy, other = bench("toy"), bench("other")
     _eval(tmp_path, "A", [toy], show=False)
     _eval(tmp_path, "B", [toy], show=False)
@@ -107,7 +108,7 @@ def test_two_evals_writing_at_once_lose_nothing(tmp_path):
 
 
 def test_an_unreadable_eval_json_is_moved_aside_not_overwritten(tmp_path, bench, monkeypatch, capsys):
-    monkeypatch.setattr(ev, "Policy", FakePolicy)
+    monkeypatch.setattr(evaluators, "Policy", FakePolicy)  # where the in-process evaluator builds it
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "eval.json").write_text("{not json")
     _eval(tmp_path, "A", [bench("toy")])

@@ -23,10 +23,9 @@ from graft_rl.data import (
     load_dataset,
     verifier_for,
 )
-from graft_rl.engine.evaluation import EVAL_CHUNK, evaluate_policy, pass_at_k
+from graft_rl.engine.evaluators import close_evaluators, evaluate_benchmarks, start_evaluators
 from graft_rl.engine.rundir import manifest_problem
-from graft_rl.engine.worker import PolicyWorker
-from graft_rl.policy import Policy, PolicyConfig, saved_policy_config
+from graft_rl.policy import PolicyConfig, saved_policy_config
 from graft_rl.rewards import Reward, resolve_reward
 
 __all__ = ["resolve_targets", "run_eval", "eval_defaults", "default_replicas", "PAPER"]
@@ -265,51 +264,6 @@ def _default_benchmarks(defaults: dict, source: str) -> list[str]:
     return defaults["benchmarks"]
 
 
-class _Local:
-    """The in-process evaluator: one Policy, the same calls as a replica actor's."""
-
-    def __init__(self, pc: PolicyConfig):
-        self.policy = Policy(pc)
-
-    def close(self) -> None:
-        close = getattr(self.policy, "close", None)  # a Policy: its rollout engine's memory is freed
-        if callable(close):
-            close()
-
-    def evaluate(self, *args, **kwargs):
-        return evaluate_policy(self.policy, *args, **kwargs)
-
-    def prompt_budget(self, problems, max_new_tokens):
-        from graft_rl.engine.worker import prompt_budget
-
-        return prompt_budget(self.policy, problems, max_new_tokens)
-
-
-def _ray_config(target: str, pc: PolicyConfig, replicas: int):
-    """Ray settings for ``replicas`` eval actors: the run's (address, CPUs, GPUs, custom resources) where
-    ``target`` is a run directory, else a local Ray; on a CPU the replicas share the machine's cores."""
-    from dataclasses import replace as dc_replace
-
-    from graft_rl.engine.config import RayConfig, load_config
-
-    cfg_file = Path(target).expanduser() / "config.yaml"
-    cfg = load_config(cfg_file, [f"run_dir={target}"], saved=True) if cfg_file.is_file() else None
-    ray_cfg = dc_replace(cfg.ray) if cfg is not None else RayConfig()
-    if pc.device.startswith("cuda"):
-        ray_cfg.num_gpus = ray_cfg.num_gpus or 1.0
-    else:
-        import ray
-
-        from graft_rl.engine.distributed import init_ray
-
-        init_ray(ray_cfg.address)
-        ray_cfg.num_gpus = 0.0
-        ray_cfg.num_cpus = min(ray_cfg.num_cpus, int(ray.cluster_resources().get("CPU", 1) / replicas * 1e4) / 1e4)
-    from types import SimpleNamespace
-
-    return SimpleNamespace(ray=ray_cfg)
-
-
 def _check_counts(**counts: int | None) -> None:
     """Each count given is >= 1 (0 would silently mean "the default", or one problem): one line naming the flag."""
     for key, value in counts.items():
@@ -455,20 +409,15 @@ def _evaluate_targets(
             # process does not bind, and policies evaluated one after another in this process each get one
             pc = replace(pc, vllm_kwargs={**pc.vllm_kwargs, "sleep": False})
         W = replicas or default_replicas(target, pc)
-        workers, actors = _start(target, pc, W)
+        workers, actors = start_evaluators(target, pc, W)
         if show and actors:
             print(f"graft eval: {pc.name} on {W} Ray actors ({pc.backend} backend, device {pc.device})")
         try:
-            per = _evaluate(
+            per = evaluate_benchmarks(
                 pc, workers, actors, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm
             )
         finally:
-            if actors:
-                from graft_rl.engine.distributed import kill_actors
-
-                kill_actors(workers)  # gone before the next policy's engines start on the same GPUs
-            else:
-                workers[0].close()  # the engine's memory is free before the next policy's starts
+            close_evaluators(workers, actors)  # gone before the next policy's engines start on the same devices
         means = [v["pass@1_mean"] for v in per.values()]
         agg_runs = [statistics.fmean(v["pass@1_runs"][r] for v in per.values()) for r in range(runs)]
         results["policies"][pc.name] = {
@@ -481,83 +430,6 @@ def _evaluate_targets(
             "average_std": statistics.stdev(agg_runs) if runs > 1 else 0.0,
         }
         _write_results(out, results, list(data), show)  # a later interruption keeps this policy's results
-
-
-def _start(target: str, pc: PolicyConfig, replicas: int) -> tuple[list, bool]:
-    """``(workers, are Ray actors)``: one in-process evaluator, or ``replicas`` Ray actors."""
-    if replicas == 1:
-        return [_Local(pc)], False
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        raise ValueError(
-            f"spreading {pc.name} over {replicas} devices needs Ray (pip install 'graft-rl[ray]'); "
-            f"--world-size 1 evaluates in this process"
-        )
-    from graft_rl.engine.distributed import start_replicas
-
-    return start_replicas(_ray_config(target, pc, replicas), pc, replicas), True
-
-
-def _evaluate(pc, workers, actors, data, bench, samples, runs, temperature, top_p, max_new_tokens, show, tqdm) -> dict:
-    from graft_rl.engine.distributed import get
-
-    def call(worker, fn, *args):  # fn: the PolicyWorker method (a Ray actor's of the same name)
-        return getattr(worker, fn.__name__).remote(*args) if actors else getattr(worker, fn.__name__)(*args)
-
-    def result(handle):
-        return get(handle, pc.name) if actors else handle
-
-    per: dict = {}
-    jobs = []  # (label, run, chunk start, handle)
-    for label, problems in data.items():
-        budget, note = result(call(workers[0], PolicyWorker.prompt_budget, problems, max_new_tokens))
-        if note and show:
-            print(f"graft eval: {note} on {label}")
-        verifier = bench[label]["reward"]
-        for r in range(runs):
-            for s in range(0, len(problems), EVAL_CHUNK):
-                w = workers[len(jobs) % len(workers)]
-                jobs.append(
-                    (
-                        label,
-                        r,
-                        s,
-                        call(
-                            w,
-                            PolicyWorker.evaluate,
-                            problems[s : s + EVAL_CHUNK],
-                            verifier,
-                            samples,
-                            temperature,
-                            top_p,
-                            budget,
-                            1000 * r + s,
-                        ),
-                    )
-                )
-    bar = tqdm(total=len(jobs), desc=f"graft eval {pc.name}", unit="chunk", disable=not show)
-    correct: dict = {}
-    for label, r, s, handle in jobs:
-        correct[(label, r, s)] = result(handle)["correct"]
-        bar.update(1)
-    bar.close()
-    for label, problems in data.items():
-        run_scores, pooled = [], [0] * len(problems)
-        for r in range(runs):
-            c = [x for s in range(0, len(problems), EVAL_CHUNK) for x in correct[(label, r, s)]]
-            run_scores.append(statistics.fmean(x / samples for x in c))
-            pooled = [a + b for a, b in zip(pooled, c, strict=True)]
-        total = samples * runs
-        ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, total) if k <= total})
-        per[label] = {
-            "pass@1_mean": statistics.fmean(run_scores),
-            "pass@1_std": statistics.stdev(run_scores) if runs > 1 else 0.0,
-            "pass@1_runs": run_scores,
-            "pass@k": {k: statistics.fmean(pass_at_k(total, c, k) for c in pooled) for k in ks},
-            "problems": len(problems),
-        }
-    return per
 
 
 def _markdown(res: dict, labels: list[str]) -> str:
