@@ -1,17 +1,21 @@
-"""The step loop for N policies (docs/design.md, layer 5): generate, verify, exchange, score, update.
+"""The step loop for N policies (docs/design.md, layer 5): :meth:`Trainer.step` is the whole step.
 
-One step (paper Section 4, Algorithm in Figure 2):
+One step (paper Section 4, Algorithm in Figure 2), each phase a call whose arguments carry the data:
 
-1. every live policy samples ``n`` responses for the same prompt batch; replayed peers
-   read theirs from records (Section 6.2);
-2. rewards are verified (hard timeout per answer) and each policy's groups are recorded;
-3. for each receiver the exchange builds its batch (own groups, grafted groups with source
-   advantages), the receiver scores every row under its own tokenisation once, before any
-   update (old log-probs), and the weighting turns compatibility scores into weights;
-4. the receiver's groups are ordered into minibatches (peer-last) and one epoch of
-   updates runs.
+1. generate (:meth:`Rollouts.generate <graft_rl.engine.rollouts.Rollouts.generate>`): every live
+   policy samples ``n`` responses for the same prompt batch, at once under Ray;
+2. score (:meth:`Rollouts.score <graft_rl.engine.rollouts.Rollouts.score>`): rewards are verified
+   (hard timeout per answer), the method's rollout filter refills, stored peers' groups are replayed
+   (Section 6.2), and each policy's groups are recorded;
+3. exchange (:meth:`Trainer.exchange`): for each receiver the method builds its batch (own groups,
+   grafted groups with source advantages; Section 4.1);
+4. update (:meth:`Trainer.update`): each receiver scores every row under its own tokenisation once,
+   before any update (old log-probs), weighs peer rows by compatibility (Section 4.2), orders its
+   groups into minibatches (peer-last) and runs one epoch, all receivers at once under Ray;
+5. validate (:class:`~graft_rl.engine.validation.Validation`) and 6. checkpoint
+   (:class:`~graft_rl.engine.checkpointing.Checkpoints`) when due.
 
-Every random draw derives from ``(seed, step, policy)``, never from global RNG state, so a
+Every random draw derives from ``(seed, purpose, step, policy)``, never from global RNG state, so a
 resumed run reproduces an uninterrupted one exactly on CPU.
 """
 
