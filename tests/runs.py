@@ -9,6 +9,7 @@ import pytest
 
 from graft_rl.engine.config import load_config
 from graft_rl.engine.rollouts import Rollouts
+from graft_rl.policy import RolloutGroup
 
 # success counts per policy per prompt (n = 4): reward(policy, q, i) = 1 if i < K[policy][q]
 K = {
@@ -97,3 +98,22 @@ def ray_local():
 def quick_eval_args(run_dir, data) -> list[str]:
     """`graft eval` of a run on ``data`` at the smallest settings: 1 sample, 1 run, 4 new tokens."""
     return ["eval", str(run_dir), "--benchmarks", str(data), "--samples", "1", "--runs", "1", "--max-new-tokens", "4"]
+
+
+def k_groups(policy: str, n: int = 4) -> list[RolloutGroup]:
+    """Synthetic groups of ``policy`` with :data:`K`'s success counts (no model): the exchange's inputs."""
+    out = []
+    for q, k in enumerate(K[policy]):
+        out.append(
+            RolloutGroup(
+                f"q{q}",
+                f"{q}+{q}=?",
+                policy,
+                [f"{policy}{q}-{i}" for i in range(n)],
+                [[1, 2]] * n,
+                [[-0.5, -1.5]] * n,
+                ["stop"] * n,
+                [1.0 if i < k else 0.0 for i in range(n)],
+            )
+        )
+    return out

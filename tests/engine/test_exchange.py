@@ -4,30 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runs import EXPECTED_A_TO_B, K
+from runs import EXPECTED_A_TO_B
+from runs import k_groups as _groups
 
 from graft_rl import algo
 from graft_rl.engine.config import MethodConfig
 from graft_rl.methods import build_exchange
-from graft_rl.policy import RolloutGroup
-
-
-def _groups(policy: str, n: int = 4) -> list[RolloutGroup]:
-    out = []
-    for q, k in enumerate(K[policy]):
-        out.append(
-            RolloutGroup(
-                f"q{q}",
-                f"{q}+{q}=?",
-                policy,
-                [f"{policy}{q}-{i}" for i in range(n)],
-                [[1, 2]] * n,
-                [[-0.5, -1.5]] * n,
-                ["stop"] * n,
-                [1.0 if i < k else 0.0 for i in range(n)],
-            )
-        )
-    return out
 
 
 def _build(**kw):
