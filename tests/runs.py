@@ -117,3 +117,34 @@ def k_groups(policy: str, n: int = 4) -> list[RolloutGroup]:
             )
         )
     return out
+
+
+def checked_method(**kw):
+    """A :class:`MethodConfig` of ``kw``, validated as a config file's is."""
+    from graft_rl.engine.config import MethodConfig
+
+    cfg = MethodConfig(**kw)
+    cfg.validate()
+    return cfg
+
+
+def row_tensors(is_peer: list[bool], T: int = 3):
+    """The receiver's tensors for rows of ``T`` tokens (old and reference log-probs -1, the source's
+    mean -1.1, HACPO's kappa 1): an objective's input without a model."""
+    import torch
+
+    from graft_rl.methods.objectives import RowTensors
+
+    M = len(is_peer)
+    return RowTensors(
+        torch.full((M, T), -1.0),
+        torch.ones(M, T),
+        [1.0] * M,
+        [1.0] * M,
+        is_peer,
+        [True] * M,
+        [False] * M,
+        [-1.1] * M,
+        ref=torch.full((M, T), -1.0),
+        extras={"kappa": [1.0] * M},
+    )

@@ -5,36 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runs import checked_method as _method
 
-from graft_rl.engine.config import MethodConfig, load_config
+from graft_rl.engine.config import load_config
 from graft_rl.methods import build_exchange
-from graft_rl.methods.objectives import RowTensors
 from graft_rl.policy import RolloutGroup
 
 from .test_exchange import _groups
-
-
-def _method(**kw) -> MethodConfig:
-    cfg = MethodConfig(**kw)
-    cfg.validate()
-    return cfg
-
-
-def _rows(is_peer: list[bool], T: int = 3) -> RowTensors:
-    M = len(is_peer)
-    old = torch.full((M, T), -1.0)
-    return RowTensors(
-        old,
-        torch.ones(M, T),
-        [1.0] * M,
-        [1.0] * M,
-        is_peer,
-        [True] * M,
-        [False] * M,
-        [-1.1] * M,
-        ref=torch.full((M, T), -1.0),
-        extras={"kappa": [1.0] * M},
-    )
 
 
 @pytest.mark.parametrize(

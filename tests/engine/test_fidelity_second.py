@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from graft_rl.engine.config import MethodConfig
 from graft_rl.engine.rollouts import Rollouts
-
-
-def _method(**kw) -> MethodConfig:
-    cfg = MethodConfig(**kw)
-    cfg.validate()
-    return cfg
 
 
 # ---------------------------------------------------------------- 6: peer re-tokenisation

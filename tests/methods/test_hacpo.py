@@ -6,35 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runs import checked_method as _method
 from runs import k_groups
+from runs import row_tensors as _rows
 
-from graft_rl.engine.config import MethodConfig, load_config
+from graft_rl.engine.config import load_config
 from graft_rl.methods import build_exchange, build_objective
 from graft_rl.methods.objectives import RowTensors
 from graft_rl.policy import RolloutGroup
-
-
-def _method(**kw) -> MethodConfig:
-    cfg = MethodConfig(**kw)
-    cfg.validate()
-    return cfg
-
-
-def _rows(is_peer: list[bool], T: int = 3) -> RowTensors:
-    M = len(is_peer)
-    old = torch.full((M, T), -1.0)
-    return RowTensors(
-        old,
-        torch.ones(M, T),
-        [1.0] * M,
-        [1.0] * M,
-        is_peer,
-        [True] * M,
-        [False] * M,
-        [-1.1] * M,
-        ref=torch.full((M, T), -1.0),
-        extras={"kappa": [1.0] * M},
-    )
 
 
 def test_hacpo_peer_rollouts_still_have_a_gradient_late_in_training():
@@ -155,7 +134,6 @@ def test_hacpo_kl_is_seq_mean_token_mean_low_var_kl_clamped_to_10():
     """The recipe: low_var_kl (k3 clamped to +-10) token-mean per own response, summed over own
     responses and divided by the minibatch's responses; peer responses carry none."""
     from graft_rl.methods import build_objective
-    from graft_rl.methods.objectives import RowTensors
 
     M, T = 3, 4
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
