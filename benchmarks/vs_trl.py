@@ -43,7 +43,9 @@ def graft_steps(model: str, problems, args, seed: int, gen_batch: int | None = N
     cfg = {
         "run_dir": str(run_dir / "run"),
         "seed": seed,
-        "steps": args.steps,
+        # the timed loop calls Trainer.step itself and never reaches the run's last step, so no
+        # end-of-run checkpoint is written inside a timed step (TRL's loop writes none either)
+        "steps": 10**6,
         "prompt_batch": args.prompts,
         "minibatch": args.prompts,
         "n": args.n,

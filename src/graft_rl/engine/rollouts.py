@@ -65,12 +65,12 @@ class Rollouts:
         samplings: Mapping[str, SamplingParams],
         names: Sequence[str],
         method,
-        peers: Mapping[str, tuple[RecordStore, str]] = {},  # noqa: B006 (read only)
+        peers: Mapping[str, tuple[RecordStore, str]] | None = None,
         scorer: Callable[[list[RolloutGroup]], dict] | None = None,
     ):
         self.cfg, self.data, self.rows, self.reward = cfg, data, rows, reward
         self.workers, self.samplings, self.names, self.method = workers, samplings, list(names), method
-        self.peers, self.scorer = peers, scorer
+        self.peers, self.scorer = peers or {}, scorer
         self.steps_per_epoch = len(data) // cfg.prompt_batch
         # Ray: generations started for the next step as each policy's update finished (Trainer.update)
         self._prefetched: dict[tuple[str, int], Pending] = {}

@@ -131,6 +131,7 @@ class Trainer:
         self.method = build_method(cfg.method)  # the driver's side of it: exchange, per-step state, filter
         self.sampling = SamplingParams(cfg.n, cfg.temperature, cfg.top_p, 0, cfg.max_new_tokens)
         self.start_step = 1
+        self._prefetch_until = 0  # the last step of the current run() call (Ray: next-step generations up to it)
         self.checkpoints = Checkpoints(cfg, self.run_dir, self.store, threads, self.provenance)
         ckpt, changes = None, []
         if resume:
@@ -310,8 +311,6 @@ class Trainer:
             bar.close()
             self.lock.release()
         return all_lines
-
-    _prefetch_until = 0  # the last step of the current run() call (generations may start up to it)
 
     def close(self) -> None:
         """Release the run-directory lock, the trackers, and any Ray actors and placement groups."""
