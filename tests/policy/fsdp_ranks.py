@@ -19,6 +19,7 @@ from graft_rl.policy.fsdp import ShardedPolicy
 
 TEXTS = ["3+4=7. \\boxed{7}", "no idea", "6*7=42 so \\boxed{42}", "x y z", "a", "12 \\boxed{12}"]
 ADV = [1.0, -1.0, 0.5, -0.5, 0.25, -0.25]
+LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}  # the LoRA variant's adapters (argument 5: lora)
 
 
 def loss_fn(old, adv, total_tokens):
@@ -54,7 +55,7 @@ def exercise(pol) -> dict:
     }
 
 
-def run(model: str, out: str, dtype: str, ckpt: str) -> dict:
+def run(model: str, out: str, dtype: str, ckpt: str, lora: str = "") -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     pol = ShardedPolicy(
@@ -67,6 +68,7 @@ def run(model: str, out: str, dtype: str, ckpt: str) -> dict:
             world_size=2,
             gradient_checkpointing=True,
             fused_logprobs=True,
+            lora=LORA if lora else None,
         )
     )
     result = exercise(pol)
@@ -80,4 +82,4 @@ def run(model: str, out: str, dtype: str, ckpt: str) -> dict:
 
 
 if __name__ == "__main__":
-    run(*sys.argv[1:5])
+    run(*sys.argv[1:6])

@@ -18,12 +18,12 @@ from graft_rl.seeding import rank_seed
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from fsdp_ranks import GEN_PROMPTS, exercise  # noqa: E402
+from fsdp_ranks import GEN_PROMPTS, LORA, exercise  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray clusters, process groups, subprocesses: the full suite runs them
 
 
-def _torchrun(model, out, dtype, ckpt, port):
+def _torchrun(model, out, dtype, ckpt, port, lora=False):
     cmd = [
         sys.executable,
         "-m",
@@ -37,6 +37,7 @@ def _torchrun(model, out, dtype, ckpt, port):
         str(out),
         dtype,
         str(ckpt),
+        *(["lora"] if lora else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -91,3 +92,33 @@ def test_two_fsdp_ranks_match_one_process(tiny_pair, tmp_path, arch):
 def test_world_size_above_one_needs_ray(tiny_pair):
     with pytest.raises(PolicyError, match="world_size=2 needs execution: ray"):
         Policy(PolicyConfig("A", str(tiny_pair[0]), world_size=2))
+
+
+@pytest.mark.parametrize("arch", [0, 1])
+def test_two_fsdp_ranks_with_lora_match_one_process(tiny_pair, tmp_path, arch):
+    """LoRA under FSDP2: the adapters train (their optimiser shards), the base stays frozen, the KL
+    reference is the base with the adapter disabled, and everything equals one LoRA process."""
+    pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+    model = tiny_pair[arch]
+    ckpt = tmp_path / "ckpt"
+    sharded = _torchrun(model, tmp_path / "out.json", "float32", ckpt, 29621 + arch, lora=True)
+    cfg = PolicyConfig(
+        "A", str(model), lr=1e-3, micro_batch_tokens=60, gradient_checkpointing=True, fused_logprobs=True, lora=LORA
+    )
+    single = Policy(cfg)
+    one = exercise(single)
+    for key in ("old", "new", "ref"):
+        torch.testing.assert_close(torch.tensor(sharded[key]), torch.tensor(one[key]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(sharded["ref"]), torch.tensor(one["old"]), rtol=0, atol=1e-5)
+    assert torch.tensor(sharded["new"]).ne(torch.tensor(sharded["old"])).any()
+    for s, t in zip(sharded["stats"], one["stats"], strict=True):
+        assert s["loss"] == pytest.approx(t["loss"], rel=1e-5, abs=1e-7)
+        assert s["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-5)
+    # the checkpoint holds the adapter (and one optimiser shard per rank) and loads on its base
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    reloaded = Policy(PolicyConfig("A", str(ckpt)))
+    assert reloaded.lora is not None
+    assert sharded["digest"] == pytest.approx(reloaded.param_digest(), rel=1e-9, abs=1e-9)
+    base = Policy(PolicyConfig("A", str(model))).param_digest()
+    frozen = [i for i, (n, _) in enumerate(reloaded.model.named_parameters()) if ".lora_" not in n]
+    assert [sharded["digest"][i] for i in frozen] == base  # the frozen base is the base, bit for bit

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from graft_rl.data import PROMPT_SUFFIX
+from graft_rl.policy.lora import LoraSettings
 from graft_rl.policy.training import POLICY_SETTINGS
 from graft_rl.policy.types import PolicyError
 
@@ -83,8 +84,16 @@ class PolicyConfig:
     # seed of its own (default). True: rank 0 samples the whole batch with the run's seed, as one
     # process does (a sharded run then equals a one-process run: for checking sharding; slower)
     rollout_on_rank0: bool = False
+    # low-rank adapters (peft) on a frozen base: {r, alpha, target_modules}; null = every weight trains.
+    # The base is held in `dtype`, the adapters' masters and AdamW state in `master_dtype`; the KL
+    # reference is the base (adapter disabled). Adapters want a larger lr (about 10x: docs/config.md)
+    lora: LoraSettings | None = None
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "lora", LoraSettings.of(self.lora))
+        except PolicyError as exc:
+            raise PolicyError(f"policy {self.name!r}: {exc}") from None
         if self.dtype not in _DTYPES:
             raise PolicyError(f"policy {self.name!r}: dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.master_dtype not in ("float32", self.dtype):

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from graft_rl.policy.loading import load_model, resolve_model
+from graft_rl.policy.lora import save_adapter
 from graft_rl.policy.policy import Policy
 from graft_rl.policy.scoring import length_micro_batches
 from graft_rl.policy.training import load_state_file
@@ -78,6 +80,13 @@ class ShardedPolicy(Policy):
                 f"policy {self.name!r}: world_size={self.config.world_size} but the process group has {dist.get_world_size()} ranks"
             )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.lora is not None and _torch_version() < (2, 8):
+            # before pytorch#154103 (2.8) one FSDP2 unit needs one original dtype; a LoRA unit mixes the
+            # frozen base's compute dtype with the adapters' float32
+            raise PolicyError(
+                f"policy {self.name!r}: lora with world_size > 1 needs torch >= 2.8 (FSDP2 units that mix a frozen "
+                f"base's dtype with float32 adapters), this is {torch.__version__}"
+            )
         # the unsharded rollout copy of the hf backend, on every rank that samples (vLLM engines hold their own)
         samples = self.rank == 0 or not self.config.rollout_on_rank0
         self.rollout_model = copy.deepcopy(self.model).eval() if self.config.backend == "hf" and samples else None
@@ -86,7 +95,7 @@ class ShardedPolicy(Policy):
         # registered unsharded on the module, so the optimiser, clipping and digests use these
         self.sharded_params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(
-            self.sharded_params,
+            [p for p in self.sharded_params if p.requires_grad],  # a LoRA policy: its adapters
             lr=self.config.lr,
             betas=tuple(self.config.betas),
             weight_decay=self.config.weight_decay,
@@ -152,11 +161,32 @@ class ShardedPolicy(Policy):
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def rollout_weights(self):
-        """``(name, full tensor)`` one parameter at a time (an all-gather each; every rank calls):
-        what a rank's vLLM engine loads, without ever holding all full weights at once."""
+    def _full_tensors(self, trainable_only: bool = False):
+        """``(state-dict name, full tensor)`` one at a time (an all-gather each; every rank calls)."""
+        names = {n for n, p in self.model.named_parameters() if p.requires_grad} if trainable_only else None
         for name, t in self.model.state_dict().items():
-            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+            if names is None or name in names:
+                yield name, _full(t).detach()
+
+    def rollout_state(self):
+        """As :meth:`Policy.rollout_state`: the sharded state dict (names; :meth:`rollout_weights` gathers),
+        or a LoRA policy's merged weights, each gathered whole as it is read (a collective)."""
+        if self.lora is None:
+            return self.model.state_dict()
+        from graft_rl.policy.lora import MergedState
+
+        state = self.model.state_dict()
+        return MergedState(self.model, tensor=lambda n: _full(state[n]))
+
+    def rollout_weights(self):
+        """``(name, full tensor)`` one tensor at a time (every rank calls), under the model's own names
+        (a LoRA policy's merged): what a rank's vLLM engine loads, without ever holding all full weights."""
+        if self.lora is None:
+            yield from self._full_tensors()
+            return
+        state = self.rollout_state()
+        for name in state:
+            yield name, state[name].detach()
 
     def sync_rollout_weights(self) -> None:
         """Collective: every rank pushes, or none (a level-2 sleep discards every rank's engine weights
@@ -169,7 +199,8 @@ class ShardedPolicy(Policy):
         if self.config.backend == "hf":
             copy_sd = self.rollout_model.state_dict() if self.rollout_model is not None else {}
             with torch.no_grad():
-                for name, full in self.rollout_weights():  # collective, one tensor at a time
+                # collective, one tensor at a time; a LoRA policy's base never changes: its adapters only
+                for name, full in self._full_tensors(trainable_only=self.lora is not None):
                     if name in copy_sd:
                         copy_sd[name].copy_(full)
         else:
@@ -203,13 +234,21 @@ class ShardedPolicy(Policy):
         engine layout; every rank builds its engine (under ``rollout_on_rank0`` too), so they agree."""
         from graft_rl.policy.pushcheck import row_digest
 
-        state = self.model.state_dict()
         names = sorted(dtypes)
-        parts = [self._shard_rows(state[n], dtypes[n], row_digest) for n in names]
+        if self.lora is not None:  # merged tensors: gathered whole one at a time, digested on rank 0
+            merged = self.rollout_state()
+            parts = [self._whole_rows(merged[n], dtypes[n], row_digest) for n in names]
+        else:
+            state = self.model.state_dict()
+            parts = [self._shard_rows(state[n], dtypes[n], row_digest) for n in names]
         flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
         flat = flat.to(self._comm_device())
         dist.all_reduce(flat)
         return dict(zip(names, flat.cpu().split([len(p) for p in parts]), strict=True))
+
+    def _whole_rows(self, t: torch.Tensor, dtype: torch.dtype, row_digest) -> torch.Tensor:
+        """A whole tensor's row digest on rank 0, zeros elsewhere (summed over ranks by the caller)."""
+        return row_digest(t, dtype) if self.rank == 0 else torch.zeros(t.shape[0] if t.dim() else 1, dtype=torch.int64)
 
     def _shard_rows(self, t: torch.Tensor, dtype: torch.dtype, row_digest) -> torch.Tensor:
         """This rank's rows of ``t``'s full row digest, zeros elsewhere (a replicated tensor: rank 0's)."""
@@ -243,13 +282,14 @@ class ShardedPolicy(Policy):
 
     # ------------------------------------------------------------------ reference (KL)
     def init_reference(self) -> None:
-        if self.reference is not None:
+        if self.reference is not None or self.lora is not None:  # LoRA: the base, adapter disabled
             return
-        path, gguf = self._resolve(
+        path, gguf = resolve_model(
+            self.name,
             self.config.reference_model or self.config.model,
             self.config.reference_gguf_file if self.config.reference_model else self.config.gguf_file,
         )
-        ref = self._load_model(path, gguf).to(self.config.device).eval().requires_grad_(False)
+        ref = load_model(self.name, path, gguf, self.master_dtype).to(self.config.device).eval().requires_grad_(False)
         self.reference = shard_model(ref, self.compute_dtype)
 
     def reference_logprobs(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +299,8 @@ class ShardedPolicy(Policy):
         try:
             return super().reference_logprobs(batch)
         finally:
-            self.reference.reshard()
+            if self.reference is not None:
+                self.reference.reshard()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, out_dir: str | Path) -> Path:
@@ -267,7 +308,10 @@ class ShardedPolicy(Policy):
         sd = self.full_state_dict()  # collective
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(out, state_dict=sd)
+            if self.lora is not None:  # the adapter alone, from the gathered state (peft's names)
+                save_adapter(self.lora, out, state_dict={f"base_model.model.{k}": v for k, v in sd.items()})
+            else:
+                self.model.save_pretrained(out, state_dict=sd)
             self.tokenizer.save_pretrained(out)
             self.save_settings(out)
         dist.barrier()
@@ -299,6 +343,15 @@ class ShardedPolicy(Policy):
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     self.optimizer.state[p][k] = _like(p, v)
         torch.set_rng_state(state["torch_rng"])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def _to_local(sd: dict) -> dict:

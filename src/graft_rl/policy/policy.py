@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from graft_rl.data import prompt_chat
-from graft_rl.policy import zoo
 from graft_rl.policy.config import (
     _DTYPES,
     PolicyConfig,
     auto_micro_batch_tokens,
     uses_fused_head,
 )
+from graft_rl.policy.loading import load_model, load_policy_model, resolve_model
 from graft_rl.policy.rollout import make_backend
 from graft_rl.policy.scoring import PolicyScoring
 from graft_rl.policy.tokens import PromptTooLongError
@@ -51,13 +51,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(cfg, attr, 0.0)
 
 
-def _is_hub_id(name: str) -> bool:
-    """``org/name`` (a Hugging Face hub id, fetched by transformers where a network allows it)."""
-    import re
-
-    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name)) and not Path(name.split("/")[0]).exists()
-
-
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -76,7 +69,7 @@ class Policy(PolicyScoring, PolicyTraining):
         _quiet_transformers()
         self.config = config
         self.name = config.name
-        path, gguf = self._resolve(config.model, config.gguf_file)
+        path, gguf = resolve_model(config.name, config.model, config.gguf_file)
         self.model_dir = path
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         if not path.exists():  # a hub id: keep it a string for transformers
@@ -97,7 +90,13 @@ class Policy(PolicyScoring, PolicyTraining):
             )
         self.compute_dtype = _DTYPES[config.dtype]
         self.master_dtype = _DTYPES[config.master_dtype]
-        self.model = self._load_model(path, gguf)
+        # a LoRA policy (policies.N.lora, or a saved adapter): `lora` is the peft model around `model`,
+        # `base` the frozen base's {model, gguf_file, digest} (policy.lora, policy.loading)
+        loaded = load_policy_model(config, Path(path), gguf, self.compute_dtype, self.master_dtype)
+        self.model, self.lora, self.base = loaded.model, loaded.lora, loaded.base
+        self.model_dir = loaded.model_dir or self.model_dir
+        if loaded.settings is not config.lora:
+            self.config = replace(config, lora=loaded.settings)
         self.model.to(config.device)
         # no dropout anywhere: log-probs must be deterministic functions of the weights, in eval
         # mode and in the train mode that gradient checkpointing needs
@@ -178,34 +177,6 @@ class Policy(PolicyScoring, PolicyTraining):
         fused = self._forward(batch, fused=True)
         tol = 1e-4 if self.compute_dtype == torch.float32 else 5e-2
         return bool(torch.allclose(naive, fused, atol=tol, rtol=0))
-
-    def _resolve(self, model: str, gguf: str | None) -> tuple[Path, str | None]:
-        """``(directory, gguf file or None)`` of a model path, GGUF file, ``zoo:`` name or hub id."""
-        try:
-            path = Path(zoo.resolve(model)).expanduser()
-        except FileNotFoundError as exc:
-            raise PolicyError(f"policy {self.name!r}: {exc}") from None
-        if not path.exists() and not _is_hub_id(model):
-            raise PolicyError(f"policy {self.name!r}: model path {model!r} does not exist")
-        if gguf is None and path.is_file() and path.suffix == ".gguf":
-            path, gguf = path.parent, path.name
-        return path, gguf
-
-    def _load_model(self, path, gguf: str | None):
-        from transformers import AutoModelForCausalLM
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=_DTYPES[self.config.master_dtype])
-        except Exception as exc:
-            raise PolicyError(
-                f"policy {self.name!r}: cannot load model from {path}: {type(exc).__name__}: {exc}"
-            ) from None
-        if gguf:  # a dequantised GGUF model: drop the quantizer marker so save_pretrained works
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.is_quantized = False
-        return model
 
     def _eos_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -348,17 +319,22 @@ class Policy(PolicyScoring, PolicyTraining):
         model), else a copy of the weights as loaded (call before any update)."""
         import copy
 
-        if self.reference is not None:
+        if self.reference is not None or self.lora is not None:  # LoRA: the base, adapter disabled
             return
         if self.config.reference_model:
-            path, gguf = self._resolve(self.config.reference_model, self.config.reference_gguf_file)
-            ref = self._load_model(path if path.exists() else self.config.reference_model, gguf).to(self.config.device)
+            path, gguf = resolve_model(self.name, self.config.reference_model, self.config.reference_gguf_file)
+            where = path if path.exists() else self.config.reference_model
+            ref = load_model(self.name, where, gguf, self.master_dtype).to(self.config.device)
         else:
             ref = copy.deepcopy(self.model)
         self.reference = ref.eval().requires_grad_(False)
 
     def reference_logprobs(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`token_logprobs` under the frozen reference (:meth:`init_reference` first)."""
+        """:meth:`token_logprobs` under the frozen reference (:meth:`init_reference` first); a LoRA
+        policy's reference is its own model with the adapter disabled (no second copy)."""
+        if self.lora is not None:
+            with self.lora.disable_adapter():
+                return self.token_logprobs(batch)
         if self.reference is None:
             raise PolicyError(f"policy {self.name!r}: no reference model; call init_reference() before training")
         return self.token_logprobs(batch, self.reference)

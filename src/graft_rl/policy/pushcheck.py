@@ -202,15 +202,21 @@ def stale_coverage(
 
 def state_digest(state: dict, dtypes: dict | None) -> dict[str, torch.Tensor]:
     """Row digests (:func:`row_digest`) of ``state``'s tensors named in
-    ``dtypes``, each in its engine dtype; aliases (tied weights) digested once."""
+    ``dtypes``, each in its engine dtype; aliases (tied weights) digested once.
+
+    ``state`` may compute its tensors as they are read (a LoRA policy's merged weights): such a tensor
+    is freed before the next is made, which may then get its address, so an alias is one whose first
+    tensor is still alive (a weak reference), not merely one at the same address."""
+    import weakref
+
     out: dict[str, torch.Tensor] = {}
-    seen: dict[tuple, torch.Tensor] = {}
+    seen: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
     for n, dt in (dtypes or {}).items():
         t = state[n]
         key = (t.data_ptr(), tuple(t.shape), dt)
-        if key not in seen:
-            seen[key] = row_digest(t, dt)
-        out[n] = seen[key]
+        if key not in seen or seen[key][0]() is None:
+            seen[key] = (weakref.ref(t), row_digest(t, dt))
+        out[n] = seen[key][1]
     return out
 
 

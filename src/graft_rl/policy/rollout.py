@@ -66,6 +66,8 @@ def make_backend(kind: str, policy) -> RolloutBackend:
             weights_fn=weights_fn,
             digest_fn=policy.push_digest,
             tied=policy.tied_names(),
+            state_fn=policy.rollout_state,
+            push_at_start=policy.lora is not None,  # the engine loads the base; the adapters are merged in
             stop=policy.config.stop,
             name=policy.name,
             device=policy.config.device,

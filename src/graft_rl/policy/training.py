@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,6 +47,9 @@ def load_state_file(path: str | Path) -> dict:
 class PolicyTraining:
     """Mixed into :class:`~graft_rl.policy.policy.Policy`, whose model, optimizer, config, backend,
     ``_passes``/``_forward``/``_reduce_sums`` and generation/scoring it uses."""
+
+    lora: Any = None  # a LoRA policy's peft model around `model` (policy.lora)
+    base: dict | None = None  # a LoRA policy's frozen base: {model, gguf_file, digest}
 
     # ------------------------------------------------------------------ optimisation
     def update(
@@ -127,13 +131,24 @@ class PolicyTraining:
         themselves rather than the pushed stream."""
         from graft_rl.policy.pushcheck import state_digest
 
-        return state_digest(self.model.state_dict(), dtypes)
+        return state_digest(self.rollout_state(), dtypes)
 
     def tied_names(self) -> set[str]:
         """State-dict names that alias another's tensor (tied embeddings): pushed, held once by an engine."""
         from graft_rl.policy.pushcheck import tied_names
 
-        return tied_names(self.model.state_dict())
+        # a LoRA policy's adapted weights are merged copies, never tied: the raw state's ties, own names
+        return {n.replace(".base_layer.", ".") for n in tied_names(self.model.state_dict()) if ".lora_" not in n}
+
+    def rollout_state(self):
+        """The weights a rollout engine holds, under the model's own names: the state dict, or for a LoRA
+        policy the base with every adapter merged (:class:`~graft_rl.policy.lora.MergedState`, computed as
+        read, one tensor at a time)."""
+        if self.lora is None:
+            return self.model.state_dict()
+        from graft_rl.policy.lora import MergedState
+
+        return MergedState(self.model)
 
     def param_digest(self) -> list[float]:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
@@ -188,7 +203,12 @@ class PolicyTraining:
         (optimiser, RNG)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out)
+        if self.lora is not None:  # the adapter alone: adapter_model.safetensors + adapter_config.json
+            from graft_rl.policy.lora import save_adapter
+
+            save_adapter(self.lora, out)
+        else:
+            self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         self.save_settings(out)
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
@@ -207,7 +227,10 @@ class PolicyTraining:
             k: v
             for k, v in dataclasses.asdict(self.config).items()
             if k not in ("model", "gguf_file", "tokenizer", "reference_model", "reference_gguf_file")
+            and not (k == "lora" and v is None)
         }
+        if self.base is not None:  # an adapter's base: what it loads on, and the digest that must match
+            keep["lora_base"] = self.base
         (Path(out) / POLICY_SETTINGS).write_text(json.dumps(keep, indent=1))
 
     def load_state(self, ckpt_dir: str | Path) -> None:

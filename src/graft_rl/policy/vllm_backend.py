@@ -176,6 +176,8 @@ class VLLMBackend:
         weights_fn=None,
         digest_fn=None,
         tied: set[str] | None = None,
+        state_fn=None,
+        push_at_start: bool = False,
         stop: list[str] | None = None,
         name: str = "",
         device: str = "cuda",
@@ -196,11 +198,16 @@ class VLLMBackend:
         _check_vllm_version(vllm.__version__)
         self.model = model
         self.stop = list(stop or [])  # strings that end a response as EOS does (PolicyConfig.stop)
-        # the weights to push: the trainer's state dict (a sharded policy gathers its full weights)
-        self.weights_fn = weights_fn or (lambda: [(n, p.detach()) for n, p in model.state_dict().items()])
+        # the trainer's tensors under the model's own names: its state dict, or a LoRA policy's merged
+        # weights (policy.lora.MergedState, each merged as it is read)
+        # (closures over the local, never over self: a failed start must not leave a cycle that keeps the
+        # engine alive, and counted as open, until the garbage collector runs)
+        state_fn = self.state_fn = state_fn or model.state_dict
+        # the weights to push: that state, one tensor at a time (a sharded policy gathers its full weights)
+        self.weights_fn = weights_fn or (lambda: ((n, st[n].detach()) for st in [state_fn()] for n in st))
         # the push's reference: row digests of the trainer's own tensors (a sharded policy: a collective)
-        self.digest_fn = digest_fn or (lambda dtypes: pushcheck.state_digest(model.state_dict(), dtypes))
-        self.tied = set(tied) if tied is not None else pushcheck.tied_names(model.state_dict())
+        self.digest_fn = digest_fn or (lambda dtypes: pushcheck.state_digest(state_fn(), dtypes))
+        self.tied = set(tied) if tied is not None else pushcheck.tied_names(state_fn())
         self.sleep = torch.cuda.is_available() if sleep is None else sleep
         self.reseed_globals = True  # also seed the workers' torch/numpy generators (off: gpu_check's seed row)
         self.sleeping: set[str] = set()  # memory tags vLLM has put to sleep: weights, kv_cache
@@ -223,7 +230,10 @@ class VLLMBackend:
         _LIVE.add(self)
         _check_in_process(self.llm)
         self.layout = self._layout()
-        self._verify("as loaded from the model directory")
+        if push_at_start:  # a LoRA policy: the engine loaded the base; the trainer's weights are merged
+            self.sync_weights()
+        else:
+            self._verify("as loaded from the model directory")
         self._fall_asleep()
 
     def _refuse_second_engine(self) -> None:
@@ -245,7 +255,7 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------ push verification
     def _layout(self) -> pushcheck.EngineLayout:
-        names = list(self.model.state_dict())  # the pushed tensors' names (nothing gathered)
+        names = list(self.state_fn())  # the pushed tensors' names (nothing gathered)
         quantized = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "quantization", None)
         layout = self.llm.collective_rpc(_layout_rpc, args=(names, quantized is not None))[0]
         unplaced = [t for t in layout.unplaced if t not in self.tied]
