@@ -162,6 +162,17 @@ def _add_preflight_analyze(sub) -> None:
     a.add_argument("--compare", nargs="*", default=[], metavar="RUN_DIR", help="runs to overlay on the curves")
     a.add_argument("--out", default=None, help="output directory (default RUN_DIR/analysis)")
     a.add_argument("--cases", type=int, default=3, help="case studies to include")
+    x = sub.add_parser(
+        "export",
+        help="a trained policy as a plain Hugging Face model directory (a LoRA policy's adapter merged)",
+        description="Writes the policy of TARGET (a run directory: its best checkpoint, else its latest; or a "
+        "checkpoint's policy directory) as a save_pretrained directory that transformers loads without graft-rl or "
+        "peft; a LoRA policy's adapters are merged into its base (W + alpha/r B A, in float32, cast to the base's "
+        "dtype). Several policies go to OUT/<name>.",
+    )
+    x.add_argument("target", metavar="RUN_DIR")
+    x.add_argument("--policy", default=None, help="only this policy")
+    x.add_argument("--merged", required=True, metavar="OUT", help="the directory to write (new or empty)")
 
 
 def _train(ns) -> int:
@@ -378,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "preflight": _preflight,
         "config": _config,
         "analyze": _analyze,
+        "export": _export,
     }
     if ns.command not in commands:
         parser.error(f"unknown command {ns.command!r}")
@@ -516,6 +528,23 @@ def _analyze(ns) -> int:
     except KeyboardInterrupt:
         print("\ngraft analyze: interrupted (the run is untouched; its analysis may be incomplete)", file=sys.stderr)
         return 130
+    return 0
+
+
+def _export(ns) -> int:
+    from graft_rl.commands.export import export_merged
+    from graft_rl.data import DatasetError
+    from graft_rl.policy import PolicyError
+
+    try:
+        for name, where in export_merged(ns.target, ns.merged, ns.policy):
+            print(f"graft export: {name} -> {where}")
+    except (PolicyError, DatasetError) as exc:
+        print(f"graft export: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"graft export: {_write_failed(exc)}", file=sys.stderr)
+        return 2
     return 0
 
 

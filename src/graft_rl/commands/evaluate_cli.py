@@ -104,7 +104,7 @@ def _run_checkpoint(run: Path, name: str) -> Path:
         raise DatasetError(f"{best} is a symbolic link, not the best checkpoint the run wrote; {instead}")
     if best.exists() or named:
         step = named.get("step") if isinstance(named, dict) else None
-        if not (best / "config.json").is_file():
+        if not (best / "config.json").is_file() and not (best / "adapter_config.json").is_file():
             what = f"best.json names step {step}, but best/{name} is missing or incomplete"
             raise DatasetError(f"{run}: {what}; not evaluated ({instead})")
         problem = manifest_problem(best, required=True, run=rid)

@@ -437,6 +437,10 @@ def _stage_config(r: _Run, config: str, overrides: list[str] | None) -> None:
             f"world sizes {ws}; backend {'/'.join(sorted({pc.backend for pc in cfg.policies}))}; "
             f"dtype {'/'.join(sorted({pc.dtype for pc in cfg.policies}))}"
         )
+        lora = [f"{pc.name} r={pc.lora.r}" for pc in cfg.policies if pc.lora is not None]
+        if lora:
+            st.detail += f"; LoRA {', '.join(lora)}"
+
         r.toy = toy_config(cfg, r.run, r.work)
         r.out["notes"] = r.toy.notes
         if r.show:

@@ -268,8 +268,8 @@ def checkpoint_problem(ckpt: Path, policies: list[str]) -> str | None:
         return f"trainer_state.json says step {step}, the directory's name step {named}"
     for name in policies:
         d = ckpt / name
-        if not (d / "config.json").is_file():
-            return f"{name}/config.json is missing"
+        if not (d / "config.json").is_file() and not (d / "adapter_config.json").is_file():
+            return f"{name}/config.json is missing"  # (a LoRA policy's: adapter_config.json)
         weights = list(d.glob("*.safetensors")) + list(d.glob("pytorch_model*.bin"))
         if not weights or any(w.stat().st_size == 0 for w in weights):
             return f"{name}'s weights are missing or empty"
