@@ -5,6 +5,7 @@ scale's base file (``base:``). Run:  python scripts/make_configs.py
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import yaml
@@ -69,6 +70,25 @@ PAPER_BASE_HEADER = """\
 """
 
 
+#: What a LoRA preset changes in each policy: adapters of rank 16 on every linear layer over a frozen
+#: bf16 base, 10x the full fine-tuning learning rate, half the micro-batch (activations), and a larger
+#: vLLM share for the KV cache (graft plan --gpu-memory 24: fits, with the generation waves it states).
+LORA_POLICY = {
+    "lr": 1e-5,
+    "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
+    "micro_batch_tokens": 16384,
+    "vllm_kwargs": {"gpu_memory_utilization": 0.6, "max_model_len": 6144, "sleep": True},
+}
+
+LORA_HEADER = """\
+# Low-rank adapters (peft) on both policies: only the adapters train (fp32 masters and AdamW state), the
+# base stays frozen in bf16, the KL reference would be the base with the adapter disabled, checkpoints
+# hold the adapters. Sized for 2 GPUs of 24 GiB per policy (RTX 4090, A6000, L40S):
+#   graft plan configs/paper/PAIR/graft_lora.yaml --gpu-memory 24
+# The learning rate is 10x full fine-tuning's (LoRA-for-RL ablations); not a row of the paper.
+"""
+
+
 def paper_base(a: str, b: str) -> dict:
     pol = {
         "dtype": "bfloat16",
@@ -93,7 +113,7 @@ def paper_base(a: str, b: str) -> dict:
         "top_p": 1.0,
         "max_new_tokens": 4096,
         "checkpoint_every": 5,
-        "data": {"train": "math_train", "verifier": "math"},
+        "data": {"train": "math_train", "reward": "math"},
         "validation": {
             "data": ["math500", "aime24", "aime25", "amc23", "minerva"],
             "every": 5,
@@ -116,6 +136,14 @@ def main() -> None:
             body = {"base": "base.yaml", "run_dir": f"runs/paper/{pair}/{row}", **over}
             (d / f"{row}.yaml").write_text(
                 f"# {pair}: {a} <-> {b}; row: {row}\n" + yaml.safe_dump(body, sort_keys=False)
+            )
+        for row, method in (("graft_lora", "graft"), ("grpo_lora", "grpo")):  # LoRA on GPUs of 24 GiB
+            body = {"base": "base.yaml", "run_dir": f"runs/paper/{pair}/{row}", "method": {"name": method}}
+            body["policies"] = [{**pc, **copy.deepcopy(LORA_POLICY)} for pc in paper_base(a, b)["policies"]]
+            (d / f"{row}.yaml").write_text(
+                f"# {pair}: {a} <-> {b}; row: {method} with LoRA adapters (not a paper row)\n"
+                + LORA_HEADER
+                + yaml.safe_dump(body, sort_keys=False)
             )
         (d / "graft_stored.yaml").unlink(missing_ok=True)  # replaced by one preset per direction
         pols = paper_base(a, b)["policies"]
@@ -147,7 +175,9 @@ def main() -> None:
 def _testbed_base() -> dict:
     from graft_rl.testbed import shipped_testbed
 
-    return shipped_testbed().train_config(run_dir="runs/testbed")
+    cfg = shipped_testbed().train_config(run_dir="runs/testbed")
+    cfg["method"] = cfg.get("method") or {"name": "graft"}
+    return cfg
 
 
 if __name__ == "__main__":

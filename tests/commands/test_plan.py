@@ -212,3 +212,33 @@ def test_graft_plan_prints_the_split_with_its_reasoning(capsys):
     assert "2 / 2 of 4 (as configured) is already the split with the shortest step" in capsys.readouterr().out
     assert main(["plan", "configs/paper/pair1/graft.yaml", "--gpus", "1"]) == 2
     assert "--gpus must be at least the number of policies (2)" in capsys.readouterr().err
+
+
+def test_lora_counts_a_frozen_base_its_adapters_and_no_kl_reference(capsys):
+    """LoRA memory: the base in the compute dtype, 16 bytes per adapter parameter, no KL reference copy
+    (the base with the adapter disabled); the pair-1 LoRA preset fits 24 GiB GPUs, full fine-tuning does
+    not and the plan says that LoRA would, at how many generation waves."""
+    from graft_rl.commands.plan import lora_params, model_shape
+    from graft_rl.policy.lora import LoraSettings
+
+    G = 24 * GiB
+    full = plan(load_config("configs/paper/pair1/graft.yaml"))
+    lora = plan(load_config("configs/paper/pair1/graft_lora.yaml"))
+    s = model_shape(load_config("configs/paper/pair1/graft.yaml").policies[0])
+    # SmolLM3 per layer: q 2048x2048, k/v 2048x512, o 2048x2048, gate/up 2048x11008, down 11008x2048
+    per_layer = 16 * ((2048 + 2048) * 2 + (2048 + 512) * 2 + (2048 + 11008) * 3)
+    assert lora_params(s, LoraSettings()) == 36 * per_layer == lora[0].lora_params
+    assert lora_params(s, LoraSettings(8, 16, ["q_proj", "v_proj"])) == 36 * 8 * (4096 + 2560)
+    N, A = lora[0].params, lora[0].lora_params
+    assert lora[0].sharded_state == pytest.approx(2 * N / 2 + 16 * A / 2)
+    assert all(p.peak(G) <= G for p in lora) and all(p.peak(G) > G for p in full)
+    hacpo = plan(load_config("configs/paper/pair1/graft_lora.yaml", ["method.name=hacpo", "method.kl_coef=0.001"]))
+    assert hacpo[0].reference == 0 and hacpo[0].reference_saved == pytest.approx(4 * N / 2)
+    assert main(["plan", "configs/paper/pair1/graft.yaml", "--gpu-memory", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "full fine-tuning does not fit a GPU of 24 GiB" in out and "it fits" in out and "generation waves" in out
+    assert main(["plan", "configs/paper/pair1/graft_lora.yaml", "--gpu-memory", "24"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "| yes |" in out and "| NO |" not in out and "adapter parameters" in out and "waves of generation, each" in out
+    )

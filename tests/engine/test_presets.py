@@ -43,6 +43,9 @@ def test_preset_loads(path):
     cfg = load_config(path)
     assert cfg.policies and cfg.run_dir
     if "paper" in path.parts:
-        assert cfg.prompt_batch == 128 and cfg.minibatch in (32, 64) and cfg.policies[0].lr == 1e-6
+        # the paper's lr (Table 3); the LoRA presets' adapters take 10x it (not a paper row)
+        lr = 1e-5 if path.stem.endswith("_lora") else 1e-6
+        assert cfg.prompt_batch == 128 and cfg.minibatch in (32, 64) and cfg.policies[0].lr == lr
+        assert all((pc.lora is not None) == path.stem.endswith("_lora") for pc in cfg.policies)
         assert cfg.method.eps_low == 0.2 and cfg.method.eps_high == 0.28
         assert cfg.method.delta == (float(path.stem.split("_")[-1]) if "delta" in path.stem else 0.8)

@@ -18,6 +18,9 @@ logits chunk           ``k V (c + 4 + 4)``: one chunk of ``k = logprob_chunk`` t
                        of each instead
 KL reference           ``4 N / W`` when ``method.kl_coef > 0`` (HACPO rows): the frozen initial
                        weights, sharded like the master weights
+LoRA (``lora``)        the frozen base ``c N / W`` in the compute dtype plus ``16 A / W`` for the
+                       ``A`` adapter parameters (masters, gradients, Adam); no base gradients in
+                       the compute copy; no KL reference (the base with the adapter disabled)
 hf rollout copy        ``4 N`` on every rank of a sharded policy with the ``hf`` backend (an
                        unsharded float32 copy, sampled under autocast), held throughout
 vLLM (generation)      with ``sleep`` the engine frees its memory during training and the
@@ -36,7 +39,9 @@ when it is a local directory, else from the published configs of the paper's mod
 KV cache: an awake engine holds ``(share x GPU - c N - workspace) / (2 L kv_heads head_dim c)``
 tokens; a step asks each rank for ``prompt_batch / W x (P + n x max_new_tokens)`` at most (prefix
 caching keeps one copy of a prompt's ``P`` <= :data:`PROMPT_TOKENS` tokens for its ``n`` samples).
-When the second is larger, vLLM runs the step's sequences in waves (the plan says how many at most).
+When the second is larger, vLLM runs the step's sequences in waves (the plan says how many at most,
+and what they cost: each wave is ``max_new_tokens`` decode steps, each reading the engine's ``c N``
+weights at :data:`DECODE_BYTES_PER_S`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from graft_rl.engine.config import ConfigError, TrainConfig
 from graft_rl.engine.resources import one_engine_per_process
 from graft_rl.policy import PolicyConfig
 from graft_rl.policy.config import auto_micro_batch_tokens, uses_fused_head
+from graft_rl.policy.lora import LoraSettings
 from graft_rl.policy.vllm_backend import VLLM_MEMORY_SHARE
 
 __all__ = [
@@ -69,6 +75,8 @@ __all__ = [
     "format_pace",
     "TRAIN_FLOPS_PER_GPU_S",
     "GEN_FLOPS_PER_GPU_S",
+    "DECODE_BYTES_PER_S",
+    "lora_params",
 ]
 
 #: Planning figure for ``graft eval``'s throughput: generated tokens per second per GPU for a 1.7-3B
@@ -89,6 +97,11 @@ ALLOCATOR_MARGIN = 0.10
 #: vLLM's own non-KV memory beside its weights while awake (activations of a max-size batch, sampler
 #: buffers, CUDA graphs): a planning figure.
 ENGINE_WORKSPACE_BYTES = 2 * GiB
+
+#: Planning figure for a decode step's floor: the engine reads all its weights once per generated token
+#: of a wave, at this memory bandwidth (RTX 4090 ~1.0, L40S 0.86, A6000 0.77, H100 3.35, H200 4.8 TB/s).
+#: An assumption, not measured here.
+DECODE_BYTES_PER_S = 2e12
 
 #: Prompt tokens planned per prompt for the KV cache (a MATH prompt with the paper's suffix is ~100-300).
 PROMPT_TOKENS = 512
@@ -132,6 +145,24 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
 }
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+#: A decoder layer's linear layers: (name, fan in, fan out) from a shape (``lora_params``).
+_LINEARS = {
+    "q_proj": lambda s: (s.hidden, s.heads * s.head_dim),
+    "k_proj": lambda s: (s.hidden, s.kv_heads * s.head_dim),
+    "v_proj": lambda s: (s.hidden, s.kv_heads * s.head_dim),
+    "o_proj": lambda s: (s.heads * s.head_dim, s.hidden),
+    "gate_proj": lambda s: (s.hidden, s.intermediate),
+    "up_proj": lambda s: (s.hidden, s.intermediate),
+    "down_proj": lambda s: (s.intermediate, s.hidden),
+}
+
+
+def lora_params(s: ModelShape, lora: LoraSettings) -> int:
+    """Adapter parameters: ``r (fan in + fan out)`` per adapted linear layer of every decoder layer
+    (``all-linear``: all seven of a Llama-style layer; a list: those of its names the table knows)."""
+    names = _LINEARS if lora.target_modules == "all-linear" else [n for n in lora.target_modules if n in _LINEARS]
+    return s.layers * sum(lora.r * sum(_LINEARS[n](s)) for n in names)
 
 
 def model_shape(pc: PolicyConfig) -> ModelShape:
@@ -186,12 +217,24 @@ class PolicyPlan:
     hf_copy: float = 0.0  # a sharded hf policy's unsharded float32 rollout copy, on every rank
     kv_bytes_per_token: float = 0.0
     rollout_tokens: float = 0.0  # per rank per step, every response at max_new_tokens
+    resident: float = 0.0  # bytes per GPU kept between updates: master weights + Adam (LoRA: base + adapters')
+    lora_params: int = 0  # adapter parameters (0: full fine-tuning)
+    reference_saved: float = 0.0  # a LoRA policy's KL reference that needs no copy (kl_coef > 0)
+    wave_seconds: float = 0.0  # one generation wave's floor: max_new_tokens decode steps reading c N each
+    lora_alternative: PolicyPlan | None = None  # full fine-tuning: the same policy with lora r=16, all-linear
 
     def generate_peak(self, gpu_bytes: float) -> float:
         """Tensors during generation: master weights + Adam (gradients are freed after each update),
         the KL reference and hf rollout copy if any, plus an awake vLLM engine's share of the GPU."""
-        resident = 12 * self.params / self.world_size + self.reference + self.hf_copy
+        resident = self.resident + self.reference + self.hf_copy
         return resident + (self.vllm_share * gpu_bytes if self.vllm_share else 0.0)
+
+    def waves(self, gpu_bytes: float) -> float | None:
+        """Generation waves a step needs at most (None: hf backend)."""
+        kv = self.kv_tokens(gpu_bytes)
+        if kv is None:
+            return None
+        return -(-self.rollout_tokens // kv) if kv > 0 else float("inf")
 
     def training_peak(self, gpu_bytes: float) -> float:
         """Tensors at the training peak; an engine that does not sleep keeps its share of the GPU."""
@@ -222,8 +265,13 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
     N = s.params
     t = budget_tokens = pc.micro_batch_tokens or auto_micro_batch_tokens(s.vocab)
     t = min(t, pc.max_prompt_tokens + cfg.max_new_tokens) if pc.micro_batch_tokens is None else t
-    sharded = 16 * N / W
-    compute = 2 * c * (s.root_params + 2 * s.layer_params)
+    A = lora_params(s, pc.lora) if pc.lora is not None else 0
+    if pc.lora is None:
+        sharded, resident = 16 * N / W, 12 * N / W
+        compute = 2 * c * (s.root_params + 2 * s.layer_params)
+    else:  # the base frozen in the compute dtype; the adapters' masters, gradients and Adam in float32
+        sharded, resident = c * N / W + 16 * A / W, c * N / W + 12 * A / W
+        compute = c * (s.root_params + 2 * s.layer_params) + 2 * c * A / max(s.layers, 1)
     layer_internal = c * t * (8 * s.hidden + 4 * s.intermediate)
     act_ckpt = c * t * s.hidden * s.layers + layer_internal
     act_full = s.layers * layer_internal
@@ -235,8 +283,10 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
     vllm = c * N if pc.backend == "vllm" else 0.0
     share = float(pc.vllm_kwargs.get("gpu_memory_utilization", VLLM_MEMORY_SHARE)) if pc.backend == "vllm" else 0.0
     sleep = bool(pc.vllm_kwargs.get("sleep", True))
-    reference = 4 * N / W if cfg.method.kl_coef > 0 else 0.0
-    hf_copy = 4 * N if pc.backend == "hf" and W > 1 else 0.0  # one process samples from its own model
+    reference = 4 * N / W if cfg.method.kl_coef > 0 and pc.lora is None else 0.0
+    saved = 4 * N / W if cfg.method.kl_coef > 0 and pc.lora is not None else 0.0
+    copy = 4 * N if pc.lora is None else c * N + 4 * A
+    hf_copy = copy if pc.backend == "hf" and W > 1 else 0.0  # one process samples from its own model
     kv = 2 * s.layers * s.kv_heads * s.head_dim * c
     rollout = cfg.prompt_batch / W * (min(PROMPT_TOKENS, pc.max_prompt_tokens) + cfg.n * cfg.max_new_tokens)
     return PolicyPlan(
@@ -258,11 +308,23 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
         hf_copy,
         kv,
         rollout,
+        resident,
+        A,
+        saved,
+        cfg.max_new_tokens * c * N / DECODE_BYTES_PER_S if pc.backend == "vllm" else 0.0,
     )
 
 
 def plan(cfg: TrainConfig) -> list[PolicyPlan]:
-    return [plan_policy(pc, cfg) for pc in cfg.policies]
+    from dataclasses import replace
+
+    out = []
+    for pc in cfg.policies:
+        p = plan_policy(pc, cfg)
+        if pc.lora is None:
+            p.lora_alternative = plan_policy(replace(pc, lora=LoraSettings()), cfg)
+        out.append(p)
+    return out
 
 
 def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = False) -> str:
@@ -289,20 +351,21 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = 
         f"{RUNTIME_BYTES / GiB:g} GiB (CUDA context, NCCL, workspaces): stated margins, not measured."
     )
     for p in plans:
-        kv = p.kv_tokens(G)
-        if kv is None:
+        kv, waves = p.kv_tokens(G), p.waves(G)
+        if kv is None or waves is None:
             continue
-        waves = -(-p.rollout_tokens // kv) if kv > 0 else float("inf")
         verdict = (
             "fits in one wave"
             if waves <= 1
-            else f"up to {waves:.0f} waves of generation (vLLM queues the rest; "
-            f"raise gpu_memory_utilization or world_size to cut them)"
+            else f"up to {waves:.0f} waves of generation, each at least ~{p.wave_seconds:.0f} s "
+            f"(~{waves * p.wave_seconds / 60:.0f} min a step; vLLM queues the rest; raise gpu_memory_utilization "
+            f"or world_size to cut them)"
         )
         lines.append(
             f"{p.name}: KV cache ~{kv / 1e6:.2f} M tokens per rank (gpu_memory_utilization {p.vllm_share:g}) vs "
             f"up to {p.rollout_tokens / 1e6:.2f} M per rank per step (every response at max_new_tokens): {verdict}."
         )
+    lines += _lora_lines(plans, G)
     if shared:
         engines = [p.name for p in plans if p.vllm_share]
         if len(engines) > 1:
@@ -321,6 +384,33 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = 
         f"+ KL reference + hf rollout copy."
     )
     return "\n".join(lines)
+
+
+def _lora_lines(plans: list[PolicyPlan], G: float) -> list[str]:
+    """LoRA policies: adapter size and the KL reference they need not hold; a full fine-tuning policy that
+    does not fit: whether LoRA (r=16, all-linear) would, and at how many generation waves."""
+    lines = []
+    for p in plans:
+        if p.lora_params:
+            ref = (
+                f"; its KL reference is the base with the adapter disabled: {p.reference_saved / GiB:.1f} GiB per GPU not held"
+                if p.reference_saved
+                else ""
+            )
+            lines.append(
+                f"{p.name}: LoRA, {p.lora_params / 1e6:.1f} M adapter parameters ({p.lora_params / p.params:.2%} of "
+                f"{p.params / 1e9:.2f} B) train; the base stays frozen in the compute dtype{ref}."
+            )
+        alt = p.lora_alternative
+        if alt is not None and p.peak(G) > G:
+            w = alt.waves(G)
+            at = f", at up to {w:.0f} generation waves a step" if w is not None and w > 1 else ""
+            fits = "fits" if alt.peak(G) <= G else "does NOT fit either"
+            lines.append(
+                f"{p.name}: full fine-tuning does not fit a GPU of {G / GiB:g} GiB ({p.peak(G) / GiB:.1f} GiB); with "
+                f"lora: {{r: 16, alpha: 32, target_modules: all-linear}} it {fits} ({alt.peak(G) / GiB:.1f} GiB{at})."
+            )
+    return lines
 
 
 def eval_estimate(
