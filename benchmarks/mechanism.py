@@ -12,6 +12,7 @@ admitted, and the wall time.
 
 Reproduce (4 seeds x 2 methods, about 30 s a run on 2 cores):
     python benchmarks/mechanism.py [--seeds 0 1 2 3] [--out runs/mechanism] [--toy]
+    python benchmarks/mechanism.py --lora     # graft_lora.yaml / grpo_lora.yaml: LoRA adapters on both policies
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 CONFIGS = {"graft": ROOT / "configs" / "lookup" / "graft.yaml", "grpo": ROOT / "configs" / "lookup" / "grpo.yaml"}
+LORA_CONFIGS = {m: c.with_name(f"{m}_lora.yaml") for m, c in CONFIGS.items()}  # --lora
 
 
 #: ``--toy``: 2 steps, a small held-out set (the benchmark's code path, not its figures; tests/test_benchmarks_run.py)
 TOY = ["steps=2", "checkpoint_every=2", "validation.every=2", "validation.limit=16", "validation.samples=1"]
 
 
-def run(method: str, seed: int, out: Path, overrides: list[str] = ()) -> dict:
+def run(method: str, seed: int, out: Path, overrides: list[str] = (), configs: dict = CONFIGS) -> dict:
     from graft_rl.commands.report import family_summary
     from graft_rl.engine.config import load_config
     from graft_rl.engine.trainer import Trainer
@@ -41,7 +43,8 @@ def run(method: str, seed: int, out: Path, overrides: list[str] = ()) -> dict:
     run_dir = out / f"{method}_s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    Trainer(load_config(CONFIGS[method], [f"run_dir={run_dir}", f"seed={seed}", *overrides]), show_progress=False).run()
+    cfg = load_config(configs[method], [f"run_dir={run_dir}", f"seed={seed}", *overrides])
+    Trainer(cfg, show_progress=False).run()
     rows = {(r["policy"], r["family"]): r for r in family_summary(run_dir)}
     return {"rows": rows, "seconds": time.perf_counter() - t0}
 
@@ -55,14 +58,17 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--out", default="runs/mechanism")
     ap.add_argument("--toy", action="store_true", help="2 steps and a small held-out set: the code path only")
+    ap.add_argument("--lora", action="store_true", help="LoRA adapters on both policies (configs/lookup/*_lora.yaml)")
     args = ap.parse_args()
+    configs = LORA_CONFIGS if args.lora else CONFIGS
     import torch
     from build_testbed import cpu_model
 
     from graft_rl.data import load_jsonl
     from graft_rl.testbed import lookup_right_digit_probability, shipped_root
 
-    print(f"# lookup pair, {torch.get_num_threads()} threads, {cpu_model()}, torch {torch.__version__}\n")
+    what = ", LoRA on both policies (configs/lookup/*_lora.yaml)" if args.lora else ""
+    print(f"# lookup pair{what}, {torch.get_num_threads()} threads, {cpu_model()}, torch {torch.__version__}\n")
     root = shipped_root("lookup")
     held = [p for p in load_jsonl(root / "heldout.jsonl") if p.subject == "shift3"]
     for which in ("a", "b"):
@@ -79,8 +85,9 @@ def main() -> int:
     print("| seed | method | A shift3 (missing) | A shift6 | A all-fail | grafted | adm. | s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for seed in args.seeds:
-        for method in CONFIGS:
-            r = run(method, seed, Path(args.out), TOY if args.toy else [])
+        for method in configs:
+            out = Path(args.out) / ("lora" if args.lora else "")
+            r = run(method, seed, out, TOY if args.toy else [], configs)
             a3, a6 = r["rows"][("A", "shift3")], r["rows"][("A", "shift6")]
             fail = a3["all_fail"] / a3["groups"] if a3["groups"] else None
             print(

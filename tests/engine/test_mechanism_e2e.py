@@ -33,6 +33,7 @@ from graft_rl.engine.trainer import Trainer
 from graft_rl.testbed import lookup_right_digit_probability, shipped_root
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "lookup" / "graft.yaml"
+LORA_CONFIG = CONFIG.with_name("graft_lora.yaml")  # the same pair, seed and steps with LoRA on both policies
 FAMILY = "shift3"  # A's missing family: the whole pool
 RISE = 0.10  # GRAFT must lift A's held-out accuracy on it by at least this much
 STAY = 0.02  # without the mechanism A may move by at most this (it gets no gradient: sampling noise only)
@@ -46,8 +47,10 @@ def _run(tmp_path_factory, variant: str) -> dict:
         return _runs[variant]
     run_dir = tmp_path_factory.mktemp(variant) / "run"
     # grpo: graft.yaml's exchange switch (balance: false) goes back to its default, as configs/lookup/grpo.yaml does
-    extra = ["method.name=grpo", "method.balance=true"] if variant == "grpo" else ["seed=0"]
-    cfg = load_config(CONFIG, [f"run_dir={run_dir}", *extra])
+    grpo = variant in ("grpo", "lora_grpo")
+    extra = ["method.name=grpo", "method.balance=true"] if grpo else ["seed=0"]
+    config = LORA_CONFIG if variant.startswith("lora_") else CONFIG
+    cfg = load_config(config, [f"run_dir={run_dir}", *extra])
     mp = pytest.MonkeyPatch()
     try:
         if variant == "exchange_off":  # GRAFT's selection picks no prompt: nothing is ever grafted
@@ -65,6 +68,7 @@ def _run(tmp_path_factory, variant: str) -> dict:
     finally:
         mp.undo()
     rows = {(r["policy"], r["family"]): r for r in family_summary(run_dir)}
+    rows["run_dir"] = run_dir
     _runs[variant] = rows
     return rows
 
@@ -114,3 +118,20 @@ def test_the_check_fails_without_the_mechanism(tmp_path_factory, variant):
         assert a["grafted"] == 0
     else:
         assert a["grafted"] >= 100  # exchanged, but with nothing to learn from
+
+
+@pytest.mark.slow
+def test_with_lora_adapters_graft_still_teaches_the_missing_family_and_grpo_does_not(tmp_path_factory):
+    """configs/lookup/graft_lora.yaml: only adapters train (frozen bases), and the mechanism shows as with
+    full fine-tuning; its checkpoints hold the adapters, a fraction of the model's bytes."""
+    pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+    graft, grpo = _run(tmp_path_factory, "lora_graft"), _run(tmp_path_factory, "lora_grpo")
+    g, c = graft[("A", FAMILY)], grpo[("A", FAMILY)]
+    assert g["val_before"] == c["val_before"] < 0.01
+    assert c["val_after"] <= c["val_before"] + STAY and c["grafted"] == 0
+    assert g["grafted"] >= 100 and g["admitted_frac"] > 0.5
+    assert g["val_after"] >= g["val_before"] + RISE
+    best = graft["run_dir"] / "best" / "A"
+    adapter = (best / "adapter_model.safetensors").stat().st_size
+    assert not (best / "model.safetensors").exists()
+    assert adapter < 0.25 * (shipped_root("lookup") / "model_a" / "model.safetensors").stat().st_size
