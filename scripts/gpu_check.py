@@ -51,6 +51,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -76,9 +77,11 @@ ROWS = {
     "pure": "update, pure bf16 (opt-in)",
     "fsdp": "update, FSDP2 (world 1, ShardedPolicy)",
     "trainer": "trainer: GRAFT, tiny pair, 3 steps",
+    "lora": "update, LoRA (bf16 base frozen, fp32 adapters)",
     "vllm": "vLLM: 2 × update → push → generate (sleep 1 → 2), eager",
     "vllm_graphs": "vLLM: 2 × update → push → generate, CUDA graphs",
     "vllm_seeds": "vLLM: per-request seeds alone (no global reseed)",
+    "vllm_lora": "vLLM: LoRA, 2 × update → merged push → generate (sleep 1 → 2)",
     "vllm_missing": "vLLM: a push with one tensor held back",
     "vllm_fsdp": "vLLM beside FSDP2 (world 1, NCCL device_id)",
     "vllm_two": "vLLM: two engines in one process",
@@ -437,14 +440,61 @@ def _runner(worker) -> str:
     return f"{r.__module__.replace('vllm.v1.worker.', '')}.{r.__name__}"
 
 
+#: the LoRA rows' adapters (policy.lora); lr 1e-4 so that 3 updates move every adapter weight
+LORA = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
+
+
+def row_lora(c: Check) -> dict:
+    """A LoRA policy on the GPU: base bf16 and frozen, adapters fp32; an update changes adapters only; the
+    KL reference (adapter disabled) scores as the base; the merged weights score as base + adapter."""
+    if importlib.util.find_spec("peft") is None:
+        raise Skip("needs peft (pip install 'graft-rl[lora]')")
+    pol = Policy(PolicyConfig(**c.base(name="L", lr=1e-4, lora=LORA)))
+    dtypes = {n: p.dtype for n, p in pol.model.named_parameters()}
+    layout = all(dt == (torch.float32 if ".lora_" in n else torch.bfloat16) for n, dt in dtypes.items())
+    base_before = {n: p.detach().clone() for n, p in pol.model.named_parameters() if ".lora_" not in n}
+    peak_reset(c.device)
+    frac = changed_fraction(pol, c.batch)
+    peak = peak_gib(c.device)
+    frozen = all(torch.equal(base_before[n], p) for n, p in pol.model.named_parameters() if n in base_before)
+    del base_before
+    small = c.batch.select(range(min(2, len(c.batch))))
+    ref, mask = pol.reference_logprobs(small)
+    now, _ = pol.token_logprobs(small)
+    with pol.lora.disable_adapter():
+        base_lp, _ = pol.token_logprobs(small)
+    merged = copy.deepcopy(pol.model)  # its base weights replaced by the merged ones, its adapters zeroed
+    state = pol.rollout_state()
+    with torch.no_grad():
+        for n, t in merged.state_dict().items():
+            if ".lora_B." in n:
+                t.zero_()
+            elif ".lora_" not in n:
+                t.copy_(state[n.replace(".base_layer.", ".")])
+    merged_lp, _ = pol.token_logprobs(small, model=merged)
+    m = mask.bool()
+    return {
+        "base bf16, adapters fp32": layout,
+        "adapter share of parameters": sum(p.numel() for n, p in pol.model.named_parameters() if ".lora_" in n)
+        / sum(p.numel() for p in pol.model.parameters()),
+        "changed after 3 steps @ lr 1e-4": frac,
+        "base unchanged": frozen,
+        "peak GiB": peak,
+        "max |Δ logp| reference vs base": float((ref - base_lp).abs()[m].max()),
+        "mean |Δ logp| merged vs adapted": float((merged_lp - now).abs()[m].mean()),
+        "mean |Δ logp| adapted vs base": float((now - base_lp).abs()[m].mean()),
+    }
+
+
 #: |Δ logp| per token, engine vs trainer, a correct push stays under (bf16 on a GPU, float32 on CPU)
 TOL_MEAN = {"bfloat16": 2e-2, "float32": 1e-3}
 
 
-def _engine(c: Check, name: str, lr: float = 1e-3, **extra) -> tuple[Policy, float]:
+def _engine(c: Check, name: str, lr: float = 1e-3, lora: dict | None = None, **extra) -> tuple[Policy, float]:
     kwargs, dtype = _vllm_kwargs(c, **extra)
     t0 = time.perf_counter()
-    pol = Policy(PolicyConfig(**c.base(name=name, backend="vllm", dtype=dtype, lr=lr, vllm_kwargs=kwargs)))
+    cfg = c.base(name=name, backend="vllm", dtype=dtype, lr=lr, vllm_kwargs=kwargs, lora=lora)
+    pol = Policy(PolicyConfig(**cfg))
     return pol, time.perf_counter() - t0
 
 
@@ -457,11 +507,14 @@ def _logp_gap(pol: Policy, groups, model=None) -> torch.Tensor:
     return (lp - gen).abs()[mask.bool()]
 
 
-def _cycles(c: Check, eager: bool) -> dict:
+def _cycles(c: Check, eager: bool, lora: dict | None = None) -> dict:
     """Two update → push → generate cycles; on a GPU the first push is followed by a level-1 sleep, the
-    second generation wakes from level 2 (the weights discarded) and pushes again."""
+    second generation wakes from level 2 (the weights discarded) and pushes again. ``lora``: a LoRA policy,
+    whose engine loads the base and is pushed the merged weights at start and at every push."""
     need_vllm()
-    pol, start = _engine(c, "V", **({"enforce_eager": True} if eager else {}))
+    if lora is not None and importlib.util.find_spec("peft") is None:
+        raise Skip("needs peft (pip install 'graft-rl[lora]')")
+    pol, start = _engine(c, "V", lr=1e-2 if lora else 1e-3, lora=lora, **({"enforce_eager": True} if eager else {}))
     try:
         levels, pushes = [], []
         if pol.backend.sleep:
@@ -498,6 +551,10 @@ def row_vllm(c: Check) -> dict:
 
 def row_vllm_graphs(c: Check) -> dict:
     return _cycles(c, eager=False)
+
+
+def row_vllm_lora(c: Check) -> dict:
+    return _cycles(c, eager=True, lora=LORA)
 
 
 def row_vllm_seeds(c: Check) -> dict:
@@ -700,9 +757,11 @@ ROW_FNS = {
     "pure": row_pure,
     "fsdp": row_fsdp,
     "trainer": row_trainer,
+    "lora": row_lora,
     "vllm": row_vllm,
     "vllm_graphs": row_vllm_graphs,
     "vllm_seeds": row_vllm_seeds,
+    "vllm_lora": row_vllm_lora,
     "vllm_missing": row_vllm_missing,
     "vllm_fsdp": row_vllm_fsdp,
     "vllm_two": row_vllm_two,
@@ -743,8 +802,19 @@ RULES = {
     "trainer": lambda r: [
         ("3 steps × 2 policies logged, losses finite", r["metric lines"] >= 6 and r["finite losses"])
     ],
+    "lora": lambda r: [
+        ("base bf16, adapters fp32", r["base bf16, adapters fp32"]),
+        ("≥ 99 % of adapter weights with a gradient changed", r["changed after 3 steps @ lr 1e-4"] >= 0.99),
+        ("base unchanged by the updates", r["base unchanged"]),
+        ("KL reference = base (max |Δ logp| ≤ 1e-3)", r["max |Δ logp| reference vs base"] <= 1e-3),
+        (
+            "merged weights score as base + adapter (mean |Δ logp| ≤ 2e-2)",
+            r["mean |Δ logp| merged vs adapted"] <= 2e-2,
+        ),
+    ],
     "vllm": _cycle_rules,
     "vllm_graphs": _cycle_rules,
+    "vllm_lora": _cycle_rules,
     "vllm_seeds": lambda r: [
         ("same seed, other global state → identical", r["same seed, other global state → identical"]),
         ("rank seeds → different", r["rank seeds, same global state → different"]),

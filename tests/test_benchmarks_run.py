@@ -132,3 +132,11 @@ def test_vs_trl_runs_at_toy_size():
     args = ["--prompts", "4", "--n", "2", "--max-new-tokens", "8", "--steps", "2", "--repeats", "1", "--threads", "1"]
     out = _run("vs_trl.py", *args, timeout=900)
     assert "graft-rl" in out and "TRL" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="the lora extra (peft) is not installed")
+def test_lora_runs_at_toy_size():
+    """LoRA against full fine-tuning: time, memory, checkpoint and push (docs/benchmarks.md)."""
+    out = _run("lora.py", "--model", "zoo:testbed-a", "--toy", timeout=300)
+    assert "| trainable parameters |" in out and "| one minibatch update (s) |" in out and "| peak RSS |" in out

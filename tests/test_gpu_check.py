@@ -23,18 +23,20 @@ UPDATE = "update, bf16 compute / fp32 master / ckpt"
 PURE = "update, pure bf16 (opt-in)"
 FSDP = "update, FSDP2 (world 1, ShardedPolicy)"
 TRAINER = "trainer: GRAFT, tiny pair, 3 steps"
+LORA = "update, LoRA (bf16 base frozen, fp32 adapters)"
 VLLM = "vLLM: 2 × update → push → generate (sleep 1 → 2), eager"
 VLLM_GRAPHS = "vLLM: 2 × update → push → generate, CUDA graphs"
 VLLM_SEEDS = "vLLM: per-request seeds alone (no global reseed)"
+VLLM_LORA = "vLLM: LoRA, 2 × update → merged push → generate (sleep 1 → 2)"
 VLLM_MISSING = "vLLM: a push with one tensor held back"
 VLLM_FSDP = "vLLM beside FSDP2 (world 1, NCCL device_id)"
 VLLM_TWO = "vLLM: two engines in one process"
 VLLM_HF = "vLLM Transformers backend (SmolLM3) beside the trainer"
-VLLM_ROWS = (VLLM, VLLM_GRAPHS, VLLM_SEEDS, VLLM_MISSING, VLLM_FSDP, VLLM_TWO, VLLM_HF)
-ALL_ROWS = [GENERATE, CHUNKED, NAIVE, UPDATE, PURE, FSDP, TRAINER, *VLLM_ROWS]
+VLLM_ROWS = (VLLM, VLLM_GRAPHS, VLLM_SEEDS, VLLM_LORA, VLLM_MISSING, VLLM_FSDP, VLLM_TWO, VLLM_HF)
+ALL_ROWS = [GENERATE, CHUNKED, NAIVE, UPDATE, PURE, FSDP, TRAINER, LORA, *VLLM_ROWS]
 
 #: packages a bare GPU image (torch + transformers + accelerate) does not have
-OPTIONAL = ("pyarrow", "math_verify", "rich", "matplotlib", "ray", "vllm", "reasoning_gym")
+OPTIONAL = ("pyarrow", "math_verify", "rich", "matplotlib", "ray", "vllm", "reasoning_gym", "peft")
 
 # Runs the script with OPTIONAL unimportable: a None entry in sys.modules makes `import X` raise
 # ModuleNotFoundError and importlib.util.find_spec(X) return None (as for a package that is not
@@ -97,6 +99,8 @@ def test_gpu_check_smoke_runs_every_row(tmp_path):
     assert rows[PURE]["changed after 3 steps @ lr 1e-6"] < 0.5
     assert rows[FSDP]["max |Δ logp| vs single process"] < 5e-2
     assert rows[TRAINER]["finite losses"]
+    assert rows[LORA]["base unchanged"] and rows[LORA]["changed after 3 steps @ lr 1e-4"] >= 0.99
+    assert rows[LORA]["mean |Δ logp| adapted vs base"] > rows[LORA]["mean |Δ logp| merged vs adapted"]
     assert all(r["checks"].endswith("pass") for r in rows.values() if "skipped" not in r)
     assert res.stdout.strip().splitlines()[-1].startswith("gpu_check verdict: PASS")
     if importlib.util.find_spec("vllm") is None:
@@ -125,9 +129,10 @@ def test_gpu_check_on_a_bare_image_runs_what_it_can(tmp_path):
     assert (tmp_path / "gpu_check.json").exists()
     rows = _rows(tmp_path)
     for name, row in rows.items():
-        if name not in (TRAINER, *VLLM_ROWS):
+        if name not in (TRAINER, LORA, *VLLM_ROWS):
             assert "error" not in row and "skipped" not in row, (name, row)
     assert "error" not in rows[TRAINER]
+    assert "peft" in rows[LORA]["skipped"]
     assert "pyarrow" in rows[TRAINER]["skipped"]
     assert all(rows[r]["skipped"] == "vLLM not installed" for r in VLLM_ROWS)
     assert rows[CHUNKED]["fused head"] is True
@@ -140,7 +145,7 @@ def test_gpu_check_vllm_rows_run_on_vllms_cpu_build(tmp_path):
     update/push/generate cycles, seeds that only the per-request seed can make agree, a held-back tensor
     refused, FSDP2 beside an engine, two engines one after another, the Transformers backend."""
     pytest.importorskip("vllm")
-    skip = "generate,score,naive,update,pure,fsdp,trainer"
+    skip = "generate,score,naive,update,pure,fsdp,trainer,lora"
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--skip", skip, "--out", str(tmp_path)],
         capture_output=True,
