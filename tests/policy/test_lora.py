@@ -186,3 +186,39 @@ def test_the_push_reference_digests_each_merged_tensor_as_its_own(tiny_pair):
     got = state_digest(merged, dtypes)
     for n in merged:
         assert torch.equal(got[n], row_digest(merged[n])), n
+
+
+def test_a_list_of_target_modules_comes_from_a_config_file_and_an_override(tiny_pair):
+    from graft_rl.engine.config import load_config
+
+    pol = {"name": "A", "model": str(tiny_pair[0]), "lora": {"r": 2, "target_modules": ["q_proj", "v_proj"]}}
+    cfg = load_config({"data": {"train": "gsm8k_train"}, "method": {"name": "grpo"}, "policies": [pol]})
+    assert cfg.policies[0].lora.target_modules == ["q_proj", "v_proj"]
+    cfg = load_config(
+        {"data": {"train": "gsm8k_train"}, "method": {"name": "grpo"}, "policies": [pol]},
+        ["policies.0.lora.target_modules=[o_proj]"],
+    )
+    assert cfg.policies[0].lora.target_modules == ["o_proj"]
+
+
+@pytest.mark.parametrize(
+    "targets, match", [(["lm_head"], "is the LM head"), (["embed_tokens"], "only linear layers can be adapted")]
+)
+def test_an_lm_head_or_embedding_target_is_refused_in_one_line(tiny_pair, targets, match):
+    with pytest.raises(PolicyError, match=match) as exc:
+        Policy(PolicyConfig("A", str(tiny_pair[0]), lora={"r": 2, "target_modules": targets}))
+    assert "\n" not in str(exc.value)
+
+
+def test_lora_with_a_second_reference_model_is_refused():
+    with pytest.raises(PolicyError, match="reference_model is not used with lora"):
+        PolicyConfig("A", "m", lora=LORA, reference_model="other")
+
+
+def test_an_adapter_loads_on_its_base_in_another_dtype_and_a_zoo_base_stays_a_name(tmp_path):
+    pol = Policy(PolicyConfig("A", "zoo:lookup-a", lr=1e-2, lora=LORA))
+    assert pol.base["model"] == "zoo:lookup-a"  # the package may move: the name, not its path
+    out = pol.save(tmp_path / "ckpt")
+    again = Policy(PolicyConfig("A", str(out), dtype="bfloat16"))  # graft eval --dtype bfloat16: same base
+    assert again.base["digest"] == pol.base["digest"]
+    assert next(p for n, p in again.model.named_parameters() if ".lora_" not in n).dtype == torch.bfloat16

@@ -33,7 +33,8 @@ def _engine_matches_trainer(pol) -> None:
         assert torch.allclose(lp[i, : len(row)], torch.tensor(row), atol=1e-4)
 
 
-def test_a_lora_policy_samples_from_its_merged_weights_and_its_adapter_reloads(tmp_path):
+def test_a_lora_policy_samples_from_its_merged_weights_and_its_adapter_reloads(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per CPU engine: two engines after others in this process
     d = build_tiny_model(tmp_path / "llama", "llama", char_tokenizer(), hidden=128, heads=2, seed=0)
     pol = Policy(_config(str(d)))
     _engine_matches_trainer(pol)  # fresh adapters (B = 0): the base itself

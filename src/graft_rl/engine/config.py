@@ -378,6 +378,18 @@ def _build_dataclass(cls, data, where: str):
         raise ConfigError(f"{where or 'config'}: {exc}") from None
 
 
+def _union_member(members: list, data):
+    """The member of a union type the value is: a list for ``str | list[str]``, a mapping for a dataclass
+    or dict; else the first."""
+    for a in members:
+        kind = typing.get_origin(a) or a
+        if (isinstance(data, list) and kind is list) or (
+            isinstance(data, dict) and (kind is dict or dataclasses.is_dataclass(a))
+        ):
+            return a
+    return members[0]
+
+
 def _build(cls, data, where: str):
     """``data`` (parsed YAML) as a value of type ``cls``; ``where``: its dotted key, for errors."""
     if cls is MethodConfig:
@@ -396,8 +408,7 @@ def _build(cls, data, where: str):
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if data is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _build(inner[0], data, where)
+        return _build(_union_member([a for a in args if a is not type(None)], data), data, where)
     if origin is tuple:
         return tuple(data)
     if origin is dict or cls is dict:

@@ -464,6 +464,8 @@ def _from_checkpoint(pc: PolicyConfig, ckpt: Path) -> PolicyConfig:
         "reference_model": pc.reference_model or pc.model,
         "reference_gguf_file": pc.reference_gguf_file if pc.reference_model else pc.gguf_file,
     }
+    if pc.lora is not None:  # the reference is the base under the adapter, recorded in the checkpoint
+        ref = {"reference_model": None, "reference_gguf_file": None}
     return PolicyConfig(
         **{**to_dict(pc), "model": str((ckpt / pc.name).absolute()), "gguf_file": None, "tokenizer": None, **ref}
     )

@@ -90,10 +90,7 @@ class PolicyConfig:
     lora: LoraSettings | None = None
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "lora", LoraSettings.of(self.lora))
-        except PolicyError as exc:
-            raise PolicyError(f"policy {self.name!r}: {exc}") from None
+        self._check_lora()
         if self.dtype not in _DTYPES:
             raise PolicyError(f"policy {self.name!r}: dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.master_dtype not in ("float32", self.dtype):
@@ -137,6 +134,18 @@ class PolicyConfig:
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise PolicyError(
                 f"policy {self.name!r}: micro_batch_tokens must be >= 1 (or null for automatic), got {self.micro_batch_tokens}"
+            )
+
+    def _check_lora(self) -> None:
+        """``lora`` as :class:`LoraSettings` (from a mapping); without a second KL reference model."""
+        try:
+            object.__setattr__(self, "lora", LoraSettings.of(self.lora))
+        except PolicyError as exc:
+            raise PolicyError(f"policy {self.name!r}: {exc}") from None
+        if self.lora is not None and self.reference_model:
+            raise PolicyError(
+                f"policy {self.name!r}: reference_model is not used with lora (the KL reference is the base with "
+                "the adapter disabled); remove one of them"
             )
 
 

@@ -156,10 +156,12 @@ class ShardedPolicy(Policy):
 
     # ------------------------------------------------------------------ weights
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """All ranks call; rank 0 gets the full (unsharded, CPU, float32) weights, others ``{}``."""
+        """All ranks call; rank 0 gets the full (unsharded, CPU, float32) weights, others ``{}`` (a LoRA
+        policy: its adapters only, the frozen base is never gathered for a checkpoint)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora is not None)
+        return get_model_state_dict(self.model, options=opts)
 
     def _full_tensors(self, trainable_only: bool = False):
         """``(state-dict name, full tensor)`` one at a time (an all-gather each; every rank calls)."""

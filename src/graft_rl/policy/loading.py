@@ -76,7 +76,9 @@ def load_policy_model(config, path: Path, gguf: str | None, compute: torch.dtype
     if config.lora is None:
         return Loaded(load_model(config.name, where, gguf, master), model_dir=path)
     model = load_model(config.name, where, gguf, compute)
-    base = {"model": str(path.absolute()) if path.exists() else config.model, "gguf_file": gguf}
+    # a zoo: name stays a name (the package may move); a path becomes absolute; a hub id stays an id
+    named = config.model.startswith("zoo:") or not path.exists()
+    base = {"model": config.model if named else str(path.absolute()), "gguf_file": None if named else gguf}
     base["digest"] = base_digest(model)
     return Loaded(model, attach(model, config.lora, None, master), base, path, config.lora)
 

@@ -143,6 +143,13 @@ def attach(model: torch.nn.Module, settings: LoraSettings | None, adapter_dir: P
                 wrapped = peft.get_peft_model(model, cfg)
             except ValueError as exc:
                 raise PolicyError(f"lora.target_modules: {str(exc).splitlines()[0]}") from None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, layer in lora_layers(model).items():  # linear layers only (refused in one line otherwise)
+        if head is not None and layer is head:
+            raise PolicyError(
+                f"lora.target_modules: {name} is the LM head; adapt the decoder's linear layers "
+                "(all-linear leaves the head out; a head tied to the embeddings cannot hold a merged copy)"
+            )
     for name, p in model.named_parameters():
         if p.requires_grad:
             if ".lora_" not in name:
@@ -230,7 +237,10 @@ def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: floa
 
 @torch.no_grad()
 def base_digest(model: torch.nn.Module) -> str:
-    """sha256 over the frozen base's tensors (own names, shapes, dtypes and row digests of their bits)."""
+    """sha256 over the frozen base's tensors: own names, shapes and the row digests of their values in
+    bfloat16 (:func:`~graft_rl.policy.pushcheck.row_digest`), so the same base loaded in float32 or
+    bfloat16 (another ``dtype`` at ``graft eval`` or resume) has the same digest. A guard against another
+    base, not a cryptographic fingerprint of the weights."""
     from graft_rl.policy.pushcheck import row_digest
 
     h = hashlib.sha256()
@@ -238,8 +248,8 @@ def base_digest(model: torch.nn.Module) -> str:
         if ".lora_" in raw:
             continue
         local = t.full_tensor() if hasattr(t, "full_tensor") else t
-        h.update(json.dumps([_own_name(raw), list(local.shape), str(local.dtype)]).encode())
-        h.update(row_digest(local).numpy().tobytes())
+        h.update(json.dumps([_own_name(raw), list(local.shape)]).encode())
+        h.update(row_digest(local, torch.bfloat16 if local.is_floating_point() else None).numpy().tobytes())
     return h.hexdigest()
 
 
