@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 TEXT = "Let me think. 12 * 7 = 84, and 84 + 5 = 89. So the answer is \\boxed{89}. " * 3
 
@@ -91,16 +91,6 @@ def child(model: str, mode: str, rows: int, updates: int, dtype: str, r: int) ->
     }
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="zoo:smollm2-135m-instruct")
@@ -135,6 +125,8 @@ def main() -> None:
             ]
             subprocess.run(cmd, check=True)
             results[mode] = json.loads(out.read_text())
+    from build_testbed import cpu_model
+
     MB = 1e6
     f, lo = results["full"], results["lora"]
     print(
