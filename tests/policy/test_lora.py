@@ -127,6 +127,20 @@ def test_an_adapter_checkpoint_resumes_exactly(model_path, tmp_path):
         assert torch.equal(p, q), n
 
 
+def test_a_saved_adapter_loads_with_plain_peft_on_its_base(model_path, tmp_path):
+    """best/<policy> of a LoRA run is a standard peft adapter: PeftModel.from_pretrained on the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    pol = Policy(PolicyConfig("A", model_path, lr=1e-2, lora=LORA))
+    batch = _train(pol)
+    out = pol.save(tmp_path / "best" / "A")
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), str(out)).eval()
+    lp, mask = pol.token_logprobs(batch)
+    got, _ = pol.token_logprobs(batch, plain.get_base_model())
+    assert torch.allclose(lp * mask, got * mask, atol=1e-6)
+
+
 def test_an_adapter_on_another_base_is_refused_in_one_line(tiny_pair, tmp_path):
     import shutil
 
