@@ -165,7 +165,7 @@ def _add_preflight_analyze(sub) -> None:
     x = sub.add_parser(
         "export",
         help="a trained policy as a plain Hugging Face model directory (a LoRA policy's adapter merged)",
-        description="Writes the policy of TARGET (a run directory: its best checkpoint, else its latest; or a "
+        description="Writes the policy of RUN_DIR (a run directory: its best checkpoint, else its latest; or a "
         "checkpoint's policy directory) as a save_pretrained directory that transformers loads without graft-rl or "
         "peft; a LoRA policy's adapters are merged into its base (W + alpha/r B A, in float32, cast to the base's "
         "dtype). Several policies go to OUT/<name>.",
