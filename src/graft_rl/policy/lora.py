@@ -38,7 +38,6 @@ __all__ = [
     "attach",
     "base_digest",
     "is_adapter_dir",
-    "lora_parameter_count",
     "require_peft",
     "save_adapter",
 ]
@@ -221,10 +220,6 @@ class MergedState(Mapping):
     def __len__(self) -> int:
         return len(self._names)
 
-    def items_one_at_a_time(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self._names:
-            yield name, self[name].detach()
-
 
 @torch.no_grad()
 def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, transpose: bool = False):
@@ -251,7 +246,3 @@ def base_digest(model: torch.nn.Module) -> str:
         h.update(json.dumps([_own_name(raw), list(local.shape)]).encode())
         h.update(row_digest(local, torch.bfloat16 if local.is_floating_point() else None).numpy().tobytes())
     return h.hexdigest()
-
-
-def lora_parameter_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
