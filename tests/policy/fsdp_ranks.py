@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from graft_rl.algo import policy_loss
+from graft_rl.algo import policy_loss, reference_kl
 from graft_rl.policy import PolicyConfig, SamplingParams
 from graft_rl.policy.fsdp import ShardedPolicy
 
@@ -55,9 +55,33 @@ def exercise(pol) -> dict:
     }
 
 
+def reference_first(pol) -> dict:
+    """A receiver's first step with KL and no peer rows: the KL reference's forward (the adapter
+    disabled) is the policy's first forward, then one update whose loss has the KL term."""
+    pol.init_reference()
+    batch = pol.encode_texts(["Q"] * len(TEXTS), TEXTS, [True] * len(TEXTS))
+    ref, _ = pol.reference_logprobs(batch)
+    old, mask = pol.token_logprobs(batch)
+    adv, total = torch.tensor(ADV), float(mask.sum())
+
+    def fn(lp, m, rows):
+        loss, _ = policy_loss(lp, old[rows, : lp.shape[1]], adv[rows], m)
+        kl = reference_kl(lp, ref[rows, : lp.shape[1]].to(lp), m)
+        return (loss + 0.01 * kl) * (float(m.sum()) / total), {"tokens": float(m.sum())}
+
+    adapters = [p for n, p in pol.model.named_parameters() if ".lora_" in n]
+    before = [float(p.detach().to_local().double().abs().sum()) for p in adapters]
+    stats = pol.update(batch, fn)
+    after = [float(p.detach().to_local().double().abs().sum()) for p in adapters]
+    return {"stats": stats, "adapters_before": before, "adapters_after": after, "digest": pol.param_digest()}
+
+
 def run(model: str, out: str, dtype: str, ckpt: str, lora: str = "") -> dict:
+    """``lora``: "" (full fine-tuning), "lora" (adapters) or "lora_reference_first" (:func:`reference_first`:
+    bf16 compute, the plain head, no gradient checkpointing)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    first = lora == "lora_reference_first"
     pol = ShardedPolicy(
         PolicyConfig(
             "A",
@@ -66,11 +90,18 @@ def run(model: str, out: str, dtype: str, ckpt: str, lora: str = "") -> dict:
             dtype=dtype,
             micro_batch_tokens=60,
             world_size=2,
-            gradient_checkpointing=True,
-            fused_logprobs=True,
+            gradient_checkpointing=not first,
+            fused_logprobs=not first,
             lora=LORA if lora else None,
         )
     )
+    if first:
+        result = reference_first(pol)
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+        dist.destroy_process_group()
+        return result
     result = exercise(pol)
     pol.save(ckpt)
     pol.load_state(ckpt)

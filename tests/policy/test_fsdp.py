@@ -23,7 +23,7 @@ from fsdp_ranks import GEN_PROMPTS, LORA, exercise  # noqa: E402
 pytestmark = pytest.mark.slow  # Ray clusters, process groups, subprocesses: the full suite runs them
 
 
-def _torchrun(model, out, dtype, ckpt, port, lora=False):
+def _torchrun(model, out, dtype, ckpt, port, lora: bool | str = False):
     cmd = [
         sys.executable,
         "-m",
@@ -37,7 +37,7 @@ def _torchrun(model, out, dtype, ckpt, port, lora=False):
         str(out),
         dtype,
         str(ckpt),
-        *(["lora"] if lora else []),
+        *([lora if isinstance(lora, str) else "lora"] if lora else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -122,3 +122,18 @@ def test_two_fsdp_ranks_with_lora_match_one_process(tiny_pair, tmp_path, arch):
     base = Policy(PolicyConfig("A", str(model))).param_digest()
     frozen = [i for i, (n, _) in enumerate(reloaded.model.named_parameters()) if ".lora_" not in n]
     assert [sharded["digest"][i] for i in frozen] == base  # the frozen base is the base, bit for bit
+
+
+@pytest.mark.parametrize("arch", [0, 1])
+def test_lora_ranks_in_bf16_train_when_the_kl_reference_runs_first(tiny_pair, tmp_path, arch):
+    """Issue 53: FSDP2 settles its mixed-precision dtypes at the first forward from the parameters
+    that require grad then; a LoRA receiver with KL and no peer rows runs its reference (adapter
+    disabled, so requires_grad cleared) first, and its first bf16 backward used to fail with
+    "attempting to assign a gradient with dtype BFloat16 to a tensor with grad_dtype Float". The plain
+    head and no gradient checkpointing: no earlier forward with the adapters on."""
+    pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+    out = _torchrun(
+        tiny_pair[arch], tmp_path / "out.json", "bfloat16", tmp_path / "ckpt", 29631 + arch, lora="lora_reference_first"
+    )
+    assert out["stats"]["skipped"] == 0 and out["stats"]["grad_norm"] > 0
+    assert out["adapters_before"] != out["adapters_after"]  # the adapters trained

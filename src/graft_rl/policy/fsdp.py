@@ -94,12 +94,28 @@ class ShardedPolicy(Policy):
         # the sharded (DTensor) parameters: after a forward, FSDP2 may leave the root's parameters
         # registered unsharded on the module, so the optimiser, clipping and digests use these
         self.sharded_params = list(self.model.parameters())
+        self._init_sharding()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.sharded_params if p.requires_grad],  # a LoRA policy: its adapters
             lr=self.config.lr,
             betas=tuple(self.config.betas),
             weight_decay=self.config.weight_decay,
         )
+
+    @torch.no_grad()
+    def _init_sharding(self) -> None:
+        """One two-token forward (every rank: a collective) right after sharding, with the trainable
+        parameters as they train.
+
+        FSDP2 settles each unit's mixed-precision dtypes at the root's *first* forward and counts only
+        the parameters whose ``requires_grad`` is set at that moment (torch ``_fsdp_param_group.py``,
+        ``_init_mp_dtypes``). A LoRA policy's first forward may be its KL reference, under peft's
+        ``disable_adapter()``, which clears ``requires_grad`` on the adapters: no reduce dtype would be
+        recorded, and the first backward would assign bf16 gradients to the float32 adapter shards. Run
+        here, the first forward always sees the adapters trainable, whatever the step does first."""
+        tok = self.tokenizer.eos_token_id or 0
+        self._forward(TokenBatch([[tok]], [[tok]]), fused=False)
+        self.model.reshard()  # the root stays unsharded after a forward, for a backward that never comes
 
     def compute_context(self):
         return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts parameters; no autocast
