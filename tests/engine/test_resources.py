@@ -180,7 +180,7 @@ def test_the_engine_wakes_one_memory_tag_at_a_time_after_emptying_the_cache(monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
     backend = object.__new__(VLLMBackend)
-    backend.llm, backend.sleeping = FakeLLM(), {"weights", "kv_cache"}
+    backend.llm, backend.sleeping, backend.gpu = FakeLLM(), {"weights", "kv_cache"}, None
     backend._wake(("weights",))  # the weight push wakes the weights only
     backend._wake()
     assert calls == [("empty_cache",), ("wake", ("weights",)), ("empty_cache",), ("wake", ("kv_cache",))]

@@ -11,7 +11,12 @@ the cases only a GPU would show. Built from vLLM 0.32/0.33's source:
 - the engine core's shutdown calls ``torch.distributed.destroy_process_group()``
   (``cleanup_dist_env_and_memory``) and frees the pools whatever they hold: shutting down a sleeping
   engine is recorded (the CUDA allocator's ``my_free`` would unmap unmapped memory);
-- ``_ROPE_DICT``: the rotary modules cached for the whole process.
+- ``_ROPE_DICT``: the rotary modules cached for the whole process;
+- ``Worker.sleep`` reads the *device-wide* free memory before and after freeing its pools and asserts
+  it did not drop ("Memory usage increased after sleeping.", ``v1/worker/gpu_worker.py``): with
+  ``FakeLLM.device`` set (a :class:`FakeDevice`, one file per GPU shared by every process), each engine
+  maps ``gpu_memory_utilization`` of it (a quarter weights, the rest KV cache), frees it all in sleep and
+  maps each woken tag's part again, and its sleep measures the device as vLLM's does.
 
 ``install(monkeypatch)`` puts it in ``sys.modules``; ``install()`` without one does so for good
 (a rank process of a multi-process test).
@@ -20,7 +25,10 @@ the cases only a GPU would show. Built from vLLM 0.32/0.33's source:
 from __future__ import annotations
 
 import copy
+import fcntl
+import os
 import sys
+import time
 import types
 from types import SimpleNamespace
 
@@ -48,6 +56,32 @@ class SyncMPClient(MPClient):
         pass
 
 
+class FakeDevice:
+    """One GPU's used bytes as every process sees them (``torch.cuda.mem_get_info``): a file updated
+    under its own lock, so several processes' engines map and free on the same device."""
+
+    TOTAL = 1 << 40
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def add(self, n: int) -> None:
+        with open(self.path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            used = int(f.read() or 0) + n
+            f.seek(0)
+            f.truncate()
+            f.write(str(used))
+
+    def free(self) -> int:
+        if not os.path.exists(self.path):
+            return self.TOTAL
+        with open(self.path) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+            return self.TOTAL - int(f.read() or 0)
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,6 +93,8 @@ class FakeLLM:
     core = InprocClient
     usage = 0  # bytes the sleep-mode allocator holds in this process
     built: list = []  # every engine built in this process (tests read their calls)
+    device: FakeDevice | None = None  # the GPU shared with other processes' engines (module docstring)
+    sleep_seconds = 0.02  # how long freeing the pools takes, between vLLM's two measurements
 
     def __init__(self, model, dtype="float32", enable_sleep_mode=False, **kw):
         self.kw, self.calls, self.asleep = {"dtype": dtype, "enable_sleep_mode": enable_sleep_mode, **kw}, [], set()
@@ -73,6 +109,10 @@ class FakeLLM:
         self.llm_engine = SimpleNamespace(engine_core=self.core(self), model_config=SimpleNamespace(quantization=None))
         if enable_sleep_mode:
             FakeLLM.usage += 1 << 30
+        pool = int(kw.get("gpu_memory_utilization", 0.4) * FakeDevice.TOTAL)
+        self.pools = {"weights": pool // 4, "kv_cache": pool - pool // 4}
+        if self.device is not None:
+            self.device.add(pool)
         FakeLLM.built.append(self)
 
     def collective_rpc(self, method, args=(), kwargs=None):
@@ -91,6 +131,11 @@ class FakeLLM:
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
+        if self.device is not None:  # gpu_worker.py: free memory of the whole device, before and after
+            before = self.device.free()
+            self.device.add(-sum(self.pools[t] for t in self.pools if t not in self.asleep))
+            time.sleep(self.sleep_seconds)
+            assert self.device.free() - before >= 0, "Memory usage increased after sleeping."
         self.asleep = {"weights", "kv_cache"}
         if level == 2:  # discarded: what the memory holds when it is mapped again is not the weights
             with torch.no_grad():
@@ -99,6 +144,8 @@ class FakeLLM:
 
     def wake_up(self, tags):
         self.calls.append(("wake", tuple(tags)))
+        if self.device is not None:
+            self.device.add(sum(self.pools[t] for t in tags if t in self.asleep))
         self.asleep -= set(tags)
 
     def reset_prefix_cache(self):
@@ -168,7 +215,7 @@ def install(monkeypatch=None):
             monkeypatch.setitem(sys.modules, name, mod)
         else:
             sys.modules[name] = mod
-    state = {"usage": 0, "unloaded": set(), "core": InprocClient, "source": None, "built": []}
+    state = {"usage": 0, "unloaded": set(), "core": InprocClient, "source": None, "built": [], "device": None}
     for k, v in state.items():
         if monkeypatch is not None:
             monkeypatch.setattr(FakeLLM, k, v)

@@ -286,6 +286,31 @@ def test_a_vllm_rank_shares_a_gpu_only_with_an_engine_share_that_fits():
         check_cluster(cfg(1.0), cfg(1.0).policies, nodes=one_gpu)
 
 
+def test_a_sharded_vllm_policy_is_refused_a_fraction_of_a_gpu():
+    """Issue 53: engines sharing a GPU take turns to start, sleep and wake (vllm_backend.gpu_turn); a sharded
+    policy's engines start inside its collectives, where holding a turn could deadlock with another policy's
+    ranks on the same GPUs. One line, naming both ways out."""
+    from graft_rl.engine.config import load_config
+    from graft_rl.engine.distributed import ResourceError, check_cluster
+
+    pols = [{"name": n, "model": "x", "device": "cuda", "backend": "vllm", "world_size": 2} for n in ("A", "B")]
+    cfg = load_config({"execution": "ray", "ray": {"num_cpus": 1, "num_gpus": 0.5}, "policies": pols})
+    with pytest.raises(
+        ResourceError,
+        match=r"policy 'A': a vLLM policy with world_size=2 on ray.num_gpus=0.5: .*"
+        r"set ray.num_gpus=1 \(a GPU per rank\) or world_size=1",
+    ):
+        check_cluster(cfg, cfg.policies, nodes=[{"CPU": 8.0, "GPU": 2.0}])
+    hf = load_config(
+        {
+            "execution": "ray",
+            "ray": {"num_cpus": 1, "num_gpus": 0.5},
+            "policies": [{**p, "backend": "hf"} for p in pols],
+        }
+    )
+    check_cluster(hf, hf.policies, nodes=[{"CPU": 8.0, "GPU": 2.0}])  # no engine, no turns
+
+
 def test_a_rank_that_only_pushed_sleeps_too_so_every_rank_pushes_alike(fake_vllm):
     """Review of issue 32: after a push the KV cache still sleeps; `rest()` (rollout_on_rank0's other
     ranks) must still put the woken weights to sleep, or those ranks keep them on the GPU and disagree

@@ -88,6 +88,34 @@ def _fmt(res: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in res.items() if v) + "}"
 
 
+def _check_gpu_share(cfg, pc) -> None:
+    """A rank's GPU, in one line: cuda needs one; a vLLM rank on a fraction of one must leave the other
+    process room, and only a one-rank policy may share (engines sharing a GPU take turns to start, sleep
+    and wake: :func:`graft_rl.policy.vllm_backend.gpu_turn`)."""
+    from graft_rl.policy.vllm_backend import VLLM_MEMORY_SHARE
+
+    gpus = policy_bundles(cfg, pc)[0].get("GPU", 0.0)
+    if pc.device.startswith("cuda") and gpus == 0:
+        raise ResourceError(
+            f"policy {pc.name!r}: device cuda under execution: ray needs a GPU per rank actor, and ray.num_gpus is 0 "
+            f"(Ray would assign none); set ray.num_gpus=1"
+        )
+    share = float(pc.vllm_kwargs.get("gpu_memory_utilization", VLLM_MEMORY_SHARE))
+    if pc.backend == "vllm" and 0 < gpus < 1 and share > gpus - 0.05:
+        raise ResourceError(
+            f"policy {pc.name!r}: a vLLM rank with ray.num_gpus={gpus:g} shares its GPU, and its engine asks for "
+            f"gpu_memory_utilization={share:g} of it (vLLM refuses to start when another process holds that "
+            f"much); set vllm_kwargs.gpu_memory_utilization at most {max(gpus - 0.1, 0.05):.2g}, or ray.num_gpus=1"
+        )
+    if pc.backend == "vllm" and 0 < gpus < 1 and pc.world_size > 1:
+        raise ResourceError(
+            f"policy {pc.name!r}: a vLLM policy with world_size={pc.world_size} on ray.num_gpus={gpus:g}: engines "
+            f"sharing a GPU take turns to start, sleep and wake (vLLM measures the whole GPU around each), and a "
+            f"sharded policy's engines start inside its collectives, where a turn could deadlock; set "
+            f"ray.num_gpus=1 (a GPU per rank) or world_size=1"
+        )
+
+
 def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
     """Fail fast, in one line, when the Ray cluster can never place the policies' bundles.
 
@@ -95,22 +123,8 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
     per resource, the sum over every rank of every policy against the cluster, and each bundle
     against the largest node (a bundle never spans nodes); names the override that would fit.
     """
-    from graft_rl.policy.vllm_backend import VLLM_MEMORY_SHARE
-
     for pc in policy_configs:
-        gpus = policy_bundles(cfg, pc)[0].get("GPU", 0.0)
-        if pc.device.startswith("cuda") and gpus == 0:
-            raise ResourceError(
-                f"policy {pc.name!r}: device cuda under execution: ray needs a GPU per rank actor, and ray.num_gpus is 0 "
-                f"(Ray would assign none); set ray.num_gpus=1"
-            )
-        share = float(pc.vllm_kwargs.get("gpu_memory_utilization", VLLM_MEMORY_SHARE))
-        if pc.backend == "vllm" and 0 < gpus < 1 and share > gpus - 0.05:
-            raise ResourceError(
-                f"policy {pc.name!r}: a vLLM rank with ray.num_gpus={gpus:g} shares its GPU, and its engine asks for "
-                f"gpu_memory_utilization={share:g} of it (vLLM refuses to start when another process holds that "
-                f"much); set vllm_kwargs.gpu_memory_utilization at most {max(gpus - 0.1, 0.05):.2g}, or ray.num_gpus=1"
-            )
+        _check_gpu_share(cfg, pc)
     if nodes is None:
         import ray
 

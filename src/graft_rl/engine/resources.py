@@ -15,7 +15,7 @@ def one_engine_per_process(names: list[str]) -> str:
         f"policies {', '.join(names)}: execution: local puts their vLLM engines in one process, and vLLM keeps its "
         f"sleep allocator and rotary cache per process (one engine's sleep unmaps memory the other uses); use "
         f"execution: ray, each policy in its own process (on a single GPU ray.num_gpus=0.5, with "
-        f"vllm_kwargs.gpu_memory_utilization at most 0.4 each)"
+        f"vllm_kwargs.gpu_memory_utilization at most 0.4 each; their engines then take turns on the GPU)"
     )
 
 

@@ -16,14 +16,25 @@ shutdown destroys it). So on CUDA one engine at a time lives in a process wherev
 engine is woken before it is shut down (the allocator's free unmaps unconditionally, and a failed
 unmap of sleeping memory poisons it for the rest of the process); the rotary cache is cleared when an
 engine closes; and a process group that existed before the engine outlives it.
+
+Engines of *different* processes may share a GPU (Ray actors with ``ray.num_gpus=0.5``). vLLM's
+``Worker.sleep`` reads the device-wide free memory before and after it frees its pools and asserts it
+did not drop ("Memory usage increased after sleeping.", no retry on CUDA); another engine waking in
+between, or starting (its memory profiling and pools), would trip it. So an engine's start, every sleep
+and every wake take their GPU's turn (:func:`gpu_turn`, a lock file per physical GPU, shared by every
+process of the machine): on one GPU they never overlap. An engine's start joins its process group's
+collectives, so only one-rank policies may share a GPU (``check_cluster`` refuses a sharded vLLM policy
+on a fraction of a GPU): no holder of a turn then waits on another process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import inspect
 import os
+import tempfile
 import weakref
 
 import torch
@@ -35,6 +46,8 @@ from graft_rl.seeding import derive_seed
 __all__ = [
     "VLLMBackend",
     "VLLMEngineError",
+    "gpu_key",
+    "gpu_turn",
     "request_seeds",
     "shield_from_vllm_patches",
     "VLLM_VERSIONS",
@@ -67,6 +80,47 @@ def request_seeds(seed: int, prompts: int) -> list[int]:
     (itself derived from run seed, step, policy and rank; :mod:`graft_rl.seeding`). vLLM seeds child
     ``i`` of a request with ``seed + i``; seeds 63 bits apart never share a stream in practice."""
     return [derive_seed(seed, i) for i in range(prompts)]
+
+
+def gpu_key(device: str = "cuda") -> str | None:
+    """The physical GPU behind ``device`` (its UUID, the same in every process whatever
+    ``CUDA_VISIBLE_DEVICES`` numbers it), or None off CUDA."""
+    d = torch.device(device)
+    if d.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        props = torch.cuda.get_device_properties(d.index or 0)
+    except (AssertionError, RuntimeError):  # CUDA reported but not usable here: no turn to take
+        return None
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    return f"pci-{getattr(props, 'pci_domain_id', 0)}-{getattr(props, 'pci_bus_id', 0)}-{getattr(props, 'pci_device_id', 0)}"
+
+
+def _turn_dir() -> str:
+    """Where the per-GPU turn files live: every process of the machine must agree (``GRAFT_GPU_LOCK_DIR``
+    overrides the system's temporary directory)."""
+    return os.environ.get("GRAFT_GPU_LOCK_DIR") or tempfile.gettempdir()
+
+
+@contextlib.contextmanager
+def gpu_turn(key: str | None):
+    """Hold GPU ``key``'s turn (an exclusive ``flock`` on ``graft-rl-gpu-<key>.lock``) for the block:
+    one vLLM sleep or wake at a time per physical GPU across this machine's processes (module
+    docstring). ``None`` (no GPU): no turn. The lock dies with its process, so a crashed holder
+    never blocks the others."""
+    if key is None:
+        yield
+        return
+    path = os.path.join(_turn_dir(), f"graft-rl-gpu-{key}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def _sleep_allocator_usage() -> int:
@@ -209,6 +263,7 @@ class VLLMBackend:
         self.digest_fn = digest_fn or (lambda dtypes: pushcheck.state_digest(state_fn(), dtypes))
         self.tied = set(tied) if tied is not None else pushcheck.tied_names(state_fn())
         self.sleep = torch.cuda.is_available() if sleep is None else sleep
+        self.gpu = gpu_key(device)  # whose turn the engine's start, sleeps and wakes take (gpu_turn)
         self.reseed_globals = True  # also seed the workers' torch/numpy generators (off: gpu_check's seed row)
         self.sleeping: set[str] = set()  # memory tags vLLM has put to sleep: weights, kv_cache
         self.full_push = False  # a push was verified: level-2 sleep from then on
@@ -218,15 +273,16 @@ class VLLMBackend:
         self._keeps_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         _clear_rotary_cache()  # nothing of an earlier engine's memory may be reused
         _plain_cpu_linears()
-        self.llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
-            enable_sleep_mode=self.sleep,
-            **_engine_kwargs(self.sleep, engine_kwargs),
-        )
+        with gpu_turn(self.gpu):  # its memory profiling and pools: never inside another engine's sleep
+            self.llm = LLM(
+                model=str(model_dir),
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=True,
+                enable_sleep_mode=self.sleep,
+                **_engine_kwargs(self.sleep, engine_kwargs),
+            )
         _LIVE.add(self)
         _check_in_process(self.llm)
         self.layout = self._layout()
@@ -295,7 +351,8 @@ class VLLMBackend:
         """Sleep whenever the weights are awake (a push wakes them alone: the KV cache may sleep still)."""
         if self.sleep and "weights" not in self.sleeping:
             level = 2 if self.full_push else 1
-            self.llm.sleep(level=level)
+            with gpu_turn(self.gpu):  # vLLM measures the whole device around its sleep
+                self.llm.sleep(level=level)
             self.sleeping = {"weights", "kv_cache"}
             self.needs_push = self.needs_push or level == 2
 
@@ -310,7 +367,8 @@ class VLLMBackend:
         for tag in [t for t in tags if t in self.sleeping]:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self.llm.wake_up(tags=[tag])
+            with gpu_turn(self.gpu):  # never inside another engine's sleep on this GPU
+                self.llm.wake_up(tags=[tag])
             self.sleeping.discard(tag)
 
     # ------------------------------------------------------------------ push and generate
