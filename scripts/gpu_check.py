@@ -28,7 +28,10 @@ then measures, each in its own row of a Markdown table (``--skip`` name in brack
 12. [vllm_fsdp] a world-1 FSDP2 policy with its engine (NCCL with ``device_id``; gloo on CPU);
 13. [vllm_two] the one-engine-per-process rule and an engine after ``close()``;
 14. [vllm_transformers] vLLM's Transformers backend (``model_impl="transformers"``, the path SmolLM3
-   takes) beside the trainer.
+   takes): two update → push → generate cycles beside the trainer;
+15. [lora_fsdp] LoRA on FSDP2 (world 1, NCCL), bf16, KL on, the KL reference's forward first;
+16. [vllm_share] two engines of two processes on one GPU at 0.2 ``gpu_memory_utilization`` each, one
+   looping sleep/wake while the other sleeps 30 times: no "Memory usage increased after sleeping".
 
 Each row is judged by its rules (``RULES``; docs/benchmarks.md lists them); each vLLM row runs in a
 process of its own under ``--row-timeout``. The run ends with one ``gpu_check verdict: PASS|FAIL`` line.
@@ -85,7 +88,9 @@ ROWS = {
     "vllm_missing": "vLLM: a push with one tensor held back",
     "vllm_fsdp": "vLLM beside FSDP2 (world 1, NCCL device_id)",
     "vllm_two": "vLLM: two engines in one process",
-    "vllm_transformers": "vLLM Transformers backend (SmolLM3) beside the trainer",
+    "vllm_transformers": "vLLM Transformers backend (SmolLM3): 2 × update → push → generate",
+    "lora_fsdp": "LoRA on FSDP2 (world 1), bf16, KL reference forward first",
+    "vllm_share": "vLLM: two engines of two processes on one GPU (0.2 each), sleep/wake",
 }
 
 #: import name -> pip name, where they differ
@@ -490,10 +495,14 @@ def row_lora(c: Check) -> dict:
 TOL_MEAN = {"bfloat16": 2e-2, "float32": 1e-3}
 
 
-def _engine(c: Check, name: str, lr: float = 1e-3, lora: dict | None = None, **extra) -> tuple[Policy, float]:
+def _engine(
+    c: Check, name: str, lr: float = 1e-3, lora: dict | None = None, model: Path | None = None, **extra
+) -> tuple[Policy, float]:
     kwargs, dtype = _vllm_kwargs(c, **extra)
     t0 = time.perf_counter()
     cfg = c.base(name=name, backend="vllm", dtype=dtype, lr=lr, vllm_kwargs=kwargs, lora=lora)
+    if model is not None:
+        cfg["model"] = str(model)
     pol = Policy(PolicyConfig(**cfg))
     return pol, time.perf_counter() - t0
 
@@ -507,19 +516,30 @@ def _logp_gap(pol: Policy, groups, model=None) -> torch.Tensor:
     return (lp - gen).abs()[mask.bool()]
 
 
-def _cycles(c: Check, eager: bool, lora: dict | None = None) -> dict:
-    """Two update → push → generate cycles; on a GPU the first push is followed by a level-1 sleep, the
-    second generation wakes from level 2 (the weights discarded) and pushes again. ``lora``: a LoRA policy,
-    whose engine loads the base and is pushed the merged weights at start and at every push."""
+def _cycles(c: Check, eager: bool, lora: dict | None = None, model: Path | None = None, **extra) -> dict:
+    """Two update → push → generate cycles; on a GPU the engine sleeps at level 1 from its start (its
+    weights as loaded, or a LoRA policy's merged start push, serve until the first update) and at level 2
+    once a push was verified, so each generation after an update wakes from level 2 (the weights
+    discarded) behind a push. ``lora``: a LoRA policy, whose engine loads the base and is pushed the merged
+    weights at start and at every push. ``model``/``extra``: another model directory, engine arguments."""
     need_vllm()
     if lora is not None and importlib.util.find_spec("peft") is None:
         raise Skip("needs peft (pip install 'graft-rl[lora]')")
-    pol, start = _engine(c, "V", lr=1e-2 if lora else 1e-3, lora=lora, **({"enforce_eager": True} if eager else {}))
+    from vllm import LLM
+
+    levels, pushes = [], []
+    real_sleep = LLM.sleep  # every sleep from the engine's start on, the one in its constructor included
+    LLM.sleep = lambda self, level=1, **kw: (levels.append(level), real_sleep(self, level=level, **kw))[1]
     try:
-        levels, pushes = [], []
-        if pol.backend.sleep:
-            sleep = pol.backend.llm.sleep
-            pol.backend.llm.sleep = lambda level: (levels.append(level), sleep(level=level))[1]
+        eager_kw = {"enforce_eager": True} if eager else {}
+        pol, start = _engine(c, "V", lr=1e-2 if lora else 1e-3, lora=lora, model=model, **eager_kw, **extra)
+    finally:
+        LLM.sleep = real_sleep
+    try:
+        if not pol.backend.sleep:
+            levels = []
+        else:  # recorded from here on through the instance
+            pol.backend.llm.sleep = lambda level: (levels.append(level), real_sleep(pol.backend.llm, level=level))[1]
         push = pol.backend.sync_weights
         pol.backend.sync_weights = lambda: (pushes.append(1), push())[1]
         batch = c.batch.select(range(min(2, len(c.batch))))
@@ -610,7 +630,7 @@ def row_vllm_missing(c: Check) -> dict:
             for p in pol.model.parameters():
                 p.add_(1e-2 * torch.randn_like(p))
         pol.weights_version += 1
-        pol.backend.weights_fn = lambda: ((n, t) for n, t in stream() if n != held)
+        pol.backend.weights_fn = lambda *a: ((n, t) for n, t in stream(*a) if n != held)
         try:
             pol.generate([("p", "1+1=?")], SamplingParams(n=2, max_new_tokens=8), seed=0)
             refused = "not refused"
@@ -700,6 +720,8 @@ def row_vllm_two(c: Check) -> dict:
 
 
 def row_vllm_transformers(c: Check) -> dict:
+    """SmolLM3 through vLLM's Transformers backend (``model_impl="transformers"``, the path vLLM takes for
+    it): two update → push → generate cycles beside the trainer, whose classes the engine patches."""
     need_vllm()
     try:
         from transformers import SmolLM3Config, SmolLM3ForCausalLM
@@ -724,29 +746,120 @@ def row_vllm_transformers(c: Check) -> dict:
     model.save_pretrained(mdir)
     tok.save_pretrained(mdir)
     del model
-    kwargs, dtype = _vllm_kwargs(c, model_impl="transformers")  # vLLM's Transformers backend, as for SmolLM3
-    t0 = time.perf_counter()
-    pol = Policy(
-        PolicyConfig(**{**c.base(name="T", backend="vllm", dtype=dtype, vllm_kwargs=kwargs), "model": str(mdir)})
+    return _cycles(c, eager=True, model=mdir, model_impl="transformers")
+
+
+def row_lora_fsdp(c: Check) -> dict:
+    """A LoRA policy on FSDP2 (world 1; NCCL on a GPU, gloo on CPU), bf16 compute, KL on, the plain LM
+    head: its first forward is the KL reference (the adapter disabled), then an update with the KL term.
+    FSDP2 settles its mixed-precision dtypes at the first forward (issue 53)."""
+    if importlib.util.find_spec("peft") is None:
+        raise Skip("needs peft (pip install 'graft-rl[lora]')")
+    import torch.distributed as dist
+
+    from graft_rl.algo import reference_kl
+    from graft_rl.policy.fsdp import ShardedPolicy
+
+    c.pol = None
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    gpu = c.device.startswith("cuda")
+    dist.init_process_group(
+        "nccl" if gpu else "gloo", rank=0, world_size=1, device_id=torch.device(c.device) if gpu else None
     )
-    start = time.perf_counter() - t0
     try:
-        groups = pol.generate([("p1", "What is 2+3?"), ("p2", "6*7?")], SamplingParams(n=2, max_new_tokens=16), seed=0)
-        lp, mask = pol.token_logprobs(pol.encode_own(groups))  # the trainer's forward, after the engine patched classes
-        gen = torch.zeros_like(lp)
-        for i, row in enumerate(x for g in groups for x in g.gen_logprobs):
-            gen[i, : len(row)] = torch.tensor(row)
-        d = (lp - gen).abs()[mask.bool()]
+        cfg = {**c.base(name="LF", lr=1e-4, world_size=1, lora=LORA), "fused_logprobs": False}
+        pol = ShardedPolicy(PolicyConfig(**cfg))
+        batch = c.batch.select(range(min(4, len(c.batch))))
+        ref, _ = pol.reference_logprobs(batch)  # the first forward of the step: adapter disabled
+        old, mask = pol.token_logprobs(batch)
+        adv, total = torch.linspace(-1, 1, len(batch)), float(mask.sum())
+
+        def fn(lp, m, rows):
+            loss, _ = policy_loss(lp, old[rows, : lp.shape[1]], adv[rows], m)
+            kl = reference_kl(lp, ref[rows, : lp.shape[1]].to(lp), m)
+            return (loss + 0.01 * kl) * (float(m.sum()) / total), {}
+
+        adapters = [p for n, p in pol.model.named_parameters() if ".lora_" in n]
+        before = [p.detach().to_local().clone() for p in adapters]
+        stats = pol.update(batch, fn)
+        changed = sum(int(not torch.equal(b, p.detach().to_local())) for b, p in zip(before, adapters, strict=True))
         return {
-            "engine start s": start,
-            "gpu": c.device.startswith("cuda"),
-            "model runner": pol.backend.llm.collective_rpc(_runner)[0],
-            "tokens": int(mask.sum()),
-            "max |Δ logp| vLLM vs trainer": float(d.max()),
-            "mean |Δ logp| vLLM vs trainer": float(d.mean()),
+            "backend": dist.get_backend(),
+            "update skipped": bool(stats.get("skipped")),
+            "adapter tensors changed": changed / max(len(adapters), 1),
+            "grad norm": stats.get("grad_norm"),
         }
     finally:
-        pol.close()
+        dist.destroy_process_group()
+
+
+#: the shared-GPU row: each engine's share of the GPU, and how many sleeps the watched engine takes
+SHARE, SHARE_SLEEPS = 0.2, 30
+
+
+def share_child(model: str, role: str, ready: str) -> None:
+    """``--share-child``: one vLLM engine (sleep on, ``SHARE`` of the GPU) in this process, up beside
+    the other child's; ``role`` "watched" sleeps and wakes ``SHARE_SLEEPS`` times, "busy" loops wake/sleep
+    until the watched one is done. Prints one JSON line: sleeps done, the error if any."""
+    from graft_rl.policy.vllm_backend import VLLMBackend
+
+    out = {"role": role, "sleeps": 0, "error": None}
+    try:
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+        engine = VLLMBackend(
+            m, model, dtype="bfloat16", gpu_memory_utilization=SHARE, sleep=True, enforce_eager=True, max_model_len=1024
+        )
+        Path(f"{ready}.{role}").touch()
+        deadline = time.monotonic() + 300
+        while not all(Path(f"{ready}.{r}").exists() for r in ("watched", "busy")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done = Path(f"{ready}.done")
+        while (out["sleeps"] < SHARE_SLEEPS) if role == "watched" else (not done.exists()):
+            if time.monotonic() > deadline:
+                break
+            engine._wake()
+            engine._fall_asleep()
+            out["sleeps"] += 1
+        engine.close()
+    except BaseException as exc:  # noqa: BLE001 - the row reports it
+        out["error"] = one_line(exc)
+    finally:
+        if role == "watched":
+            Path(f"{ready}.done").touch()
+    print(json.dumps(out), flush=True)
+
+
+def row_vllm_share(c: Check) -> dict:
+    """Two engines of two processes on one GPU (``SHARE`` of it each, as ``ray.num_gpus=0.5`` puts them):
+    one loops sleep/wake while the other sleeps ``SHARE_SLEEPS`` times. vLLM's ``Worker.sleep`` asserts
+    the device's free memory did not drop around it; graft-rl's per-GPU turns keep the other engine's
+    start and wakes out of that window (issue 53)."""
+    need_vllm()
+    if not c.device.startswith("cuda"):
+        raise Skip("sleep mode needs a GPU")
+    c.pol = None
+    ready = c.tmp / "share"
+    script = str(Path(__file__).resolve())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "--share-child", str(c.mdir()), role, str(ready)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role in ("watched", "busy")
+    ]
+    res: dict = {}
+    for role, p in zip(("watched", "busy"), procs, strict=True):
+        stdout, stderr = p.communicate(timeout=600)
+        line = (stdout.strip().splitlines() or ["{}"])[-1]
+        got = json.loads(line) if line.startswith("{") else {"error": (stderr.strip().splitlines() or ["?"])[-1]}
+        res[f"{role} sleeps"] = got.get("sleeps", 0)
+        res[f"{role} error"] = got.get("error") or "none"
+    return res
 
 
 ROW_FNS = {
@@ -766,6 +879,8 @@ ROW_FNS = {
     "vllm_fsdp": row_vllm_fsdp,
     "vllm_two": row_vllm_two,
     "vllm_transformers": row_vllm_transformers,
+    "lora_fsdp": row_lora_fsdp,
+    "vllm_share": row_vllm_share,
 }
 
 
@@ -775,13 +890,10 @@ def _cycle_rules(r: dict) -> list[tuple[str, bool]]:
         now, stale = r[f"cycle {k} mean |Δ logp| vs trainer"], r[f"cycle {k} mean |Δ logp| vs pre-update weights"]
         out.append((f"cycle {k}: mean |Δ logp| vs trainer ≤ tolerance", now <= r["tolerance"]))
         out.append((f"cycle {k}: vs pre-update weights ≥ 5 × vs trainer", stale >= 5 * now))
-    out.append(("one push per cycle", r["weight pushes"] == 2))
+    out.append(("one push per cycle (none more)", r["weight pushes"] == 2))
     if isinstance(r["sleep levels"], list):
         out.append(
-            (
-                "slept at level 1, then level 2 after the verified push",
-                r["sleep levels"][:1] == [1] and 2 in r["sleep levels"],
-            )
+            ("slept at level 1 from the start, level 2 after each verified push", r["sleep levels"] == [1, 2, 2])
         )
     return out
 
@@ -835,11 +947,15 @@ RULES = {
             r["engine after close(): mean |Δ logp| vs trainer"] <= r["tolerance"],
         ),
     ],
-    "vllm_transformers": lambda r: [
-        (
-            "mean |Δ logp| vs trainer ≤ tolerance",
-            r["mean |Δ logp| vLLM vs trainer"] <= TOL_MEAN["bfloat16" if r.get("gpu") else "float32"],
-        )
+    "vllm_transformers": _cycle_rules,
+    "lora_fsdp": lambda r: [
+        ("the update ran (no non-finite skip)", not r["update skipped"]),
+        ("every adapter tensor changed", r["adapter tensors changed"] == 1.0),
+    ],
+    "vllm_share": lambda r: [
+        ("no error in either engine (no sleep assertion)", r["watched error"] == r["busy error"] == "none"),
+        (f"the watched engine slept {SHARE_SLEEPS} times", r["watched sleeps"] == SHARE_SLEEPS),
+        ("the busy engine looped beside it", r["busy sleeps"] > 0),
     ],
 }
 
@@ -976,7 +1092,11 @@ def main() -> int:
     )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one row here (a vLLM row's own process)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--share-child", nargs=3, default=None, help=argparse.SUPPRESS)  # MODEL ROLE READY: vllm_share
     args = ap.parse_args()
+    if args.share_child:
+        share_child(*args.share_child)
+        return 0
     for stream in (sys.stdout, sys.stderr):  # row names have → and Δ: never die printing them
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")

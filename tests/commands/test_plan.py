@@ -11,6 +11,7 @@ from graft_rl.commands.plan import (
     KNOWN_SHAPES,
     RUNTIME_BYTES,
     GiB,
+    format_plan,
     model_shape,
     plan,
     plan_policy,
@@ -242,3 +243,16 @@ def test_lora_counts_a_frozen_base_its_adapters_and_no_kl_reference(capsys):
     assert (
         "| yes |" in out and "| NO |" not in out and "adapter parameters" in out and "waves of generation, each" in out
     )
+
+
+def test_plan_counts_the_host_memory_a_sleeping_engine_keeps():
+    """Issue 53: a level-1 sleep's pinned copy of the weights is released at the first level-2 sleep; a
+    quantised engine sleeps at level 1 throughout and keeps it; an engine that never sleeps has no line."""
+    cfg = load_config("configs/paper/pair1/graft.yaml")
+    text = format_plan(plan(cfg))
+    smol = plan(cfg)[0]
+    assert f"~{smol.vllm_weights / GiB:.1f} GiB) only until the first level-2 sleep" in text
+    q = load_config("configs/paper/pair1/graft.yaml", ["policies.0.vllm_kwargs.quantization=fp8"])
+    assert "stays for the run (a quantised engine sleeps at level 1)" in format_plan(plan(q))
+    awake = load_config("configs/paper/pair1/graft.yaml", ["policies.0.vllm_kwargs.sleep=false"])
+    assert format_plan(plan(awake)).count("host RAM per rank") == 1

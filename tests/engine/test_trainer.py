@@ -383,3 +383,12 @@ def test_groups_larger_than_int16_are_recorded(tmp_path):
     store = RecordStore(tmp_path)
     store.write(1, [g])
     assert store.read("A", 1)[0].n == n
+
+
+def test_an_override_of_one_policy_leaves_a_yaml_alias_of_it_alone(tmp_path):
+    """The paper presets share one ``vllm_kwargs`` block between the policies through a YAML anchor
+    (``&id001`` / ``*id001``): ``policies.0.vllm_kwargs.sleep=false`` changes policy 0's alone."""
+    from graft_rl.engine.config import load_config
+
+    cfg = load_config("configs/paper/pair1/graft.yaml", ["policies.0.vllm_kwargs.sleep=false"])
+    assert [p.vllm_kwargs["sleep"] for p in cfg.policies] == [False, True]

@@ -28,7 +28,9 @@ def run(device_file: str, share: float, loops: int, turns: str) -> None:
     if turns == "off":
         vllm_backend.gpu_turn = lambda key: contextlib.nullcontext()
     fv.FakeLLM.device = fv.FakeDevice(device_file)
-    fv.FakeLLM.sleep_seconds = 0.02 if loops else 0.002  # the looping one wakes several times per other sleep
+    # the looping engine is awake 30 ms (generating), asleep 5 ms: a 20 ms sleep of the watched one
+    # sees it wake, and not sleep again, more than half of the time
+    fv.FakeLLM.sleep_seconds = 0.02 if loops else 0.005
     model = torch.nn.Linear(2, 2)
     fv.FakeLLM.source = model
     engine = vllm_backend.VLLMBackend(model, "model_dir", sleep=True, gpu_memory_utilization=share)
@@ -43,6 +45,8 @@ def run(device_file: str, share: float, loops: int, turns: str) -> None:
         i = 0
         while (i < loops) if loops else (not done.exists() and time.monotonic() < deadline):
             engine._wake()
+            if not loops:
+                time.sleep(0.03)  # generating
             engine._fall_asleep()
             i += 1
     except AssertionError as exc:

@@ -336,3 +336,46 @@ def test_cuda_under_ray_without_a_gpu_per_rank_is_refused():
         ResourceError, match=r"policy 'A': device cuda under execution: ray needs a GPU .*ray.num_gpus=1"
     ):
         check_cluster(cfg, cfg.policies, nodes=[{"CPU": 8.0, "GPU": 2.0}])
+
+
+def test_a_lora_engine_keeps_its_start_push_and_digests_what_it_pushes(fake_vllm, tiny_pair, monkeypatch):
+    """Issue 53: a LoRA engine is pushed the merged weights at start and sleeps at level 1, so the first
+    generation needs no second push (it slept at level 2 and pushed again before); the pinned host cache
+    of the level-1 backups is emptied at the first level-2 sleep; each push digests the merged tensors it
+    streams (each made once), and a tensor changed after its digest is still refused."""
+    pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+    from graft_rl.policy import Policy, PolicyConfig
+    from graft_rl.policy import vllm_backend as vb
+    from graft_rl.policy.lora import MergedState
+
+    emptied, made = [], []
+    monkeypatch.setattr(vb, "_empty_host_cache", lambda: emptied.append(True))
+    real_get = MergedState.__getitem__
+    monkeypatch.setattr(MergedState, "__getitem__", lambda self, n: (made.append(n), real_get(self, n))[1])
+    cfg = PolicyConfig("A", str(tiny_pair[0]), backend="vllm", vllm_kwargs={"sleep": True}, lora={"r": 4, "alpha": 8})
+    pol = Policy(cfg)
+    calls = pol.backend.llm.calls
+    assert [c[0] for c in calls if c[0] in ("reload", "sleep")] == ["reload", "sleep"] and calls[-1] == ("sleep", 1)
+    assert len(made) == len(set(made)) > 0  # the start push: each merged tensor made once, digest included
+    prompts, sp = [("p1", "1+1=?")], SamplingParams(n=2, max_new_tokens=4)
+    pol.generate(prompts, sp, seed=0)
+    assert [c[0] for c in calls].count("reload") == 1  # the start push serves the first generation
+    assert calls[-1] == ("sleep", 2) and emptied == [True]
+    batch = pol.encode_texts(["Q"], ["1+1=2"], [True])
+    pol.update(batch, lambda lp, mask, rows: (-(lp * mask).sum() / mask.sum(), {}))
+    made.clear()
+    pol.generate(prompts, sp, seed=1)
+    assert [c[0] for c in calls].count("reload") == 2 and len(made) == len(set(made)) > 0
+    assert emptied == [True]  # once: no level-1 sleep since
+    stream = pol.backend.weights_fn
+
+    def corrupt(*a):  # a fault that enters after each tensor's digest
+        for n, t in stream(*a):
+            yield n, (t + 1 if n.endswith("q_proj.weight") else t)
+
+    pol.backend.weights_fn = corrupt
+    try:
+        with pytest.raises(vb.VLLMEngineError, match="after the push are not the trainer's"):
+            pol.backend.sync_weights()
+    finally:
+        pol.close()

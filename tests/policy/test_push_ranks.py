@@ -18,16 +18,43 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow  # two rank processes
 
 
-def test_rollout_on_rank0_pushes_collectively_with_one_engine(tiny_pair, tmp_path):
+def _ranks(model, tmp_path, port: int, mode: str = "") -> tuple[dict, dict]:
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29641"]
-    cmd += [str(HERE / "push_ranks.py"), str(tiny_pair[0]), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    cmd += [str(HERE / "push_ranks.py"), str(model), str(out), mode]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-4000:]
     r0, r1 = (json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1))
+    return r0, r1
+
+
+def test_rollout_on_rank0_pushes_collectively_with_one_engine(tiny_pair, tmp_path):
+    r0, r1 = _ranks(tiny_pair[0], tmp_path, 29641)
     assert (r0["backend"], r0["engines"]) == (r1["backend"], r1["engines"]) == ("VLLMBackend", 1)
     assert len(r0["reloads"]) == len(r1["reloads"]) == 2  # one verified push per step, on every rank
     assert r0["texts"] == r1["texts"] and r0["texts"][0] != r0["texts"][1]  # rank 0's samples, broadcast
     assert r0["reference resharded"] and r1["reference resharded"]
     assert r0["group kept"] and r1["group kept"]
     assert r0["scores after close"] == r1["scores after close"]
+
+
+def test_a_bf16_engine_is_pushed_bf16_gathered_from_the_shards(tiny_pair, tmp_path):
+    """Issue 53: each shard is cast to the engine's dtype before its all-gather, so a push moves bf16,
+    not the float32 masters (half the bytes), and is verified as before."""
+    r0, r1 = _ranks(tiny_pair[0], tmp_path, 29643, "bf16")
+    assert len(r0["reloads"]) == 2  # both pushes verified
+    push = r0["gathers"][-1]
+    assert push and {d for d, _ in push} == {"torch.bfloat16"}
+    # every tensor once, but the LM head tied to the embeddings (the engine holds it once)
+    assert len(push) == len(r0["tensors"]) - 1
+
+
+def test_a_sharded_lora_push_gathers_each_tensor_once(tiny_pair, tmp_path):
+    """Issue 53: the merged tensors are digested as they are pushed, not gathered a second time for
+    the digest: one all-gather per base tensor and per adapter matrix, per push."""
+    pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+    r0, r1 = _ranks(tiny_pair[0], tmp_path, 29645, "lora")
+    assert len(r0["reloads"]) == 3  # the start push, then one after each update
+    tensors = {n: k for n, (_, k) in r0["tensors"].items() if n != "lm_head.weight"}  # tied: held once
+    for push in r0["gathers"]:
+        assert sum(n for _, n in push) == sum(tensors.values())

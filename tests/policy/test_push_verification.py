@@ -166,7 +166,7 @@ def test_a_push_without_one_decoder_layer_or_with_a_zeroed_tensor_is_refused_the
         (lambda s: [(n, torch.zeros_like(t) if n.endswith("mlp.up_proj.weight") else t) for n, t in s], "up_proj"),
     ):
         _update(model)
-        b.weights_fn = lambda fault=fault: fault(stream())  # the fault enters after the trainer's digest
+        b.weights_fn = lambda *a, fault=fault: fault(stream(*a))  # the fault enters after the trainer's digest
         with pytest.raises(VLLMEngineError, match=rf"policy 'A': .*after the push are not the trainer's: .*{name}"):
             b.sync_weights()
         with pytest.raises(VLLMEngineError, match="not the trainer's"):

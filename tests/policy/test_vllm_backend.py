@@ -144,7 +144,7 @@ def test_vllm_a_push_missing_a_decoder_layer_or_zeroing_a_tensor_is_refused_then
                 for p in vllm_policy.model.parameters():
                     p.add_(0.05 * torch.randn_like(p))
             vllm_policy.weights_version += 1
-            backend.weights_fn = lambda fault=fault: fault(stream())  # after the trainer's digest is taken
+            backend.weights_fn = lambda *a, fault=fault: fault(stream(*a))  # after the trainer's digest is taken
             with pytest.raises(VLLMEngineError, match=rf"policy 'A': .*after the push are not the trainer's: .*{name}"):
                 vllm_policy.generate([("p1", "What is 2+3?")], SamplingParams(n=2, max_new_tokens=4), seed=0)
             with pytest.raises(VLLMEngineError, match="not the trainer's"):

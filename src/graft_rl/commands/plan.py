@@ -222,6 +222,7 @@ class PolicyPlan:
     reference_saved: float = 0.0  # a LoRA policy's KL reference that needs no copy (kl_coef > 0)
     wave_seconds: float = 0.0  # one generation wave's floor: max_new_tokens decode steps reading c N each
     lora_alternative: PolicyPlan | None = None  # full fine-tuning: the same policy with lora r=16, all-linear
+    quantized: bool = False  # a quantised engine (vllm_kwargs.quantization): it sleeps at level 1 throughout
 
     def generate_peak(self, gpu_bytes: float) -> float:
         """Tensors during generation: master weights + Adam (gradients are freed after each update),
@@ -312,6 +313,7 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
         A,
         saved,
         cfg.max_new_tokens * c * N / DECODE_BYTES_PER_S if pc.backend == "vllm" else 0.0,
+        quantized=pc.backend == "vllm" and bool(pc.vllm_kwargs.get("quantization")),
     )
 
 
@@ -366,6 +368,7 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = 
             f"up to {p.rollout_tokens / 1e6:.2f} M per rank per step (every response at max_new_tokens): {verdict}."
         )
     lines += _lora_lines(plans, G)
+    lines += _host_lines(plans)
     if shared:
         engines = [p.name for p in plans if p.vllm_share]
         if len(engines) > 1:
@@ -384,6 +387,25 @@ def format_plan(plans: list[PolicyPlan], gpu_gib: float = 141.0, shared: bool = 
         f"+ KL reference + hf rollout copy."
     )
     return "\n".join(lines)
+
+
+def _host_lines(plans: list[PolicyPlan]) -> list[str]:
+    """Host memory a sleeping vLLM engine keeps per rank (pinned, in torch's host cache): the CUDA-graph
+    pool's copy at both sleep levels (its size is vLLM's, not estimated here), and a level-1 sleep's copy
+    of the weights, released at the first level-2 sleep, but kept for the run by a quantised engine."""
+    lines = []
+    for p in plans:
+        if not (p.vllm_share and p.sleep):
+            continue
+        weights = p.vllm_weights / GiB
+        if p.quantized:
+            held = f"its weights' copy, ~{weights:.1f} GiB, stays for the run (a quantised engine sleeps at level 1)"
+        else:
+            held = f"its weights' level-1 copy (~{weights:.1f} GiB) only until the first level-2 sleep"
+        lines.append(
+            f"{p.name}: host RAM per rank while its engine sleeps: the CUDA-graph pool's pinned copy, plus {held}."
+        )
+    return lines
 
 
 def _lora_lines(plans: list[PolicyPlan], G: float) -> list[str]:

@@ -499,6 +499,16 @@ def _yaml_problem(exc) -> str:
     return problem
 
 
+def _unshared(x):
+    """``x`` with every mapping and list its own: a YAML alias (``*id001``) is one object in every place
+    it appears, so an override of one policy's ``vllm_kwargs`` would otherwise change all of them."""
+    if isinstance(x, dict):
+        return {k: _unshared(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_unshared(v) for v in x]
+    return x
+
+
 def _read_yaml(p: Path, depth: int = 0) -> dict:
     """Read a YAML config; a ``base: FILE`` key (relative to this file) is loaded first and deep-merged under it."""
     if p.is_dir():
@@ -513,6 +523,7 @@ def _read_yaml(p: Path, depth: int = 0) -> dict:
         raise ConfigError(f"{p}:{_yaml_where(exc)} not valid YAML ({_yaml_problem(exc)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: a config must be a mapping of keys to values")
+    data = _unshared(data)
     if "base" in data:
         if depth > 8:
             raise ConfigError(f"{p}: 'base' chain deeper than 8 files (a cycle?)")

@@ -104,15 +104,11 @@ class ShardedPolicy(Policy):
 
     @torch.no_grad()
     def _init_sharding(self) -> None:
-        """One two-token forward (every rank: a collective) right after sharding, with the trainable
-        parameters as they train.
-
-        FSDP2 settles each unit's mixed-precision dtypes at the root's *first* forward and counts only
-        the parameters whose ``requires_grad`` is set at that moment (torch ``_fsdp_param_group.py``,
-        ``_init_mp_dtypes``). A LoRA policy's first forward may be its KL reference, under peft's
-        ``disable_adapter()``, which clears ``requires_grad`` on the adapters: no reduce dtype would be
-        recorded, and the first backward would assign bf16 gradients to the float32 adapter shards. Run
-        here, the first forward always sees the adapters trainable, whatever the step does first."""
+        """A two-token forward (every rank) right after sharding. FSDP2 settles each unit's mixed-precision
+        dtypes at the root's first forward from the parameters that require grad *then* (torch
+        ``_fsdp_param_group.py``, ``_init_mp_dtypes``); a LoRA policy's first forward may be its KL
+        reference under peft's ``disable_adapter()``, which clears that flag on the adapters: no reduce
+        dtype, and the first backward would assign bf16 gradients to the float32 adapter shards."""
         tok = self.tokenizer.eos_token_id or 0
         self._forward(TokenBatch([[tok]], [[tok]]), fused=False)
         self.model.reshard()  # the root stays unsharded after a forward, for a backward that never comes
@@ -196,15 +192,23 @@ class ShardedPolicy(Policy):
         state = self.model.state_dict()
         return MergedState(self.model, tensor=lambda n: _full(state[n]))
 
-    def rollout_weights(self):
+    def rollout_weights(self, dtypes: dict | None = None, digests: dict | None = None):
         """``(name, full tensor)`` one tensor at a time (every rank calls), under the model's own names
-        (a LoRA policy's merged): what a rank's vLLM engine loads, without ever holding all full weights."""
+        (a LoRA policy's merged): what a rank's vLLM engine loads, without ever holding all full weights.
+
+        ``dtypes``: each tensor's engine dtype; a shard is cast to it *before* the all-gather, so a bf16
+        engine's push moves bf16, not the float32 masters (half the traffic; the values vLLM's loader would
+        cast to, bit for bit); a name with no place in the engine (a tied alias, which it holds once) is not
+        gathered at all. ``digests``: filled with each pushed tensor's row digest as it is made
+        (:func:`~graft_rl.policy.pushcheck.digesting`): a LoRA push gathers each merged tensor once."""
+        from graft_rl.policy.pushcheck import digesting
+
         if self.lora is None:
-            yield from self._full_tensors()
+            yield from digesting(_gathered(self.model.state_dict(), dtypes), dtypes, digests)
             return
-        state = self.rollout_state()
-        for name in state:
-            yield name, state[name].detach()
+        merged = self.rollout_state()
+        names = [n for n in merged if dtypes is None or n in dtypes]  # a tied alias: not gathered (above)
+        yield from digesting(((name, merged[name].detach()) for name in names), dtypes, digests)
 
     def sync_rollout_weights(self) -> None:
         """Collective: every rank pushes, or none (a level-2 sleep discards every rank's engine weights
@@ -365,6 +369,17 @@ class ShardedPolicy(Policy):
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _gathered(state: dict, dtypes: dict | None):
+    """``(name, full tensor)`` of a sharded state, each shard cast to its engine dtype (``dtypes``) before
+    its all-gather; a name ``dtypes`` leaves out (a tied alias, held once by the engine) is not gathered."""
+    for name, t in state.items():
+        if dtypes is not None and name not in dtypes:
+            continue
+        dt = (dtypes or {}).get(name)
+        local = t.detach().to(dt) if dt is not None and t.is_floating_point() and t.dtype != dt else t
+        yield name, _full(local).detach()
 
 
 def _torch_version() -> tuple[int, int]:

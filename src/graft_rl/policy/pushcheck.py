@@ -33,6 +33,7 @@ __all__ = [
     "engine_digest",
     "row_digest",
     "compare",
+    "digesting",
     "stale_coverage",
     "state_digest",
     "tied_names",
@@ -198,6 +199,21 @@ def stale_coverage(
         if moved and eng in engine_before and torch.equal(engine_now[eng], engine_before[eng]):
             problems.append(f"{eng} did not change although the trainer's {', '.join(parts)} did")
     return problems
+
+
+def digesting(stream, dtypes: dict | None, digests: dict | None):
+    """``stream``'s ``(name, tensor)`` pairs, each cast to its engine dtype where ``dtypes`` names one (the
+    cast vLLM's loader would make, done before the tensor leaves: a sharded policy then gathers the
+    engine's dtype, not its float32 masters), and, when ``digests`` is a dict, each one's row digest
+    (:func:`row_digest`) recorded under its name as it passes: the push's reference, made from the
+    very tensors pushed, with no second pass over the state."""
+    for name, t in stream:
+        dt = (dtypes or {}).get(name)
+        if dt is not None and t.is_floating_point() and t.dtype != dt:
+            t = t.to(dt)
+        if digests is not None and dt is not None and name not in digests:
+            digests[name] = row_digest(t, dt)
+        yield name, t
 
 
 def state_digest(state: dict, dtypes: dict | None) -> dict[str, torch.Tensor]:

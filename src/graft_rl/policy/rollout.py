@@ -68,6 +68,7 @@ def make_backend(kind: str, policy) -> RolloutBackend:
             tied=policy.tied_names(),
             state_fn=policy.rollout_state,
             push_at_start=policy.lora is not None,  # the engine loads the base; the adapters are merged in
+            digest_stream=policy.lora is not None,  # merged tensors made (sharded: gathered) once a push
             stop=policy.config.stop,
             name=policy.name,
             device=policy.config.device,

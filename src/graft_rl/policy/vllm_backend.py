@@ -141,6 +141,13 @@ def _sleep_allocator_usage() -> int:
     return int(allocator.get_current_usage())
 
 
+def _empty_host_cache() -> None:
+    """Hand torch's cached pinned host blocks back to the system (CUDA only; torch >= 2.9)."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if torch.cuda.is_available() and callable(empty):
+        empty()
+
+
 def _clear_rotary_cache() -> None:
     """Forget vLLM's process-wide rotary modules (their ``cos_sin_cache`` lived in a closed engine's memory)."""
     with contextlib.suppress(ImportError, AttributeError):
@@ -232,6 +239,7 @@ class VLLMBackend:
         tied: set[str] | None = None,
         state_fn=None,
         push_at_start: bool = False,
+        digest_stream: bool = False,
         stop: list[str] | None = None,
         name: str = "",
         device: str = "cuda",
@@ -257,8 +265,13 @@ class VLLMBackend:
         # (closures over the local, never over self: a failed start must not leave a cycle that keeps the
         # engine alive, and counted as open, until the garbage collector runs)
         state_fn = self.state_fn = state_fn or model.state_dict
-        # the weights to push: that state, one tensor at a time (a sharded policy gathers its full weights)
-        self.weights_fn = weights_fn or (lambda: ((n, st[n].detach()) for st in [state_fn()] for n in st))
+        # the weights to push: that state, one tensor at a time (a sharded policy gathers its full weights),
+        # called as weights_fn(dtypes, digests): each tensor in its engine dtype where ``dtypes`` names it,
+        # its row digest recorded in ``digests`` (when a dict) as it is made (digest_stream)
+        self.weights_fn = weights_fn or _state_stream(state_fn)
+        # digest the pushed tensors as they are made rather than a second time from the state: for a LoRA
+        # policy, whose merged tensors (a sharded one: gathered whole) would otherwise be made twice a push
+        self.digest_stream = digest_stream
         # the push's reference: row digests of the trainer's own tensors (a sharded policy: a collective)
         self.digest_fn = digest_fn or (lambda dtypes: pushcheck.state_digest(state_fn(), dtypes))
         self.tied = set(tied) if tied is not None else pushcheck.tied_names(state_fn())
@@ -267,6 +280,7 @@ class VLLMBackend:
         self.reseed_globals = True  # also seed the workers' torch/numpy generators (off: gpu_check's seed row)
         self.sleeping: set[str] = set()  # memory tags vLLM has put to sleep: weights, kv_cache
         self.full_push = False  # a push was verified: level-2 sleep from then on
+        self.host_backup = False  # a level-1 sleep's pinned host copy of the weights may sit in torch's host cache
         self.needs_push = False  # the engine's weights are not the trainer's: push before the next generation
         self._last: tuple[dict, dict] | None = None  # quantised engines: (trainer, engine) digests of the last push
         self._refuse_second_engine()
@@ -290,7 +304,9 @@ class VLLMBackend:
             self.sync_weights()
         else:
             self._verify("as loaded from the model directory")
-        self._fall_asleep()
+        # level 1 whatever was verified: the engine holds the trainer's weights, so the first generation
+        # needs no push (a level-2 sleep here would discard a LoRA policy's start push, then push again)
+        self._fall_asleep(level=1)
 
     def _refuse_second_engine(self) -> None:
         """On CUDA one engine at a time in a process wherever one sleeps (module docstring)."""
@@ -347,14 +363,26 @@ class VLLMBackend:
             )
 
     # ------------------------------------------------------------------ sleep
-    def _fall_asleep(self) -> None:
-        """Sleep whenever the weights are awake (a push wakes them alone: the KV cache may sleep still)."""
+    def _fall_asleep(self, level: int | None = None) -> None:
+        """Sleep whenever the weights are awake (a push wakes them alone: the KV cache may sleep still);
+        ``level`` default: 2 once a push was verified, else 1.
+
+        Host memory: a level-1 sleep copies the weights into pinned host tensors that vLLM drops on wake,
+        into torch's pinned-host cache, which keeps them for the life of the process (3.4-6 GB a rank at
+        1.7B-3B in bf16). The first level-2 sleep after level-1 ones empties that cache, as nothing will
+        use those blocks again; an engine that stays at level 1 (quantised) keeps them, reused each step
+        (pinning gigabytes anew every step costs seconds)."""
         if self.sleep and "weights" not in self.sleeping:
-            level = 2 if self.full_push else 1
+            level = level or (2 if self.full_push else 1)
             with gpu_turn(self.gpu):  # vLLM measures the whole device around its sleep
                 self.llm.sleep(level=level)
             self.sleeping = {"weights", "kv_cache"}
             self.needs_push = self.needs_push or level == 2
+            if level == 1:
+                self.host_backup = True
+            elif self.host_backup:
+                _empty_host_cache()
+                self.host_backup = False
 
     def rest(self) -> None:
         """Sleep now (a rank that pushed weights but does not generate)."""
@@ -375,18 +403,28 @@ class VLLMBackend:
     def sync_weights(self) -> None:
         """Reload the trainer's weights into the engine in place (vLLM's ``reload_weights``) and verify them.
 
-        The trainer's digest is taken first, from its parameters; then the stream is pushed (the engine
+        The trainer's digest is taken first, from its parameters (``digest_stream``: from each tensor as
+        the stream makes it, before it leaves for the engine); then the stream is pushed (the engine
         runs in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so tensors are handed over without
         serialisation); then the engine's tensors are digested and compared. A sleeping engine wakes
         its weights only; the KV cache is allocated at generation. A verified push allows level-2 sleep
         from then on; one that is not verified is an error and leaves :attr:`needs_push` set.
         """
         self._wake(("weights",))
-        ref = self.digest_fn(self.layout.trainer_dtypes())
+        dtypes = self.layout.trainer_dtypes()
+        exact = (
+            not self.layout.quantized
+        )  # a quantised engine quantises on load: it is streamed as the trainer holds it
+        streamed = self.digest_stream and exact
+        ref = {} if streamed else self.digest_fn(dtypes)
         self.needs_push = True  # until verified
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": self.weights_fn(), "is_checkpoint_format": True}
-        )
+        stream = self.weights_fn(dtypes if exact else None, ref if streamed else None)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        missed = {n: dt for n, dt in dtypes.items() if n not in ref}
+        if (
+            streamed and missed
+        ):  # digest_stream: a tensor the stream never made is digested from the state (every rank alike)
+            ref.update(self.digest_fn(missed))
         self._check(ref, "after the push")
         self.full_push = not self.layout.quantized
         self.needs_push = False
@@ -480,6 +518,17 @@ def _keep_default_group(keep: bool):
         yield
     finally:
         dist.destroy_process_group = real
+
+
+def _state_stream(state_fn):
+    """The default push stream: ``state_fn()``'s tensors one at a time, through
+    :func:`pushcheck.digesting` (called as ``weights_fn(dtypes, digests)``)."""
+
+    def stream(dtypes=None, digests=None):
+        state = state_fn()
+        return pushcheck.digesting(((n, state[n].detach()) for n in state), dtypes, digests)
+
+    return stream
 
 
 def _layout_rpc(worker, names: list[str], quantized: bool) -> pushcheck.EngineLayout:
