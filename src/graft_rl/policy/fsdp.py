@@ -198,8 +198,7 @@ class ShardedPolicy(Policy):
 
         ``dtypes``: each tensor's engine dtype; a shard is cast to it *before* the all-gather, so a bf16
         engine's push moves bf16, not the float32 masters (half the traffic; the values vLLM's loader would
-        cast to, bit for bit); a name with no place in the engine (a tied alias, which it holds once) is not
-        gathered at all. ``digests``: filled with each pushed tensor's row digest as it is made
+        cast to, bit for bit). ``digests``: filled with each pushed tensor's row digest as it is made
         (:func:`~graft_rl.policy.pushcheck.digesting`): a LoRA push gathers each merged tensor once."""
         from graft_rl.policy.pushcheck import digesting
 
@@ -207,8 +206,7 @@ class ShardedPolicy(Policy):
             yield from digesting(_gathered(self.model.state_dict(), dtypes), dtypes, digests)
             return
         merged = self.rollout_state()
-        names = [n for n in merged if dtypes is None or n in dtypes]  # a tied alias: not gathered (above)
-        yield from digesting(((name, merged[name].detach()) for name in names), dtypes, digests)
+        yield from digesting(((name, merged[name].detach()) for name in merged), dtypes, digests)
 
     def sync_rollout_weights(self) -> None:
         """Collective: every rank pushes, or none (a level-2 sleep discards every rank's engine weights
@@ -373,11 +371,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _gathered(state: dict, dtypes: dict | None):
     """``(name, full tensor)`` of a sharded state, each shard cast to its engine dtype (``dtypes``) before
-    its all-gather; a name ``dtypes`` leaves out (a tied alias, held once by the engine) is not gathered."""
+    its all-gather. A tied alias (``lm_head.weight`` tied to the embeddings) is gathered and pushed too:
+    vLLM's reload needs it, though the push check cannot see where it lands (docs/design.md)."""
+    # a tied alias (no place of its own in the engine) is cast to the engine's dtype when it has one;
+    # decided from ``dtypes`` alone, so every rank gathers it alike (a collective)
+    engine = set((dtypes or {}).values())
+    common = next(iter(engine)) if len(engine) == 1 else None
     for name, t in state.items():
-        if dtypes is not None and name not in dtypes:
-            continue
-        dt = (dtypes or {}).get(name)
+        dt = (dtypes or {}).get(name, common)
         local = t.detach().to(dt) if dt is not None and t.is_floating_point() and t.dtype != dt else t
         yield name, _full(local).detach()
 
