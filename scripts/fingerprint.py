@@ -4,7 +4,8 @@ For each ``configs/testbed/*.yaml`` (every method and ablation of the paper's Ta
 Appendix G) it trains the shipped testbed pair for a few small steps with the preset's own method
 keys, then prints one row per preset: a digest of ``metrics.jsonl`` (every value but wall times),
 of the exchange records, and of both policies' final weights, plus two readable numbers (B's last
-loss and A's grafted groups). Run it on two checkouts and compare the tables: identical digests
+loss and A's grafted groups). "but clip" digests the metrics without the self/peer clip fractions
+(``--json`` keeps their values per step), for changes that correct those diagnostics alone. Run it on two checkouts and compare the tables: identical digests
 mean identical numbers to the last bit on this CPU.
 
 Reproduce (about 6 minutes on 2 cores of an Intel Xeon, alone on the machine):
@@ -29,6 +30,11 @@ if importlib.util.find_spec("graft_rl") is None:  # not installed: this checkout
 #: small steps of the testbed presets: each step still grafts, gates and clips (n = 4 for every preset,
 #: so the GRPO n=8/16/32 rows coincide: they differ only in n)
 SMALL = ["prompt_batch=16", "minibatch=4", "n=4", "max_new_tokens=24", "checkpoint_every=100", "validation.data=[]"]
+
+
+#: the self/peer clipped-token fractions (Table 9): a digest without them tells a change of the other
+#: metrics from a change of these diagnostics alone (``clip`` in ``--json`` holds their values)
+CLIP_KEYS = ("clip_frac_self", "clip_frac_peer")
 
 
 def _digest(obj) -> str:
@@ -66,8 +72,11 @@ def fingerprint(config: Path, steps: int, work: Path) -> dict:
         weights[pol.name] = h.hexdigest()[:12]
     b_last = next(ln for ln in reversed(lines) if ln["policy"] == "B")
     grafted = sum(ln.get("exchanged_in", 0) or 0 for ln in lines if ln["policy"] == "A")
+    clip = [[ln["step"], ln["policy"], ln.get("clip_frac_self"), ln.get("clip_frac_peer")] for ln in lines]
     return {
         "metrics": _digest(metrics),
+        "metrics_but_clip": _digest([{k: v for k, v in m.items() if k not in CLIP_KEYS} for m in metrics]),
+        "clip": clip,
         "exchange": _digest(exchange),
         "weights": _digest(weights),
         "loss_B": b_last.get("loss"),
@@ -93,10 +102,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in tqdm(configs, desc="fingerprint", unit="preset"):
             out[cfg.stem] = fingerprint(cfg, args.steps, Path(tmp))
-    print(f"{'preset':<26}{'metrics':>14}{'exchange':>14}{'weights':>14}{'loss B':>14}{'grafted A':>11}")
+    head = (
+        f"{'preset':<26}{'metrics':>14}{'but clip':>14}{'exchange':>14}{'weights':>14}{'loss B':>14}{'grafted A':>11}"
+    )
+    print(head)
     for name, r in out.items():
         loss = "-" if r["loss_B"] is None else f"{r['loss_B']:.6g}"
-        print(f"{name:<26}{r['metrics']:>14}{r['exchange']:>14}{r['weights']:>14}{loss:>14}{r['grafted_A']:>11g}")
+        print(
+            f"{name:<26}{r['metrics']:>14}{r['metrics_but_clip']:>14}{r['exchange']:>14}{r['weights']:>14}"
+            f"{loss:>14}{r['grafted_A']:>11g}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -165,7 +165,7 @@ def test_formatted():
 
 @pytest.mark.slow  # mypy's first run in a fresh clone analyses torch: about 45 s on 2 cores (3 s cached)
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy not installed")
-def test_algo_and_methods_type_check():
+def test_algo_methods_and_engine_type_check():
     res = subprocess.run(
         [
             sys.executable,
@@ -176,6 +176,7 @@ def test_algo_and_methods_type_check():
             "--no-error-summary",
             "src/graft_rl/algo",
             "src/graft_rl/methods",
+            "src/graft_rl/engine",
         ],
         cwd=ROOT,
         capture_output=True,

@@ -299,13 +299,12 @@ def test_nonfinite_loss_skips_the_update_and_is_logged(make_cfg, fake_rewards, m
     def poison(trainer):  # every receiver's objective returns a NaN loss
         for handle in trainer.workers.values():
             objective = handle.worker.receiver.objective
-            real = objective.minibatch
+            real = objective.micro
 
-            def nan_minibatch(t, rows, step, update_index=0, _real=real):
-                fn = _real(t, rows, step, update_index)
-                return lambda lp, mask, micro: (fn(lp, mask, micro)[0] * float("nan"), {})
+            def nan_micro(lp, mb, rows, _real=real):
+                return _real(lp, mb, rows)[0] * float("nan"), {}
 
-            monkeypatch.setattr(objective, "minibatch", nan_minibatch)
+            monkeypatch.setattr(objective, "micro", nan_micro)
 
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="nan"), show_progress=False)
     poison(tr)

@@ -69,7 +69,7 @@ def test_each_shipped_part_is_short():
 
     for registry in PART_KEYS.values():
         for name in registry.names():
-            obj = registry.get(name)
+            obj = registry.get(name).fn
             if not obj.__module__.startswith("graft_rl."):
                 continue
             node = ast.parse(inspect.getsource(obj).lstrip()).body[0]

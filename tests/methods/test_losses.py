@@ -81,4 +81,67 @@ def test_gspo_as_a_loss_part_trains_a_minibatch_and_weights_peer_responses():
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-(1.0 - 1.0 + 0.0) / 3)  # on-policy: s = 1; the gated peer counts 0
     assert lp.grad[2].abs().sum() == 0 and lp.grad[0].abs().sum() > 0  # weight 0: no gradient
-    assert stats["tokens_peer"] == T and stats["tokens_self"] == 2 * T
+    # the gated peer response (weight 0) is not trained: neither clipped nor counted (issue 49)
+    assert stats["tokens_peer"] == 0 and stats["tokens_self"] == 2 * T
+
+
+# ---------------------------------------------------------------- what each loss says it clipped (issue 49)
+# One micro-batch, old log-prob log 0.5 everywhere, two tokens a row:
+#   row 0 own,  adv +1, ratios 1.8 / 1.0      row 1 own,  adv -1, ratios 1.0 / 1.0
+#   row 2 peer, adv +1, ratios 1.8 / 1.8      row 3 peer, adv +1, ratios 1.8 / 1.8, weight 0 (gated)
+# Source mean log-probs (HACPO's peer ratio): row 2 log 0.5 (ratio 1.8), row 3 log 0.9 (ratio 1.0).
+# Expected (clipped self, self tokens, clipped peer, peer tokens): a weighted loss neither trains nor
+# counts the gated row; LUFFY and HACPO ignore the weight, so it counts for them.
+CLIP_CASES = {
+    "token_mean_clip": ({"name": "graft"}, (1, 4, 2, 2)),  # token ratios: 1.8 > 1.28 clipped
+    "sequence ratio": ({"name": "graft", "ratio": "sequence"}, (2, 4, 2, 2)),  # row 0: sqrt(1.8) > 1.28
+    "gspo": ({"name": "graft", "loss": "gspo"}, (2, 4, 2, 2)),  # whole responses, range 3e-4 / 4e-4
+    "luffy": ({"name": "luffy"}, (1, 4, 0, 4)),  # peer tokens are never clipped
+    "hacpo": ({"name": "hacpo"}, (2, 4, 2, 4)),  # own: its tiny range; peer: r > 1 (row 2), not row 3
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLIP_CASES))
+def test_each_loss_reports_the_clipped_tokens_it_clipped(case):
+    keys, (c_self, n_self, c_peer, n_peer) = CLIP_CASES[case]
+    cfg = MethodConfig(**keys)
+    cfg.validate()
+    obj = build_objective(cfg)
+    half, most = math.log(0.5), math.log(0.9)
+    t = RowTensors(
+        torch.full((4, 2), half),
+        torch.ones(4, 2),
+        [1.0, -1.0, 1.0, 1.0],
+        [1.0, 1.0, 1.0, 0.0],
+        [False, False, True, True],
+        [True] * 4,
+        [False] * 4,
+        [half, half, half, most],
+    )
+    lp = torch.tensor([[most, half], [half, half], [most, most], [most, most]], requires_grad=True)
+    _, stats = obj.minibatch(t, [0, 1, 2, 3], step=1)(lp, torch.ones(4, 2), [0, 1, 2, 3])
+    got = tuple(stats[k] for k in ("clipped_tokens_self", "tokens_self", "clipped_tokens_peer", "tokens_peer"))
+    assert got == (c_self, n_self, c_peer, n_peer)
+
+
+def test_a_loss_that_clips_nothing_reports_zero_and_one_that_says_nothing_reports_no_counts():
+    """The objective computes no clipping on a loss's behalf: ``clips=False`` is 0 clipped; a clipping
+    loss without ``clipped`` in its stats has no self/peer counts (``clip_frac_*`` then absent)."""
+    from graft_rl.methods.objectives import Objective
+    from graft_rl.methods.registry import LossPart
+
+    def plain(lp, old, mask, ctx):
+        return -(lp * mask).sum() / mask.sum(), {}
+
+    t = RowTensors(
+        torch.zeros(2, 2), torch.ones(2, 2), [1.0, 1.0], [1.0, 1.0], [False, True], [True] * 2, [False] * 2, [0.0] * 2
+    )
+    lp = torch.zeros(2, 2, requires_grad=True)
+    cfg = MethodConfig(name="graft")
+    for clips, want in (
+        (False, {"clipped_tokens_self": 0.0, "tokens_self": 2.0, "clipped_tokens_peer": 0.0}),
+        (True, {}),
+    ):
+        loss = LossPart(name="plain", fn=plain, clips=clips)
+        _, stats = Objective(cfg, loss=loss).minibatch(t, [0, 1], step=1)(lp, torch.ones(2, 2), [0, 1])
+        assert {k: v for k, v in stats.items() if k in want or k.startswith("clipped")} == want

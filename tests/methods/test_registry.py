@@ -216,3 +216,29 @@ def test_methods_state_is_checkpointed_through_the_method(tmp_path, tiny_pair):
         assert resumed.method.capability_of("A") == pytest.approx(sum(history["A"]) / 2)
     finally:
         resumed.close()
+
+
+def test_no_part_declaration_is_read_with_getattr():
+    """Issue 49: a part's declarations are fields of its typed record (``registry.Part`` and its kinds),
+    read as attributes mypy checks; nothing in the package reads them off a function with ``getattr``."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from graft_rl.methods import registry
+
+    names = {
+        f.name
+        for cls in (registry.AdvantagePart, registry.CompositionPart, registry.LossPart)
+        for f in dataclasses.fields(cls)
+    }
+    names -= {"name"}
+    src = Path(registry.__file__).resolve().parents[1]
+    pattern = re.compile(r"getattr\([^)]*[\"'](" + "|".join(sorted(names)) + r")[\"']")
+    hits = [
+        f"{p.relative_to(src)}:{i}"
+        for p in src.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, hits

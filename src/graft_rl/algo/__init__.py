@@ -31,6 +31,7 @@ from graft_rl.algo.baselines import (
 from graft_rl.algo.core import (
     MAX_LOG_RATIO,
     balanced_exchange,
+    clipped_token_mask,
     compatibility_score,
     compatibility_weight,
     complementary_mask,
@@ -44,6 +45,7 @@ from graft_rl.algo.core import (
 __all__ = [
     "MAX_LOG_RATIO",
     "balanced_exchange",
+    "clipped_token_mask",
     "compatibility_score",
     "compatibility_weight",
     "complementary_mask",

@@ -21,6 +21,7 @@ __all__ = [
     "compatibility_score",
     "compatibility_weight",
     "policy_loss",
+    "clipped_token_mask",
     "minibatch_order",
     "MAX_LOG_RATIO",
 ]
@@ -352,6 +353,42 @@ def policy_loss(
             "num_active_tokens": active.sum().float(),
         }
     return loss.to(logprobs.dtype), stats
+
+
+def clipped_token_mask(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    ratio: Literal["token", "sequence"] = "token",
+) -> torch.Tensor:
+    r"""Bool ``[M, T]``: the tokens whose clipped term of :func:`policy_loss` is active (strictly smaller
+    than the unclipped one), among response tokens whose weight is non-zero: the tokens behind its
+    ``clip_frac``, for the self/peer clipping diagnostics of the paper's Table 9. No gradient.
+
+    Example:
+        >>> lp = torch.log(torch.tensor([[0.9, 0.5]]))
+        >>> old = torch.log(torch.tensor([[0.5, 0.5]]))
+        >>> clipped_token_mask(lp, old, torch.tensor([1.0]), torch.ones(1, 2))  # 1.8 > 1.28 clipped
+        tensor([[ True, False]])
+    """
+    with torch.no_grad():
+        wd = _work_dtype(logprobs)
+        m = mask.to(wd)
+        log_ratio = logprobs.detach().to(wd) - old_logprobs.detach().to(wd)
+        if ratio == "sequence":
+            seq = (log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+            log_ratio = seq.unsqueeze(1).expand_as(m)
+        rho = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        a = _per_token(advantages.detach().to(wd), m, "advantages")
+        clipped = rho.clamp(1.0 - eps_low, 1.0 + eps_high) * a < rho * a
+        active = mask.bool()
+        if weights is not None:
+            active = active & (weights.detach() != 0).unsqueeze(1)
+        return clipped & active
 
 
 def minibatch_order(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from graft_rl.data.catalog import BUILTIN, TESTBED_DATA
 from graft_rl.data.problem import DatasetError, Problem
 
@@ -28,7 +30,7 @@ def verifier_for(name_or_path: str, problem: Problem | None = None) -> str:
     return default_reward(name_or_path, problem) or "math"
 
 
-def check_answers(problems: list[Problem], verifier: str, name: str) -> None:
+def check_answers(problems: Sequence[Problem], verifier: str, name: str) -> None:
     """Refuse reference answers the verifier that will score them can never match (one line naming
     the dataset and problem): an empty or NaN answer for ``math``; for ``gsm8k`` anything but one
     number, by the rule responses are held to (:func:`~graft_rl.rewards.extract.parse_whole_number`:

@@ -83,7 +83,7 @@ class ProblemTable(Sequence):
         return f"ProblemTable({self.name!r}, {len(self):,} rows)"
 
 
-def take(data: Sequence, indices: Sequence[int]) -> list:
+def take(data: Sequence, indices: Sequence[int] | np.ndarray) -> list:
     """The problems at ``indices`` of a :class:`ProblemTable` (one Arrow gather) or of a list."""
     return data.take(list(indices)) if isinstance(data, ProblemTable) else [data[int(i)] for i in indices]
 

@@ -32,6 +32,7 @@ import math
 import os
 import re
 import time
+from typing import Any
 
 __all__ = [
     "kill_actors",
@@ -143,12 +144,12 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
                 need[k] = need.get(k, 0.0) + v
         for key in bundles[0]:
             if key not in ("CPU", "GPU") and bundles[0][key] > 0 and key not in total:
-                have = ", ".join(
+                kinds = ", ".join(
                     sorted(k for k in total if not k.startswith(("node:", "accelerator_type", "object_store")))
                 )
                 raise ResourceError(
                     f"policy {pc.name!r} asks for custom resource {key!r} (ray.resources.{pc.name}), which no node of the Ray "
-                    f"cluster has (it has: {have}); start that node with ray start --resources='{{\"{key}\": 1}}'"
+                    f"cluster has (it has: {kinds}); start that node with ray start --resources='{{\"{key}\": 1}}'"
                 )
     for key, want in need.items():  # the totals first: their hint fits every rank at once
         have = total.get(key, 0.0)
@@ -397,7 +398,7 @@ class RankWorker:
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
-        self.worker = None
+        self.worker: Any = None  # the PolicyWorker, once setup() ran
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the process group's rendezvous."""
@@ -487,7 +488,7 @@ class ActorGroup:
             k: v for k, v in opts.items() if k not in ("num_cpus", "num_gpus", "resources", "name") and v is not None
         }
         remote_cls = ray.remote(RankWorker)
-        actors = [
+        actors: list[Any] = [
             remote_cls.options(
                 num_cpus=bundles[r]["CPU"],
                 num_gpus=bundles[r].get("GPU", 0),
@@ -577,7 +578,7 @@ def _rank(rank) -> str:
 def _who(exc, name, refs, current) -> tuple[str, int | None]:
     rank = refs.index(current) if len(refs) > 1 and current in refs else None
     actor = getattr(exc, "actor_id", None)
-    known = _NAMES.get(actor.hex() if hasattr(actor, "hex") else actor or "")
+    known = _NAMES.get(actor.hex() if actor is not None and hasattr(actor, "hex") else actor or "")
     if known:
         return (name or known[0]), (rank if rank is not None else known[1])
     return name or "?", rank

@@ -99,12 +99,12 @@ def families(problems: Sequence[Problem]) -> dict[str, str]:
     fams = {p.id: p.subject for p in problems}
     if any(f is None for f in fams.values()) or not 2 <= len(set(fams.values())) <= MAX_FAMILIES:
         return {}
-    return fams
+    return {k: str(v) for k, v in fams.items()}  # every one a subject (checked above)
 
 
 def pass1_by_family(problems: Sequence[Problem], correct: Sequence[int], samples: int) -> dict[str, float]:
     """pass@1 per family (``subject``) from :func:`evaluate_policy`'s ``correct`` counts."""
     by: dict[str, list[float]] = {}
     for p, c in zip(problems, correct, strict=True):
-        by.setdefault(p.subject, []).append(c / samples)
+        by.setdefault(str(p.subject), []).append(c / samples)  # families: every problem has a subject
     return {f: statistics.fmean(v) for f, v in sorted(by.items())}

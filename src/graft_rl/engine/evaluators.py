@@ -94,7 +94,7 @@ def evaluate_benchmarks(
         return get(handle, pc.name) if actors else handle
 
     per: dict = {}
-    jobs = []  # (label, run, chunk start, handle)
+    jobs: list[tuple] = []  # (label, run, chunk start, handle)
     for label, problems in data.items():
         budget, note = result(call(workers[0], PolicyWorker.prompt_budget, problems, max_new_tokens))
         if note and show:

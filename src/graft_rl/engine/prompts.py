@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -132,7 +133,8 @@ def check_prompts(workers: dict, train: Sequence, others: list[Sequence], max_ne
     all of them before any is awaited)."""
     bounds = {name: w.prompt_bound() for name, w in workers.items()}
     bounds = {name: pending.get() for name, pending in bounds.items()}
-    fits, budgets = {}, {}
+    fits: dict[str, Any] = {}
+    budgets: dict[str, Any] = {}
     for name, b in bounds.items():
         ctx = b["context"]
         if ctx is None:  # no stated context: nothing to check against (as the exact check did)

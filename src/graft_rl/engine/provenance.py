@@ -163,7 +163,7 @@ def plugin_fingerprints(specs: list[str]) -> dict[str, dict]:
     for spec, source in plugin_sources(specs).items():
         path = plugin_file(spec)
         if source is not None:  # a file plugin: the source this process imported (what ran)
-            digest = hashlib.sha256(source).hexdigest()
+            digest: str | None = hashlib.sha256(source).hexdigest()
         else:
             digest = _sha256(path) if path else None
         out[spec] = {"source": str(path) if path else spec, "sha256": digest}

@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
         driver = psutil.Process(int(argv[0]))
     except (IndexError, ValueError, psutil.Error):
         return 2
-    me, seen = os.getpid(), {}
+    me, seen = os.getpid(), dict[int, float]()
     while True:
         # accumulated (a process that left its parent is still noted); those that ended are dropped
         seen = {pid: t for pid, t in seen.items() if _alive(pid, t)} | _descendants(driver, me)

@@ -10,7 +10,6 @@ derives from ``(seed, step, policy)``, so a resumed run samples what an uninterr
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -19,6 +18,7 @@ from graft_rl.data import Problem, check_answers, default_reward
 from graft_rl.engine.handles import Pending, WorkerHandle
 from graft_rl.engine.prompts import PromptRows
 from graft_rl.engine.store import RecordStore
+from graft_rl.engine.timing import PhaseTimer
 from graft_rl.policy import RolloutGroup, SamplingParams
 from graft_rl.rewards import Reward, resolve_reward
 from graft_rl.seeding import Purpose, derive_seed
@@ -146,16 +146,17 @@ class Rollouts:
         for name, handle in pending.items():
             gs, gen_s = handle.get()
             rollouts = len(gs) * self.cfg.n
-            t0 = time.perf_counter()
-            vst = self.verify(gs)
-            times = {"time_generate": gen_s, "time_reward": time.perf_counter() - t0}
+            timer = PhaseTimer()
+            timer.add("generate", gen_s)
+            with timer("reward"):
+                vst = self.verify(gs)
             rfilter = self.method.rollout_filter()
             if rfilter is not None:
                 gs, extra, lines[name]["gen_batches"] = self._dynamic_sampling(
-                    name, prompts, gs, step, vst, times, rfilter
+                    name, prompts, gs, step, vst, timer, rfilter
                 )
                 rollouts += extra
-            lines[name].update(times)
+            lines[name].update(timer.metrics())
             lines[name].update(vst)
             lines[name]["rollouts"] = rollouts
             groups[name] = gs
@@ -167,14 +168,16 @@ class Rollouts:
             self.verify(groups[name])
         return groups, lines
 
-    def _dynamic_sampling(self, name, prompts, groups, step, vstats, times, rfilter) -> tuple[list, int, int]:
+    def _dynamic_sampling(
+        self, name, prompts, groups, step, vstats, timer: PhaseTimer, rfilter
+    ) -> tuple[list, int, int]:
         """DAPO's dynamic sampling (``recipe/dapo``, ``filter_groups``): keep the groups with mixed
         rewards; while fewer than ``prompt_batch`` are kept, generate another batch of
         ``method.refill_factor`` x ``prompt_batch`` prompts (DAPO's ``gen_prompt_bsz``), up to
         ``method.max_num_gen_batches`` batches in the step (the first included; <= 0: no limit), past
         which the run stops with :class:`DynamicSamplingError`. Fresh prompts come from the training
-        data not yet drawn in this step (then, reshuffled, from those not kept). ``times`` accumulates the
-        extra batches' ``time_generate`` (measured in the worker) and ``time_reward``.
+        data not yet drawn in this step (then, reshuffled, from those not kept). ``timer`` accumulates the
+        extra batches' ``generate`` (measured in the worker) and ``reward`` seconds.
         Returns ``(kept groups, extra rollouts, generation batches)``."""
         keep = [g for g in groups if rfilter.keep(g)]
         extra_rollouts = 0
@@ -207,11 +210,10 @@ class Rollouts:
             more_prompts = self.rows.draw(take, step)
             seed = derive_seed(self.cfg.seed, Purpose.REFILL_GENERATE, step, self.names.index(name), batches - 1)
             more, gen_s = self.workers[name].generate(more_prompts, self.samplings[name], seed).get()
-            times["time_generate"] += gen_s
+            timer.add("generate", gen_s)
             extra_rollouts += len(more) * self.cfg.n
-            t0 = time.perf_counter()
-            st = self.verify(more)
-            times["time_reward"] += time.perf_counter() - t0
+            with timer("reward"):
+                st = self.verify(more)
             for k, v in st.items():
                 vstats[k] = vstats.get(k, 0) + v
             keep.extend(gr for gr in more if rfilter.keep(gr))

@@ -300,7 +300,8 @@ def completion_rows(step: int, receiver: str, rows, weights, exchange_rows: list
     """A receiver's sampled completions for the table: its grafted peer responses first (with the
     compatibility ``s`` its gate saw and the weight it gave), then its own, at most ``limit``."""
     compat = iter(exchange_rows)
-    peer, own = [], []
+    peer: list = []
+    own: list = []
     for r, w in zip(rows, weights, strict=True):
         s = next(compat).get("compat_token") if r.is_peer else None
         (peer if r.is_peer else own).append(

@@ -148,7 +148,7 @@ class Validation:
             over += res.get("verify_over_budget", 0)
         line["val/score"] = statistics.fmean(scores)
         if all(x is not None for x in variances):  # the mean of the datasets' scores: its standard error
-            line["val/score_se"] = math.sqrt(sum(variances)) / len(variances)
+            line["val/score_se"] = math.sqrt(sum(v for v in variances if v is not None)) / len(variances)
         line["time_validate"] = seconds  # measured in the worker, where the evaluation ran
         line["verify_over_budget"] = over  # answers left unchecked (scored 0) by data.verify_budget
         return line

@@ -9,14 +9,14 @@ source's generation log-probs); model weights never leave it. The same class run
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
+from graft_rl.engine.timing import PhaseTimer
 from graft_rl.methods import MethodConfig, build_method, load_plugins
 from graft_rl.methods.exchange import ReceiverBatch
-from graft_rl.methods.receiver import exchange_stats
+from graft_rl.methods.receiver import Receiver, exchange_stats
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch
 from graft_rl.policy.tokens import PromptTooLongError
 
@@ -85,9 +85,10 @@ class PolicyWorker:
     def generate_timed(self, prompts, sampling: SamplingParams, seed: int):
         """``(groups, seconds)``: the generation and its wall time measured here, where it runs (so a
         policy's time under Ray is its own, not the time until the driver got to its result)."""
-        t0 = time.perf_counter()
-        groups = self.policy.generate(prompts, sampling, seed=seed)
-        return groups, time.perf_counter() - t0
+        timer = PhaseTimer()
+        with timer("generate"):
+            groups = self.policy.generate(prompts, sampling, seed=seed)
+        return groups, timer.seconds["generate"]
 
     def save(self, path: str) -> str:
         return str(self.policy.save(path))
@@ -110,20 +111,21 @@ class PolicyWorker:
         """:func:`~graft_rl.engine.evaluation.evaluate_policy`, with ``seconds``: its wall time here, where it runs."""
         from graft_rl.engine.evaluation import evaluate_policy
 
-        t0 = time.perf_counter()
-        res = evaluate_policy(
-            self.policy,
-            problems,
-            reward,
-            samples,
-            temperature,
-            top_p,
-            max_new_tokens,
-            seed=seed,
-            timeout=timeout,
-            budget=budget,
-        )
-        return {**res, "seconds": time.perf_counter() - t0}
+        timer = PhaseTimer()
+        with timer("validate"):
+            res = evaluate_policy(
+                self.policy,
+                problems,
+                reward,
+                samples,
+                temperature,
+                top_p,
+                max_new_tokens,
+                seed=seed,
+                timeout=timeout,
+                budget=budget,
+            )
+        return {**res, "seconds": timer.seconds["validate"]}
 
     def rollout_check(self, prompts, max_new_tokens: int = 16, seed: int = 0, reference: dict | None = None) -> dict:
         return self.policy.rollout_check(prompts, max_new_tokens, seed, reference)
@@ -161,13 +163,14 @@ class PolicyWorker:
                 prompt_ids.append(retok.prompt_ids[j])
                 response_ids.append(retok.response_ids[j])
             else:  # own response: the generated ids, no re-tokenisation
+                assert r.token_ids is not None, "an own row carries its generated token ids"
                 if r.prompt not in cache:
                     cache[r.prompt] = pol.prompt_token_ids(r.prompt, r.prompt_id)
                 prompt_ids.append(cache[r.prompt])
                 response_ids.append(r.token_ids)
         return TokenBatch(prompt_ids, response_ids, [foreign[j][0] for j in retok.cut])
 
-    def _score(self, tb: TokenBatch, rows: list[int], old: torch.Tensor) -> None:
+    def _old_logprobs(self, tb: TokenBatch, rows: list[int], old: torch.Tensor) -> None:
         """Fill ``old[rows]`` with this policy's current log-probs of those rows (no gradient)."""
         if rows:
             lp, _ = self.policy.token_logprobs(tb.select(rows))
@@ -179,13 +182,13 @@ class PolicyWorker:
         pol = self.policy
         pol.logprob_temperature = temperature
         tb = self._encode(batch, max_new_tokens)
-        weighed = self.receiver.weigh(
+        weighed = self._receiver().weigh(
             batch,
             tb.response_ids,
             tb.response_mask(),
             tb.cut,
             pol.eos_token_ids,
-            lambda rows, old: self._score(tb, rows, old),
+            lambda rows, old: self._old_logprobs(tb, rows, old),
             gen,
         )
         return tb, weighed
@@ -228,37 +231,37 @@ class PolicyWorker:
         to it (``peer_cut`` counts them). The batch is not changed: what was computed for its rows
         comes back in the :class:`ReceiverUpdate`.
         """
-        pol, recv = self.policy, self.receiver
+        pol, recv, timer = self.policy, self._receiver(), PhaseTimer()
         gen = torch.Generator().manual_seed(seed)
-        t0 = time.perf_counter()
-        tb, w = self._weigh(batch, gen, temperature, max_new_tokens)
-        ref = pol.reference_logprobs(tb)[0] if self.with_reference else None
-        score_s = time.perf_counter() - t0
+        with timer("score"):  # the batch in this policy's tokens, its peer rows scored and weighted
+            tb, w = self._weigh(batch, gen, temperature, max_new_tokens)
+            ref = pol.reference_logprobs(tb)[0] if self.with_reference else None
         records = recv.records(batch, w)
-        order = recv.order(batch, self.minibatch, gen)
-        # pi_old of the rows trained after the first update (the policy will have moved by then)
-        t0 = time.perf_counter()
+        order = recv.order(batch, self.minibatch, gen)  # peer-last minibatches of batch rows
         first = set(order[0]) if order else set()
-        self._score(tb, recv.later_rows(batch, w, first), w.old)
-        score_s += time.perf_counter() - t0
-        t = recv.tensors(batch, w, ref, first)
-        t0 = time.perf_counter()
+        with timer("score"):  # pi_old of the rows trained after the first update (the policy will have moved)
+            self._old_logprobs(tb, recv.later_rows(batch, w, first), w.old)
         stats: dict = {}
         upd: list[dict] = []
-        for update_index, mb in enumerate(order):
-            out = pol.update(tb.select(mb), recv.loss(t, mb, step, update_index))
-            upd.append(out)
-            if out["skipped"] and self.nonfinite_loss == "stop":
-                stats["nonfinite_stop"] = True
-                break
-        update_s = time.perf_counter() - t0
+        with timer("update"):
+            for mb in recv.minibatches(recv.tensors(batch, w, ref, first), order, step):
+                upd.append(pol.update(tb.select(mb.rows), mb.loss))
+                if upd[-1]["skipped"] and self.nonfinite_loss == "stop":
+                    stats["nonfinite_stop"] = True
+                    break
         stats.update(batch.stats)
         stats["peer_cut"] = len(tb.cut)  # peer responses longer than the receiver's max_new_tokens here
         stats.update(exchange_stats(batch, w))
         stats.update(_update_stats(upd, ref is not None))
-        stats["time_score"] = score_s
-        stats["time_update"] = update_s
+        stats.update(timer.metrics())  # time_score, time_update
         return ReceiverUpdate(stats, w.weights, w.included, records)
+
+    def _receiver(self) -> Receiver:
+        if self.receiver is None:
+            raise RuntimeError(
+                f"policy {self.policy.name!r}: this worker has no method (an evaluator); it cannot train"
+            )
+        return self.receiver
 
 
 @dataclass

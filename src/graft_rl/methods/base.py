@@ -37,7 +37,7 @@ from graft_rl.errors import ConfigError
 from graft_rl.methods.config import PART_NAMES, MethodConfig
 from graft_rl.methods.exchange import Exchange, ReceiverBatch
 from graft_rl.methods.receiver import Receiver
-from graft_rl.methods.registry import METHODS, PART_KEYS
+from graft_rl.methods.registry import ADVANTAGES, COMPOSITIONS, LOSSES, METHODS
 
 __all__ = [
     "Method",
@@ -90,26 +90,27 @@ class Method:
     @classmethod
     def check_parts(cls, cfg: MethodConfig) -> None:
         """Refuse parts that cannot work together (docs/design.md has the table), in one line."""
-        part = {kind: PART_KEYS[kind].get(cfg.part_name(kind)) for kind in PART_NAMES}
         names = {kind: cfg.part_name(kind) for kind in PART_NAMES}
-        if getattr(part["advantage"], "needs_pool", False) and not getattr(part["composition"], "pools", False):
+        advantage = ADVANTAGES.get(names["advantage"])
+        composition = COMPOSITIONS.get(names["composition"])
+        if advantage.needs_pool and not composition.pools:
             raise ConfigError(
                 f"method.advantage {names['advantage']!r} compares a receiver's group with a peer's and needs a "
                 f"composition that pools them (pool, hacpo_pool), not {names['composition']!r}"
             )
-        if getattr(part["advantage"], "needs_capability", False) and "capability" not in cls.keeps:
+        if advantage.needs_capability and "capability" not in cls.keeps:
             raise ConfigError(
                 f"method.advantage {names['advantage']!r} reads each policy's capability, which method {cfg.name!r} "
                 f"does not track (method hacpo does)"
             )
-        aux = getattr(part["composition"], "aux", False)
+        aux = composition.aux
         if aux != (names["aux_loss"] != "none"):
             need = "an aux_loss (sgt_nll)" if aux else "composition aux_target"
             raise ConfigError(
                 f"method.composition {names['composition']!r} with aux_loss {names['aux_loss']!r}: "
                 f"auxiliary targets and their loss come together; set {need}"
             )
-        if cls.uses_peers and names["weighting"] != "none" and not getattr(part["loss"], "weighted", True):
+        if cls.uses_peers and names["weighting"] != "none" and not LOSSES.get(names["loss"]).weighted:
             raise ConfigError(
                 f"method.weighting {names['weighting']!r} weighs peer responses, but loss {names['loss']!r} takes no "
                 "weight (it has its own off-policy correction); set method.weighting: none"

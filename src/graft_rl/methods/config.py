@@ -157,8 +157,8 @@ class MethodConfig:
         cls.check(self)
         cls.check_parts(self)
         for kind, registry in PART_KEYS.items():
-            check = getattr(registry.get(self.part_name(kind)), "check", None)
-            if check is not None and not isinstance(check, type):
+            check = registry.get(self.part_name(kind)).check
+            if check is not None:
                 check(self)
         if not unused_keys:
             self._foreign = {}
@@ -249,7 +249,8 @@ def _suggest(key: str, valid: list[str]) -> str:
 
 
 def _fields_of(obj) -> dict[str, dataclasses.Field]:
-    params = getattr(obj, "Params", None)
+    """``obj``: a method class or a :class:`~graft_rl.methods.registry.Part`; its ``Params``' fields."""
+    params = obj.Params
     return {f.name: f for f in dataclasses.fields(params)} if dataclasses.is_dataclass(params) else {}
 
 
@@ -264,7 +265,7 @@ def _params_classes(cfg: MethodConfig) -> list[type]:
             owners.append(registry.get(preset_part(cfg.name, kind) if key == "auto" else key))
     except ConfigError:  # an unknown name: validate() says so
         return []
-    return [o.Params for o in owners if dataclasses.is_dataclass(getattr(o, "Params", None))]
+    return [o.Params for o in owners if isinstance(o.Params, type) and dataclasses.is_dataclass(o.Params)]
 
 
 def method_params(name: str) -> list[type]:

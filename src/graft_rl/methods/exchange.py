@@ -24,7 +24,7 @@ order of policies in the config. With two policies this is the paper's rule.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -89,7 +89,7 @@ class ReceiverBatch:
             out[r.group].append(i)
         return out
 
-    def family_stats(self, family: dict[str, str], own: list[RolloutGroup]) -> dict:
+    def family_stats(self, family: Mapping[str, str], own: list[RolloutGroup]) -> dict:
         """Per prompt family (``subject``): own groups, own all-fail groups, prompts with peer data
         (grafted groups; SGT's auxiliary response), and grafted peer responses with those the gate
         admitted (weight > 0): counts, pooled by the report."""
@@ -288,8 +288,6 @@ def register_composition(name: str, **attrs) -> Callable:
     auxiliary targets: an ``aux_loss`` is needed), ``every_prompt`` (it receives a peer group on every
     prompt, ``ctx.selected`` telling the selected ones), ``keeps_cut`` (a peer response longer than
     the receiver's budget stays in the loss, cut, instead of leaving it)."""
-    for key in ("pools", "aux", "every_prompt", "keeps_cut"):
-        attrs.setdefault(key, False)
     return COMPOSITIONS.register(name, **attrs)
 
 
@@ -361,7 +359,7 @@ class Exchange:
             for q in torch.nonzero(mask).flatten().tolist():
                 from_peer[q] = peer
         pooled_with = {}  # every_prompt: prompt -> the peer whose group it pools when none was selected
-        if getattr(self.composition, "every_prompt", False) and len(groups) > 1:
+        if self.composition.every_prompt and len(groups) > 1:
             every, _ = Every(self.cfg).select(receiver, k, group_n, live, gen)  # deterministic: no draw
             for peer, mask in every.items():
                 pooled_with.update({q: peer for q in torch.nonzero(mask).flatten().tolist()})

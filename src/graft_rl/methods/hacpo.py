@@ -84,7 +84,7 @@ def hacpo_loss(lp, old, mask, ctx: LossContext):
     index, scaled by the capability ratio ``kappa`` (:func:`graft_rl.algo.hacpo_policy_loss`)."""
     c = ctx.cfg
     kappa = ctx.extras.get("kappa", torch.ones_like(ctx.adv))
-    return algo.hacpo_policy_loss(
+    loss, stats = algo.hacpo_policy_loss(
         lp,
         old,
         ctx.src_mean,
@@ -98,6 +98,8 @@ def hacpo_loss(lp, old, mask, ctx: LossContext):
         c.hacpo_peer_clip_start,
         c.hacpo_peer_clip_increment,
     )
+    stats["clipped"] = stats.pop("clipped_seq")  # whole responses, by its own schedule of bounds
+    return loss, stats
 
 
 @register_composition("hacpo_pool", pools=True, every_prompt=True, keeps_cut=True)

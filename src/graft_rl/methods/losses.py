@@ -13,8 +13,13 @@ source's mean log-prob, method numbers such as HACPO's ``kappa``, the update ind
 - ``loss_mask`` (optional): tokens left out of the loss, e.g. HACPO's final EOS;
 - ``Params`` (optional): its own ``method.KEY`` keys; ``check`` (optional): bounds them.
 
-A loss that returns ``clipped_seq`` (``[m]`` bool) in its stats clips whole responses; the objective
-counts their tokens as clipped in the self/peer diagnostics (Table 9).
+- ``clips`` (default True): whether it clips. Each loss reports what it clipped: ``clipped`` in its
+  stats, a bool ``[m, T]`` (the tokens it clipped) or ``[m]`` (whole responses, e.g. GSPO's sequence
+  ratio; all their tokens count as clipped). The objective only adds these up for the self/peer
+  clipped-token fractions of the paper's Table 9, over the tokens the loss trains (weight non-zero).
+  A loss declared ``clips=False`` reports 0; one that clips but returns no ``clipped`` has no such
+  diagnostics (none is computed on its behalf). ``clipped_seq`` is read as ``clipped`` ``[m]`` (its
+  name before 0.x; deprecated).
 
 An auxiliary loss is ``fn(lp, aux_mask, cfg) -> loss``: the token mean over auxiliary targets' tokens
 (SGT's NLL), added with the minibatch's token-mean weighting. The equations are in :mod:`graft_rl.algo`.
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -49,6 +54,17 @@ class LossContext:
     step: int = 0
     update_index: int = 0
 
+    def rows(self, keep: torch.Tensor) -> LossContext:
+        """The same context for the rows ``keep`` selects (``[m]`` bool or indices)."""
+        return replace(
+            self,
+            adv=self.adv[keep],
+            weight=self.weight[keep],
+            is_peer=self.is_peer[keep],
+            src_mean=self.src_mean[keep],
+            extras={k: v[keep] for k, v in self.extras.items()},
+        )
+
 
 def register_loss(
     name: str,
@@ -58,14 +74,20 @@ def register_loss(
     loss_mask=None,
     Params=None,
     check=None,
+    clips: bool = True,
 ) -> Callable:
     """Decorator: make ``fn(lp, old, mask, ctx) -> (loss, stats)`` available as ``method.loss: NAME``.
     ``weighted``: it applies ``ctx.weight`` (the compatibility weighting); a loss that does not must be
-    used with ``method.weighting: none``."""
-    if aggregation not in ("token_mean", "response_mean") or kl not in ("token_mean", "own_response_mean"):
-        raise ValueError(f"loss {name!r}: aggregation token_mean|response_mean, kl token_mean|own_response_mean")
+    used with ``method.weighting: none``. ``clips``: it clips, and says what in ``stats["clipped"]``."""
     return LOSSES.register(
-        name, aggregation=aggregation, kl=kl, weighted=weighted, loss_mask=loss_mask, Params=Params, check=check
+        name,
+        aggregation=aggregation,
+        kl=kl,
+        weighted=weighted,
+        loss_mask=loss_mask,
+        Params=Params,
+        check=check,
+        clips=clips,
     )
 
 
@@ -81,7 +103,9 @@ def token_mean_clip(lp, old, mask, ctx: LossContext):
     (:func:`graft_rl.algo.policy_loss`); ``ratio: sequence`` is the paper's sequence-ratio ablation."""
     c = ctx.cfg
     ratio: Literal["token", "sequence"] = "sequence" if c.ratio == "sequence" else "token"
-    return algo.policy_loss(lp, old, ctx.adv, mask, ctx.weight, c.eps_low, c.eps_high, ratio)
+    loss, stats = algo.policy_loss(lp, old, ctx.adv, mask, ctx.weight, c.eps_low, c.eps_high, ratio)
+    stats["clipped"] = algo.clipped_token_mask(lp, old, ctx.adv, mask, ctx.weight, c.eps_low, c.eps_high, ratio)
+    return loss, stats
 
 
 # --------------------------------------------------------------------------- GSPO
@@ -101,7 +125,9 @@ def gspo(lp, old, mask, ctx: LossContext):
     range, mean over responses (:func:`graft_rl.algo.gspo_policy_loss`). The compatibility weight scales
     each peer response's term, as in GRAFT's token loss."""
     c = ctx.cfg
-    return algo.gspo_policy_loss(lp, old, ctx.adv, mask, ctx.weight, c.gspo_clip_low, c.gspo_clip_high)
+    loss, stats = algo.gspo_policy_loss(lp, old, ctx.adv, mask, ctx.weight, c.gspo_clip_low, c.gspo_clip_high)
+    stats["clipped"] = stats.pop("clipped_seq")  # whole responses
+    return loss, stats
 
 
 # --------------------------------------------------------------------------- auxiliary losses

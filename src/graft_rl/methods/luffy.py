@@ -31,7 +31,11 @@ def luffy(lp, old, mask, ctx: LossContext):
     """LUFFY (Appendix B): own tokens the clipped surrogate, peer tokens the shaped, unclipped one
     ``f(x) = x / (x + gamma)`` (:func:`graft_rl.algo.luffy_policy_loss`)."""
     c = ctx.cfg
-    return algo.luffy_policy_loss(lp, old, ctx.adv, mask, ctx.is_peer, c.luffy_gamma, c.eps_low, c.eps_high)
+    loss, stats = algo.luffy_policy_loss(lp, old, ctx.adv, mask, ctx.is_peer, c.luffy_gamma, c.eps_low, c.eps_high)
+    # own tokens: the clipped surrogate; peer tokens are never clipped
+    own = algo.clipped_token_mask(lp, old, ctx.adv, mask, None, c.eps_low, c.eps_high)
+    stats["clipped"] = own & ~ctx.is_peer.bool().unsqueeze(1)
+    return loss, stats
 
 
 @register_method("luffy")

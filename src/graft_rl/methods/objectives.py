@@ -17,7 +17,7 @@ import torch
 from graft_rl import algo
 from graft_rl.methods.config import MethodConfig
 from graft_rl.methods.losses import LossContext
-from graft_rl.methods.registry import AUX_LOSSES, LOSSES
+from graft_rl.methods.registry import AUX_LOSSES, LOSSES, LossPart, Part
 
 __all__ = ["Minibatch", "Objective", "RowTensors"]
 
@@ -79,54 +79,23 @@ class RowTensors:
         return self.mask[rows] * keep[:, None]
 
 
-@dataclass
-class Minibatch:
-    """What every micro-batch of one minibatch shares: its rows, the step and update index, and the
-    minibatch-wide normalisers: ``rl_tokens`` (its policy-gradient tokens), ``responses`` (its included,
-    non-auxiliary responses) and ``aux_tokens`` (its auxiliary targets' tokens)."""
-
-    t: RowTensors
-    rows: torch.Tensor
-    step: int
-    update_index: int
-    rl_tokens: float
-    responses: float = 0.0
-    aux_tokens: float = 0.0
-
-
-def _clip_counts(lp, old, adv, mask, eps_low, eps_high) -> tuple[float, float]:
-    """(clipped tokens, tokens) of the token-clipped surrogate, for self/peer diagnostics (Table 9)."""
-    with torch.no_grad():
-        _, st = algo.policy_loss(lp.detach(), old, adv, mask, None, eps_low, eps_high)
-        return float(st["clip_frac"] * st["num_active_tokens"]), float(st["num_active_tokens"])
-
-
 class Objective:
     """A receiver's minibatch loss from its parts: ``loss`` (a :func:`~graft_rl.methods.losses.register_loss`
     entry; default ``cfg.loss``) and ``aux_loss`` (default ``cfg.aux_loss``)."""
 
-    def __init__(self, cfg: MethodConfig, loss=None, aux_loss=None):
+    def __init__(self, cfg: MethodConfig, loss: LossPart | None = None, aux_loss: Part | None = None):
         self.cfg = cfg
-        self.loss = loss if loss is not None else LOSSES.get(cfg.part_name("loss"))
-        self.aux_loss = aux_loss if aux_loss is not None else AUX_LOSSES.get(cfg.part_name("aux_loss"))
+        self.loss: LossPart = loss if loss is not None else LOSSES.get(cfg.part_name("loss"))
+        self.aux_loss: Part = aux_loss if aux_loss is not None else AUX_LOSSES.get(cfg.part_name("aux_loss"))
 
-    def minibatch(self, t: RowTensors, mb_rows: list[int], step: int, update_index: int = 0):
-        """A ``loss_fn(lp, mask, micro_rows)`` closure for :meth:`Policy.update`; ``micro_rows`` index ``mb_rows``.
-
-        ``update_index``: this minibatch's position among the step's updates (0, 1, ...)."""
-        mb = self.prepare(t, mb_rows, step, update_index)
-
-        def fn(lp, mask, micro):
-            return self.micro(lp, mb, mb.rows[torch.tensor(micro)])
-
-        return fn
-
-    def prepare(self, t: RowTensors, mb_rows: list[int], step: int, update_index: int) -> Minibatch:
-        """The minibatch-wide quantities (computed once, before its micro-batches)."""
+    def minibatch(self, t: RowTensors, mb_rows: list[int], step: int, update_index: int = 0) -> Minibatch:
+        """The :class:`Minibatch` of batch rows ``mb_rows``, its minibatch-wide quantities computed once,
+        before its micro-batches; ``update_index``: its position among the step's updates (0, 1, ...)."""
         responses = float(sum(1 for r in mb_rows if bool(t.include[r]) and not bool(t.is_aux[r])))
         return Minibatch(
+            self,
             t,
-            torch.tensor(mb_rows),
+            list(mb_rows),
             step,
             update_index,
             float(t.rl_mask(mb_rows).sum()),
@@ -149,55 +118,64 @@ class Objective:
         )
 
     def micro(self, lp: torch.Tensor, mb: Minibatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """One micro-batch's ``(loss contribution, stats)``; ``lp``: its current log-probs ``[m, T]``."""
-        if getattr(self.loss, "aggregation", "token_mean") == "response_mean":
-            return self._per_response(lp, mb, rows)
+        """One micro-batch's ``(loss contribution, stats)``; ``lp``: its current log-probs ``[m, T]``.
+
+        The loss is weighed by the micro-batch's share of the minibatch as it declares: a ``token_mean``
+        loss by its policy-gradient tokens, a ``response_mean`` one by its responses (rows without
+        tokens left out of it). Then the KL term and the auxiliary loss; the stats carry the loss's own
+        self/peer clipped-token counts (:meth:`clip_counts`)."""
         t = mb.t
         T = lp.shape[1]
-        old = t.old_for(rows, lp)
         rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
-        loss, stats = self.loss(lp, old, rl_mask, self.context(mb, rows, lp.device))
+        old = t.old_for(rows, lp)
+        ctx = self.context(mb, rows, lp.device)
+        if self.loss.aggregation == "response_mean":
+            valid = rl_mask.sum(dim=1) > 0
+            if not bool(valid.any()):
+                return lp.sum() * 0.0, {}
+            own = valid & ~ctx.is_peer
+            ctx = ctx.rows(valid)
+            loss, st = self.loss(lp[valid], old[valid], rl_mask[valid], ctx)
+            stats = self.clip_counts(st, rl_mask[valid], ctx)
+            total = loss * (float(valid.sum()) / max(mb.responses, 1.0))
+            if self.loss.kl == "own_response_mean":
+                total = self._own_response_kl(lp, mb, rows, rl_mask, own, total, stats)
+            else:
+                total = self.with_kl(lp, mb, rows, rl_mask, total, stats)
+            return self.with_aux(lp, mb, rows, total), stats
+        loss, st = self.loss(lp, old, rl_mask, ctx)
+        stats = self.clip_counts(st, rl_mask, ctx)
         total = loss * (float(rl_mask.sum()) / mb.rl_tokens) if mb.rl_tokens > 0 else lp.sum() * 0.0
         total = self.with_kl(lp, mb, rows, rl_mask, total, stats)
-        total = self.with_aux(lp, mb, rows, total)
-        # self vs peer clipping (paper Appendix H, Table 9): counts, summed by the worker
-        adv = t.adv[rows].to(lp.device)
-        peer = t.is_peer[rows].to(lp.device)
-        for name, sel in (("self", ~peer), ("peer", peer)):
-            m = rl_mask * sel.float()[:, None]
-            c, n = _clip_counts(lp, old, adv, m, self.cfg.eps_low, self.cfg.eps_high)
-            stats[f"clipped_tokens_{name}"] = c
-            stats[f"tokens_{name}"] = n
-        return total, stats
-
-    def _per_response(self, lp, mb: Minibatch, rows) -> tuple[torch.Tensor, dict]:
-        """A ``response_mean`` loss: a micro-batch contributes ``its responses / the minibatch's``
-        (rows without policy-gradient tokens left out)."""
-        t = mb.t
-        T = lp.shape[1]
-        rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
-        valid = rl_mask.sum(dim=1) > 0
-        if not bool(valid.any()):
-            return lp.sum() * 0.0, {}
-        ctx = self.context(mb, rows, lp.device)
-        own = valid & ~ctx.is_peer
-        for key in ("adv", "weight", "is_peer", "src_mean"):
-            setattr(ctx, key, getattr(ctx, key)[valid])
-        ctx.extras = {k: v[valid] for k, v in ctx.extras.items()}
-        loss, st = self.loss(lp[valid], t.old_for(rows, lp)[valid], rl_mask[valid], ctx)
-        # self / peer clipped-token fractions (Table 9 diagnostics): a clipped sequence ratio clips all its tokens
-        tokens = rl_mask[valid].sum(1)
-        clipped = st.pop("clipped_seq").to(tokens.dtype)
-        stats = {k: float(v) for k, v in st.items()}
-        for name, sel in (("self", ~ctx.is_peer), ("peer", ctx.is_peer)):
-            stats[f"clipped_tokens_{name}"] = float((clipped * tokens * sel.to(tokens.dtype)).sum())
-            stats[f"tokens_{name}"] = float((tokens * sel.to(tokens.dtype)).sum())
-        total = loss * (float(valid.sum()) / max(mb.responses, 1.0))
-        if getattr(self.loss, "kl", "token_mean") == "own_response_mean":
-            total = self._own_response_kl(lp, mb, rows, rl_mask, own, total, stats)
-        else:
-            total = self.with_kl(lp, mb, rows, rl_mask, total, stats)
         return self.with_aux(lp, mb, rows, total), stats
+
+    def clip_counts(self, st: dict, mask: torch.Tensor, ctx: LossContext) -> dict:
+        """The loss's stats as floats, with its self/peer clipped-token counts (paper Appendix H, Table 9)
+        from what it says it clipped (``clipped``: ``[m, T]`` tokens or ``[m]`` responses), over the
+        tokens it trains: ``mask``'s, of rows whose weight is non-zero where the loss applies the weight
+        (a gate-rejected peer response is not trained, so neither clipped nor counted). A loss declared ``clips=False`` clipped
+        nothing; one that clips and says nothing gets no counts. The worker sums them over updates."""
+        st = dict(st)
+        clipped = st.pop("clipped", None)
+        if clipped is None:
+            clipped = st.pop("clipped_seq", None)  # deprecated name of a [m] mask
+        stats = {k: float(v) for k, v in st.items()}
+        if clipped is None and self.loss.clips:
+            return stats
+        trained = mask
+        if self.loss.weighted:  # a loss that ignores the weight trains every row
+            trained = mask * (ctx.weight != 0).to(mask.dtype)[:, None]
+        if clipped is None:
+            hit = torch.zeros_like(trained)
+        elif clipped.dim() == 1:
+            hit = trained * clipped.to(trained.dtype)[:, None]
+        else:
+            hit = trained * clipped[:, : trained.shape[1]].to(trained.dtype)
+        peer = ctx.is_peer.to(trained.dtype)[:, None]
+        for name, sel in (("self", 1.0 - peer), ("peer", peer)):
+            stats[f"clipped_tokens_{name}"] = float((hit * sel).sum())
+            stats[f"tokens_{name}"] = float((trained * sel).sum())
+        return stats
 
     def with_kl(self, lp, mb: Minibatch, rows, rl_mask, total, stats: dict):
         """``total`` plus ``kl_coef`` x the token-mean k3 KL to the reference over the minibatch's
@@ -230,3 +208,31 @@ class Objective:
             return total
         aux = self.aux_loss(lp, aux_mask, self.cfg)
         return total if aux is None else total + aux * (float(aux_mask.sum()) / mb.aux_tokens)
+
+
+@dataclass
+class Minibatch:
+    """One minibatch of a receiver's step: its ``rows`` (batch row indices, in the order the update gets
+    them), the step and update index, and the minibatch-wide normalisers: ``rl_tokens`` (its
+    policy-gradient tokens), ``responses`` (its included, non-auxiliary responses) and ``aux_tokens``
+    (its auxiliary targets' tokens). :meth:`loss` is the ``loss_fn`` of :meth:`Policy.update`."""
+
+    objective: Objective
+    t: RowTensors
+    rows: list[int]
+    step: int
+    update_index: int
+    rl_tokens: float
+    responses: float = 0.0
+    aux_tokens: float = 0.0
+
+    def batch_rows(self, micro: list[int]) -> torch.Tensor:
+        """The batch rows of a micro-batch; ``micro``: positions in this minibatch, as
+        :meth:`Policy.update` passes them (its passes are cut from ``batch.select(rows)``)."""
+        return torch.tensor([self.rows[i] for i in micro])
+
+    def loss(self, lp: torch.Tensor, mask: torch.Tensor, micro: list[int]) -> tuple[torch.Tensor, dict]:
+        """A micro-batch's contribution to this minibatch's loss, and its stats (:meth:`Objective.micro`)."""
+        return self.objective.micro(lp, self, self.batch_rows(micro))
+
+    __call__ = loss

@@ -19,7 +19,7 @@ import torch
 from graft_rl import algo
 from graft_rl.methods.config import MethodConfig
 from graft_rl.methods.exchange import ReceiverBatch
-from graft_rl.methods.objectives import Objective, RowTensors
+from graft_rl.methods.objectives import Minibatch, Objective, RowTensors
 from graft_rl.methods.registry import COMPOSITIONS, WEIGHTINGS
 
 __all__ = ["Receiver", "Weighed", "exchange_stats"]
@@ -63,11 +63,9 @@ class Receiver:
         the loss unless the composition keeps them; the loss's ``loss_mask`` edits ``mask`` in place."""
         weights = [r.weight for r in batch.rows]
         included = [r.include for r in batch.rows]
-        for i in (
-            [] if getattr(self.composition, "keeps_cut", False) else cut
-        ):  # a peer response longer than this policy's
+        for i in [] if self.composition.keeps_cut else cut:  # a peer response longer than this policy's
             included[i] = False  # budget: it could never have produced it, and the answer may be cut
-        loss_mask = getattr(self.objective.loss, "loss_mask", None)
+        loss_mask = self.objective.loss.loss_mask
         if loss_mask is not None:
             loss_mask(response_ids, mask, eos_token_ids)
         old = torch.zeros(mask.shape)  # pi_old, filled where it is needed before the first update
@@ -147,9 +145,10 @@ class Receiver:
             extras=extras,
         )
 
-    def loss(self, t: RowTensors, rows: list[int], step: int, update_index: int):
-        """The ``loss_fn`` of one minibatch for :meth:`Policy.update`."""
-        return self.objective.minibatch(t, rows, step, update_index)
+    def minibatches(self, t: RowTensors, order: list[list[int]], step: int) -> list[Minibatch]:
+        """The step's minibatches (:meth:`order`) as :class:`Minibatch` objects, each owning its batch rows
+        and its loss (``Policy.update(tokens.select(mb.rows), mb.loss)``)."""
+        return [self.objective.minibatch(t, rows, step, i) for i, rows in enumerate(order)]
 
 
 def exchange_stats(batch: ReceiverBatch, w: Weighed) -> dict:

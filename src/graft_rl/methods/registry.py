@@ -24,13 +24,18 @@ import importlib.util
 import sys
 import types
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar
 
 from graft_rl.errors import ConfigError
 
 __all__ = [
     "ADVANTAGES",
+    "AdvantagePart",
+    "CompositionPart",
+    "LossPart",
+    "Part",
     "AUX_LOSSES",
     "COMPOSITIONS",
     "LOSSES",
@@ -48,24 +53,100 @@ __all__ = [
 ]
 
 
-class Registry:
-    """Name -> part of one kind (``kind``: the config key that chooses it, e.g. ``"advantage"``)."""
+@dataclass(frozen=True)
+class Part:
+    """A registered part: ``fn`` (a function, or a class whose instances do the work) and what it
+    declares, each declaration a typed field whose default is written here once. Calling the part calls
+    ``fn``. ``Params``: its own ``method.KEY`` keys (a dataclass); ``check``: bounds them."""
 
-    def __init__(self, kind: str):
+    name: str
+    fn: Any
+    Params: type | None = None
+    check: Callable[[Any], None] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class AdvantagePart(Part):
+    """``needs_pool``: it compares a receiver's group with a peer's (only a pooling composition can use
+    it); ``needs_capability``: it reads each policy's capability (a method that tracks it)."""
+
+    needs_pool: bool = False
+    needs_capability: bool = False
+
+
+@dataclass(frozen=True)
+class CompositionPart(Part):
+    """``pools``: its groups mix own and peer responses; ``aux``: it adds auxiliary targets (an
+    ``aux_loss`` is needed); ``every_prompt``: it receives a peer group on every prompt; ``keeps_cut``: a
+    peer response longer than the receiver's budget stays in the loss, cut."""
+
+    pools: bool = False
+    aux: bool = False
+    every_prompt: bool = False
+    keeps_cut: bool = False
+
+
+@dataclass(frozen=True)
+class LossPart(Part):
+    """``aggregation``: ``token_mean`` or ``response_mean``; ``kl``: ``token_mean`` or
+    ``own_response_mean``; ``weighted``: it applies the compatibility weight; ``loss_mask``: edits the
+    tokens it trains (HACPO's final EOS); ``clips``: it clips, and says what (:mod:`~graft_rl.methods.losses`)."""
+
+    aggregation: Literal["token_mean", "response_mean"] = "token_mean"
+    kl: Literal["token_mean", "own_response_mean"] = "token_mean"
+    weighted: bool = True
+    loss_mask: Callable[..., None] | None = None
+    clips: bool = True
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in ("token_mean", "response_mean") or self.kl not in (
+            "token_mean",
+            "own_response_mean",
+        ):
+            raise ValueError(
+                f"loss {self.name!r}: aggregation token_mean|response_mean, kl token_mean|own_response_mean"
+            )
+
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Name -> entry of one kind (``kind``: the config key that chooses it, e.g. ``"advantage"``). A
+    part registry holds :class:`Part` records (``part``: which record, with which declarations); the
+    method registry (``part=None``) holds the method classes themselves."""
+
+    def __init__(self, kind: str, part: type | None = Part):
         self.kind = kind
-        self._entries: dict[str, Any] = {}
+        self._part = part
+        self._entries: dict[str, T] = {}
 
-    def register(self, name: str, **attrs: Any) -> Callable[[Any], Any]:
-        """Decorator: make the function or class available as ``method.<kind>: NAME``; ``attrs`` are set
-        on it (e.g. a loss's ``aggregation``). A name registered twice by different objects is an error."""
+    def _record(self, name: str, obj: Any, declared: dict[str, Any]) -> T:
+        if self._part is None:
+            return obj
+        try:
+            return self._part(name=name, fn=obj, **declared)
+        except TypeError as exc:
+            raise ValueError(f"{self.kind} {name!r}: {exc}") from None
+
+    def _raw(self, entry: T) -> Any:
+        return entry.fn if isinstance(entry, Part) else entry
+
+    def register(self, name: str, **declared: Any) -> Callable[[Any], Any]:
+        """Decorator: make the function or class available as ``method.<kind>: NAME`` with its
+        declarations (e.g. a loss's ``aggregation``); the decorated object is returned as it is. A name
+        registered twice by different objects is an error."""
 
         def deco(obj):
             old = self._entries.get(name)
-            if old is not None and old is not obj and _origin(old) != _origin(obj) and not _same_plugin(old, obj):
-                raise ValueError(f"{self.kind} {name!r} is registered twice ({_origin(old)}, {_origin(obj)})")
-            for key, value in attrs.items():
-                setattr(obj, key, value)
-            self._entries[name] = obj
+            if old is not None:
+                prev = self._raw(old)
+                if prev is not obj and _origin(prev) != _origin(obj) and not _same_plugin(prev, obj):
+                    raise ValueError(f"{self.kind} {name!r} is registered twice ({_origin(prev)}, {_origin(obj)})")
+            self._entries[name] = self._record(name, obj, declared)
             return obj
 
         return deco
@@ -77,23 +158,27 @@ class Registry:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def get(self, key: str, where: str | None = None) -> Any:
-        """The part a key names: a registered name, or ``module:NAME`` / ``file.py:NAME`` (imported now).
-        A key that names nothing is one :class:`~graft_rl.errors.ConfigError` line."""
+    def get(self, key: str, where: str | None = None) -> T:
+        """The entry a key names: a registered name, or ``module:NAME`` / ``file.py:NAME`` (imported now;
+        an object the module registered keeps its declarations, another gets the defaults). A key that
+        names nothing is one :class:`~graft_rl.errors.ConfigError` line."""
         where = where or f"method.{self.kind}"
         if key in self._entries:
             return self._entries[key]
         if isinstance(key, str) and ":" in key:  # resolved each time: the module as imported now
             module, _, attr = key.rpartition(":")
             mod = import_plugin(module, where)
-            obj = getattr(mod, attr, None)
+            obj = vars(mod).get(attr)
             if obj is None:
-                obj = self._entries.get(attr)  # a name the module registered under another
-            if obj is None:
+                if attr in self._entries:  # a name the module registered under another
+                    return self._entries[attr]
                 raise ConfigError(
                     f"{where}: {key!r}: {module} has no {attr!r} (and registers no {self.kind} of that name)"
                 )
-            return obj
+            for entry in self._entries.values():
+                if self._raw(entry) is obj:
+                    return entry
+            return self._record(attr, obj, {})
         close = difflib.get_close_matches(str(key), self.names(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
@@ -112,16 +197,16 @@ def _origin(obj) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
 
-METHODS = Registry("name")
-ADVANTAGES = Registry("advantage")
-SELECTIONS = Registry("selection")
-COMPOSITIONS = Registry("composition")
-WEIGHTINGS = Registry("weighting")
-LOSSES = Registry("loss")
-AUX_LOSSES = Registry("aux_loss")
+METHODS: Registry[Any] = Registry("name", part=None)  # the method classes (graft_rl.methods.base.Method)
+ADVANTAGES: Registry[AdvantagePart] = Registry("advantage", AdvantagePart)
+SELECTIONS: Registry[Part] = Registry("selection")
+COMPOSITIONS: Registry[CompositionPart] = Registry("composition", CompositionPart)
+WEIGHTINGS: Registry[Part] = Registry("weighting")
+LOSSES: Registry[LossPart] = Registry("loss", LossPart)
+AUX_LOSSES: Registry[Part] = Registry("aux_loss")
 
 #: the ``method`` keys that choose a part, and the registry each reads
-PART_KEYS: dict[str, Registry] = {
+PART_KEYS: dict[str, Registry[Any]] = {
     "advantage": ADVANTAGES,
     "selection": SELECTIONS,
     "composition": COMPOSITIONS,
