@@ -258,6 +258,20 @@ def _per_token(x: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
+def _ratio_terms(logprobs, old_logprobs, advantages, mask, ratio):
+    """``(work dtype, mask, log rho, rho, per-token advantages)`` of :func:`policy_loss`'s surrogate:
+    token (or, ``ratio="sequence"``, per-response masked-mean) log-ratios, clamped before ``exp``."""
+    wd = _work_dtype(logprobs)
+    m = mask.to(wd)
+    log_ratio = logprobs.to(wd) - old_logprobs.detach().to(wd)
+    if ratio == "sequence":
+        seq = (log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+        log_ratio = seq.unsqueeze(1).expand_as(m)
+    rho = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    a = _per_token(advantages.detach().to(wd), m, "advantages")
+    return wd, m, log_ratio, rho, a
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -314,14 +328,7 @@ def policy_loss(
         )
     if ratio not in ("token", "sequence"):
         raise ValueError(f"policy_loss: ratio must be 'token' or 'sequence', got {ratio!r}")
-    wd = _work_dtype(logprobs)
-    m = mask.to(wd)
-    log_ratio = logprobs.to(wd) - old_logprobs.detach().to(wd)
-    if ratio == "sequence":
-        seq = (log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
-        log_ratio = seq.unsqueeze(1).expand_as(m)
-    rho = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    a = _per_token(advantages.detach().to(wd), m, "advantages")
+    wd, m, log_ratio, rho, a = _ratio_terms(logprobs, old_logprobs, advantages, mask, ratio)
     surr = rho * a
     surr_clipped = rho.clamp(1.0 - eps_low, 1.0 + eps_high) * a
     objective = torch.minimum(surr, surr_clipped)
@@ -376,14 +383,7 @@ def clipped_token_mask(
         tensor([[ True, False]])
     """
     with torch.no_grad():
-        wd = _work_dtype(logprobs)
-        m = mask.to(wd)
-        log_ratio = logprobs.detach().to(wd) - old_logprobs.detach().to(wd)
-        if ratio == "sequence":
-            seq = (log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
-            log_ratio = seq.unsqueeze(1).expand_as(m)
-        rho = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-        a = _per_token(advantages.detach().to(wd), m, "advantages")
+        _, _, _, rho, a = _ratio_terms(logprobs.detach(), old_logprobs, advantages, mask, ratio)
         clipped = rho.clamp(1.0 - eps_low, 1.0 + eps_high) * a < rho * a
         active = mask.bool()
         if weights is not None:

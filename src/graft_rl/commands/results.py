@@ -6,13 +6,14 @@ runs are comparable."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import os
 import statistics
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from graft_rl.locks import flocked
 
 __all__ = ["SETTINGS", "locked", "merge_eval", "read_results", "check_comparable", "differences", "settings_text"]
 
@@ -24,13 +25,8 @@ SETTINGS = ("samples", "runs", "temperature", "top_p", "limit", "max_new_tokens"
 def locked(path: Path) -> Iterator[None]:
     """An exclusive OS lock (``flock``) for a read-modify-write of ``path``, on ``.NAME.lock`` beside it;
     released on exit (and by the OS if the process dies)."""
-    fd = os.open(path.parent / f".{path.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with flocked(path.parent / f".{path.name}.lock"):
         yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
 
 def read_results(path: Path) -> tuple[dict | None, str | None]:

@@ -30,7 +30,6 @@ on a fraction of a GPU): no holder of a turn then waits on another process.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import inspect
 import os
@@ -39,6 +38,7 @@ import weakref
 
 import torch
 
+from graft_rl.locks import flocked
 from graft_rl.policy import pushcheck
 from graft_rl.policy.types import Sample, SamplingParams
 from graft_rl.seeding import derive_seed
@@ -113,14 +113,8 @@ def gpu_turn(key: str | None):
     if key is None:
         yield
         return
-    path = os.path.join(_turn_dir(), f"graft-rl-gpu-{key}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with flocked(os.path.join(_turn_dir(), f"graft-rl-gpu-{key}.lock"), 0o666):  # every user's processes
         yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
 
 def _sleep_allocator_usage() -> int:
