@@ -15,10 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "graft_rl"
 
-#: docs/design.md's layers: 0 = errors ... 6 = the commands. A folder is a layer; ``errors`` and
-#: ``seeding`` are the two modules at the package's top.
+#: docs/design.md's layers: 0 = errors ... 6 = the commands. A folder is a layer; ``errors``,
+#: ``locks`` and ``seeding`` are the modules at the package's top.
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "locks": 0,
     "seeding": 0,
     "algo": 1,
     "rewards": 2,

@@ -415,9 +415,7 @@ class VLLMBackend:
         stream = self.weights_fn(dtypes if exact else None, ref if streamed else None)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
         missed = {n: dt for n, dt in dtypes.items() if n not in ref}
-        if (
-            streamed and missed
-        ):  # digest_stream: a tensor the stream never made is digested from the state (every rank alike)
+        if missed:  # digest_stream: a tensor the stream never made is digested from the state (every rank alike)
             ref.update(self.digest_fn(missed))
         self._check(ref, "after the push")
         self.full_push = not self.layout.quantized
