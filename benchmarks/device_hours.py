@@ -74,7 +74,7 @@ def one_run(policies: list[str], steps: int, prompt_batch: int, method: str) -> 
     tr.close()
     grafted = sum(ln.get("exchanged_in", 0) or 0 for ln in lines)
     phases = {
-        k: sum(ln.get(f"time_{k}", 0.0) or 0.0 for ln in lines) for k in ("generate", "reward", "score", "update")
+        k: sum(ln.get(f"time_{k}", 0.0) or 0.0 for ln in lines) for k in ("generate", "reward", "logprobs", "update")
     }
     return {"devices": len(policies), "wall": wall, "start": start, "grafted": grafted, **phases}
 
@@ -131,7 +131,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---|---:|---:|---:|")
 
     def phases(r):
-        return " / ".join(f"{r[k]:.1f}" for k in ("generate", "reward", "score", "update"))
+        return " / ".join(f"{r[k]:.1f}" for k in ("generate", "reward", "logprobs", "update"))
 
     for name, r in (("GRPO, policy A alone", grpo["A"]), ("GRPO, policy B alone", grpo["B"])):
         print(f"| {name} | 1 | {r['wall']:.1f} | {r['wall']:.1f} | {phases(r)} | {r['start']:.1f} | - | |")

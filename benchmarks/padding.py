@@ -16,7 +16,7 @@ formed by length (issue 22), and the update throughput that follows.
    second, before and after, median of ``--repeats``.
 
 "Before" is the previous rule (rows in arrival order, a rank takes rows ``rank, rank + W, ...``);
-"after" is :func:`graft_rl.policy.scoring.length_micro_batches` (rows dealt to ranks by length,
+"after" is :func:`graft_rl.policy.logprobs.length_micro_batches` (rows dealt to ranks by length,
 passes cut from length-sorted rows). Prints Markdown tables and ends with the headline line.
 """
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from build_testbed import cpu_model  # noqa: E402
 
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch  # noqa: E402
-from graft_rl.policy.scoring import length_micro_batches  # noqa: E402
+from graft_rl.policy.logprobs import length_micro_batches  # noqa: E402
 
 
 def arrival_order_micro_batches(lengths, budget):

@@ -51,7 +51,7 @@ def main() -> None:
             groups[name] = (
                 tr.workers[name].generate(prompts, tr.sampling, tr.rollouts.generation_seed(name, rep)).get()[0]
             )
-            tr.rollouts.verify(groups[name])
+            tr.rollouts.verify_groups(groups[name])
         times["generate + verify"].append(time.perf_counter() - t0)
         for label, ex in (("GRPO post-rollout (A+B)", grpo_ex), ("GRAFT post-rollout (A+B)", graft_ex)):
             for name, pol in tr.policies.items():  # identical starting weights for both methods

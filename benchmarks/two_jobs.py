@@ -50,7 +50,7 @@ def seconds_per_step(run_dir: Path) -> float:
     per_step: dict[int, float] = {}
     for ln in lines:
         per_step[ln["step"]] = (
-            per_step.get(ln["step"], 0.0) + ln["time_generate"] + ln["time_score"] + ln["time_update"]
+            per_step.get(ln["step"], 0.0) + ln["time_generate"] + ln["time_logprobs"] + ln["time_update"]
         )
     return statistics.median(per_step.values())
 

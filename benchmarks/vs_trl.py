@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PHASES = ("time_generate", "time_score", "time_update")
+PHASES = ("time_generate", "time_logprobs", "time_update")
 #: per-phase seconds of our timed steps (the trainer's own metrics), by runner name
 PHASE_TIMES: dict[str, list[dict]] = {}
 

@@ -8,7 +8,7 @@ Builds a randomly initialised Qwen3-shaped model from a config (nothing fetched 
 then measures, each in its own row of a Markdown table (``--skip`` name in brackets):
 
 1. [generate] ``hf`` generation (KV-cached sampler, bf16 compute over fp32 master weights): tokens/s;
-2. [score] scoring (old log-probs) through the chunked LM head (``fused_logprobs=True``, so the
+2. [logprobs] old log-probs through the chunked LM head (``fused_logprobs=True``, so the
    toy vocabulary of ``--smoke`` takes the same path as the 152k one): tokens/s, peak memory;
 3. [naive] the same scoring through full logits (``fused_logprobs=False``, the path the chunked
    head replaces): peak memory, max |Δ logp| against row 2;
@@ -74,8 +74,8 @@ from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch  # 
 #: --skip name -> row title, in the order the rows run
 ROWS = {
     "generate": "generate (hf, bf16 compute)",
-    "score": "score, chunked LM head",
-    "naive": "score, full logits (replaced path)",
+    "logprobs": "old log-probs, chunked LM head",
+    "naive": "old log-probs, full logits (replaced path)",
     "update": "update, bf16 compute / fp32 master / ckpt",
     "pure": "update, pure bf16 (opt-in)",
     "fsdp": "update, FSDP2 (world 1, ShardedPolicy)",
@@ -304,7 +304,7 @@ def row_generate(c: Check) -> dict:
     return {"tokens": made, "seconds": dt, "tok/s": made / dt, "peak GiB": peak_gib(c.device)}
 
 
-def row_score(c: Check) -> dict:
+def row_logprobs(c: Check) -> dict:
     pol = c.policy()
     peak_reset(c.device)
     c.old, dt = timed(lambda: pol.token_logprobs(c.batch), c.device)
@@ -864,7 +864,7 @@ def row_vllm_share(c: Check) -> dict:
 
 ROW_FNS = {
     "generate": row_generate,
-    "score": row_score,
+    "logprobs": row_logprobs,
     "naive": row_naive,
     "update": row_update,
     "pure": row_pure,
@@ -902,7 +902,7 @@ def _cycle_rules(r: dict) -> list[tuple[str, bool]]:
 #: a row whose rule fails is a failed row, whatever its figures look like.
 RULES = {
     "generate": lambda r: [("tokens generated > 0", r["tokens"] > 0)],
-    "score": lambda r: [("chunked LM head taken", r["fused head"] is True)],
+    "logprobs": lambda r: [("chunked LM head taken", r["fused head"] is True)],
     "naive": lambda r: [("max |Δ logp| vs chunked ≤ 5e-2 (bf16)", r["max |Δ logp| vs chunked"] <= 5e-2)],
     "update": lambda r: [
         ("≥ 99 % of weights with a gradient changed (fp32 master)", r["changed after 3 steps @ lr 1e-6"] >= 0.99)

@@ -35,7 +35,7 @@ def fake_verify(self, groups):
 @pytest.fixture
 def fake_rewards(monkeypatch):
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
 
 
 @pytest.fixture(scope="session")

@@ -206,7 +206,7 @@ def test_no_worker_call_is_made_by_a_string_name():
                 if re.search(r"submit|_call|\.call\(|getattr\(", line):
                     assert not pattern.search(line), f"{path.name}: {line.strip()}"
     typed = {n for n, _ in inspect.getmembers(WorkerHandle, inspect.isfunction)}
-    wanted = {"generate", "train", "score_peers", "evaluate", "save", "load_state", "prompt_bound", "prompt_budget"}
+    wanted = {"generate", "train", "weigh_peers", "evaluate", "save", "load_state", "prompt_bound", "prompt_budget"}
     assert wanted <= typed
 
 

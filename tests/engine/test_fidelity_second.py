@@ -145,7 +145,7 @@ def test_dynamic_sampling_never_puts_a_prompt_in_a_step_twice(make_cfg, monkeypa
             g.rewards = [1.0 if (mixed and i == 0) else 0.0 for i in range(g.n)]
         return {"verify_timeouts": 0, "verify_errors": 0}
 
-    monkeypatch.setattr(Rollouts, "verify", chance)
+    monkeypatch.setattr(Rollouts, "verify_groups", chance)
     cfg = make_cfg(
         {"name": "grpo", "dynamic_sampling": True, "max_num_gen_batches": 0}, steps=1, run="dapo_dup", prompt_batch=6
     )

@@ -35,7 +35,7 @@ def test_a_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(
 ):
     from runs import fake_verify, quick_eval_args
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     full = Trainer(make_cfg(method, steps=3, run="full", policies=_policies(tiny_pair)), show_progress=False)
     whole = full.run()
     assert all(p.lora is not None and p.reference is None for p in full.policies.values())  # no second model

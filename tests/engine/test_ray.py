@@ -23,7 +23,7 @@ def test_ray_matches_in_process(make_cfg, ray_local, monkeypatch):
     # applied in the driver (the driver verifies rewards in both modes)
     from runs import fake_verify
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     threads = torch.get_num_threads()
     local = Trainer(make_cfg({"name": "graft"}, steps=2, run="local"), show_progress=False)
     local_lines = local.run()
@@ -82,7 +82,7 @@ def test_dead_actor_is_reported_with_its_policy_name(make_cfg, ray_local, monkey
 
     from graft_rl.engine.distributed import ActorDied
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     tr = Trainer(make_cfg({"name": "graft"}, steps=2, run="dies", execution="ray"), show_progress=False)
     tr.run(max_steps=1)
     ray.kill(tr.workers["B"].actor)
@@ -99,7 +99,7 @@ def test_fsdp_policy_groups_match_in_process(make_cfg, ray_local, monkeypatch, t
     from graft_rl.engine.distributed import ActorGroup, get
     from graft_rl.policy import Policy, PolicyConfig
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     pols = [
         {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3, "micro_batch_tokens": 64},
         {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "micro_batch_tokens": 64},
@@ -159,7 +159,7 @@ def test_fsdp_policy_groups_resume_exactly(make_cfg, ray_local, monkeypatch, tin
     gives the uninterrupted sharded run's step 3."""
     from runs import fake_verify
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     pols = [
         {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3, "world_size": 2},
         {"name": "B", "model": str(tiny_pair[1]), "lr": 1e-3, "world_size": 2},
@@ -228,7 +228,7 @@ def test_probe_under_ray_equals_the_in_process_probe(make_cfg, ray_local, monkey
 
     from graft_rl.commands.probe import probe
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     threads = torch.get_num_threads()
     local = probe(make_cfg({"name": "graft"}, run="pl"), out_dir=tmp_path / "l", show=False)
     remote = probe(
@@ -257,7 +257,7 @@ def test_a_resume_that_changes_execution_keeping_threads_is_the_uninterrupted_ru
 
     from graft_rl.engine.rundir import read_log
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     threads = torch.get_num_threads()
     local = {"torch_threads": threads}
     ray_kw = {"execution": "ray", "ray": {"num_cpus": 0.5, "torch_threads": threads}}

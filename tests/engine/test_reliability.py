@@ -118,7 +118,7 @@ def _shared_run(tmp_path_factory, tiny_pair, tiny_data, name: str, max_steps: in
     from runs import cfg_maker, fake_verify
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Rollouts, "verify", fake_verify)
+        mp.setattr(Rollouts, "verify_groups", fake_verify)
         _patch_eval(mp)
         make = _cfg_for(cfg_maker(tmp_path_factory.mktemp("reliability"), tiny_pair, tiny_data), tiny_data)
         tr = Trainer(make(name), show_progress=False)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from metric_docs import undocumented
 from runs import EXPECTED_A_TO_B, EXPECTED_B_TO_A, K
 
 from graft_rl import algo
@@ -57,6 +58,8 @@ def test_every_method_runs_two_steps(method, make_cfg, fake_rewards):
     assert store.steps("A") == [1, 2] and store.steps("B") == [1, 2]
     metrics = [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4
+    assert not undocumented(metrics), "metric keys missing from docs/metrics.md"
+    assert not undocumented(read_log(tr.run_dir / "validation.jsonl")[0], "validation.jsonl")
     if method in ("graft", "graft_pooled", "luffy"):
         assert {ln["policy"]: ln["exchanged_in"] for ln in lines[:2]} == {"A": 2.0, "B": 2.0}
     if method == "graft_no_balance":

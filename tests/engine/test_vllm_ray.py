@@ -50,7 +50,7 @@ def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(
     from graft_rl.commands.evaluate_cli import run_eval
     from graft_rl.policy import Policy, PolicyConfig
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     vk = {"max_model_len": 512}
     pols = [
@@ -139,7 +139,7 @@ def test_every_rank_engine_samples_its_share_from_the_pushed_weights(make_cfg, v
 
     from graft_rl.policy import Policy, PolicyConfig
 
-    monkeypatch.setattr(Rollouts, "verify", fake_verify)
+    monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     ray.init(
         num_cpus=2,
         include_dashboard=False,

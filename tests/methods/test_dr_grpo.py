@@ -56,7 +56,7 @@ def test_it_trains_with_the_pattern_reward(tmp_path, tiny_pair):
 
     from .test_registry import _cfg, pattern_reward
 
-    tr = Trainer(_cfg(tmp_path, tiny_pair, {"name": "dr_grpo"}), show_progress=False, scorer=pattern_reward)
+    tr = Trainer(_cfg(tmp_path, tiny_pair, {"name": "dr_grpo"}), show_progress=False, reward_groups=pattern_reward)
     try:
         lines = tr.run()
     finally:

@@ -159,7 +159,7 @@ def test_a_method_registered_in_one_place_configures_and_trains(toy_method, tmp_
             _cfg(tmp_path, tiny_pair, {"name": "half_grpo", key: "random"})
     cfg = _cfg(tmp_path, tiny_pair, {"name": "half_grpo", "half_scale": 0.25})
     assert to_dict(cfg)["method"]["half_scale"] == 0.25
-    tr = Trainer(cfg, show_progress=False, scorer=pattern_reward)
+    tr = Trainer(cfg, show_progress=False, reward_groups=pattern_reward)
     try:
         lines = tr.run()
     finally:
@@ -179,13 +179,23 @@ def test_the_trainer_scores_with_the_reward_it_is_given(tmp_path, tiny_pair):
             g.rewards = [0.25] * g.n
         return {}
 
-    tr = Trainer(_cfg(tmp_path, tiny_pair, {"name": "grpo"}), show_progress=False, scorer=constant)
+    tr = Trainer(_cfg(tmp_path, tiny_pair, {"name": "grpo"}), show_progress=False, reward_groups=constant)
     try:
         lines = tr.run(max_steps=1)
     finally:
         tr.close()
     assert len(seen) == 16 and all(ln["reward_mean"] == 0.25 for ln in lines)
     assert all(r == 0.25 for g in seen for r in g.rewards)
+
+    # its old name still works for one version, with a warning; both at once is refused
+    with pytest.warns(DeprecationWarning, match=r"Trainer\(scorer=...\) is deprecated .*reward_groups"):
+        tr = Trainer(_cfg(tmp_path, tiny_pair, {"name": "grpo"}, "old"), show_progress=False, scorer=constant)
+    try:
+        assert tr.run(max_steps=1)[0]["reward_mean"] == 0.25
+    finally:
+        tr.close()
+    with pytest.raises(TypeError, match="give reward_groups= only"):
+        Trainer(_cfg(tmp_path, tiny_pair, {"name": "grpo"}, "both"), reward_groups=constant, scorer=constant)
 
 
 def test_a_config_of_every_method_is_written_flat_and_reloads_identically(tmp_path):
@@ -202,7 +212,7 @@ def test_methods_state_is_checkpointed_through_the_method(tmp_path, tiny_pair):
     from graft_rl.engine.trainer import Trainer
 
     cfg = _cfg(tmp_path, tiny_pair, {"name": "hacpo"}, run="hacpo")
-    tr = Trainer(cfg, show_progress=False, scorer=pattern_reward)
+    tr = Trainer(cfg, show_progress=False, reward_groups=pattern_reward)
     try:
         tr.run()
         history = {k: list(v) for k, v in tr.method.success_history.items()}

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graft_rl.policy import Policy, PolicyConfig
-from graft_rl.policy.scoring import PASS_OVERHEAD, length_micro_batches
+from graft_rl.policy.logprobs import PASS_OVERHEAD, length_micro_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from padding import arrival_order_micro_batches  # noqa: E402  (the rule before issue 22, as the benchmark runs it)

@@ -130,8 +130,8 @@ def test_cross_tokenizer_scoring(pol_a, pol_b):
 def test_scoring_is_independent_of_micro_batching(tiny_pair, pol_b):
     small = Policy(PolicyConfig("B2", str(tiny_pair[1]), micro_batch_tokens=40, logprob_chunk=7))
     texts = ["a" * n for n in (1, 5, 17, 30)]
-    lp1, m1 = pol_b.score_texts(["q"] * 4, texts)
-    lp2, m2 = small.score_texts(["q"] * 4, texts)
+    lp1, m1 = pol_b.text_logprobs(["q"] * 4, texts)
+    lp2, m2 = small.text_logprobs(["q"] * 4, texts)
     assert torch.equal(m1, m2) and torch.allclose(lp1, lp2, atol=1e-5)
 
 
@@ -326,7 +326,7 @@ def test_token_batch_mask():
 
 def test_bfloat16_policy_scores(tiny_pair):
     pol = Policy(PolicyConfig("A16", str(tiny_pair[0]), dtype="bfloat16"))
-    lp, mask = pol.score_texts(["Q"], ["hello \\boxed{1}"])
+    lp, mask = pol.text_logprobs(["Q"], ["hello \\boxed{1}"])
     assert lp.dtype == torch.float32 and torch.isfinite(lp).all() and mask.sum() > 0
 
 

@@ -51,7 +51,7 @@ def test_smollm2_and_gemma3_generate_and_cross_score(tmp_path):
         gen = [x for g in groups for x in g.gen_logprobs]
         assert max(abs(own_lp[i, j].item() - gen[i][j]) for i in range(len(gen)) for j in range(len(gen[i]))) < 1e-3
         # the receiver scores the same texts under its own tokenizer and formatting
-        recv_lp, recv_mask = recv.score_texts(problems, texts, finished)
+        recv_lp, recv_mask = recv.text_logprobs(problems, texts, finished)
         src_mean = torch.tensor([sum(x) / len(x) for x in gen])
         s = compatibility_score(mean_token_logprob(recv_lp, recv_mask), src_mean)
         w = compatibility_weight(s)

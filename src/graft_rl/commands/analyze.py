@@ -37,7 +37,7 @@ __all__ = [
     "report",
 ]
 
-PHASES = ("time_generate", "time_reward", "time_score", "time_update")
+PHASES = ("time_generate", "time_reward", "time_logprobs", "time_update")
 
 
 class AnalysisError(ValueError):
@@ -528,7 +528,7 @@ def _report_cases(cases: list[dict]) -> list[str]:
 def _report_compute(a: Analysis) -> list[str]:
     """Compute accounting (Table 5); the best step by the trainer's own rule (rundir.best_steps)."""
     lines = [
-        "| policy | generate s | reward s | score s | update s | total s | best step | s to best |",
+        "| policy | generate s | reward s | log-probs s | update s | total s | best step | s to best |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     step_time: dict[int, float] = defaultdict(float)
@@ -540,7 +540,7 @@ def _report_compute(a: Analysis) -> list[str]:
         best = a.best.get(p)
         to_best = sum(sum(m.get(k) or 0 for k in PHASES) for m in a.by_pol[p] if best is not None and m["step"] <= best)
         lines.append(
-            f"| {p} | {sums['time_generate']:.1f} | {sums['time_reward']:.1f} | {sums['time_score']:.1f} | "
+            f"| {p} | {sums['time_generate']:.1f} | {sums['time_reward']:.1f} | {sums['time_logprobs']:.1f} | "
             f"{sums['time_update']:.1f} | {sum(sums.values()):.1f} | {best if best is not None else '-'} | "
             f"{to_best:.1f} |"
         )

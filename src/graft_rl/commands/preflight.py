@@ -311,8 +311,8 @@ def _pattern_trainer(names_seen: dict):
     class PatternRollouts(Rollouts):
         """Runs the config's reward on every response (counted), then trains on :func:`pattern_rewards`."""
 
-        def verify(self, groups):
-            st = super().verify(groups)
+        def verify_groups(self, groups):
+            st = super().verify_groups(groups)
             names_seen["responses"] = names_seen.get("responses", 0) + sum(g.n for g in groups)
             names_seen["correct"] = names_seen.get("correct", 0) + sum(g.k for g in groups)
             for key in ("verify_timeouts", "verify_errors", "verify_over_budget"):

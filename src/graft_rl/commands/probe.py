@@ -6,11 +6,11 @@ data at the start of training, so they can be measured in minutes: each policy s
 ``n`` responses for ``--limit`` training prompts, the rewards are verified, and the trainer's own
 step phases run up to (not including) the update:
 
-- :meth:`Rollouts.generate`, :meth:`Rollouts.score` (generation, verification) and :meth:`Trainer.exchange`
+- :meth:`Rollouts.generate`, :meth:`Rollouts.verify` (generation, verification) and :meth:`Trainer.exchange`
   (selection, balanced exchange, source advantages) — the same calls a training step makes, with the
   same seeds, so the probe's first batch *is* training step 1's when ``--limit`` equals
   ``prompt_batch``;
-- :meth:`PolicyWorker.score_peers` — the receiver's compatibility scores and gate weights from the
+- :meth:`PolicyWorker.weigh_peers` — the receiver's compatibility scores and gate weights from the
   code :meth:`PolicyWorker.train` uses, on the grafted groups (what a step would train on) and, to
   measure more responses, on every complementary candidate (the same build with balancing off);
 - :func:`graft_rl.commands.analyze.complementarity` and :func:`~graft_rl.commands.analyze.compatibility_stats` — the
@@ -117,7 +117,7 @@ def probe(
     try:
         bar = tqdm(range(1, pcfg.steps + 1), desc="graft probe", unit="batch", disable=not show)
         for step in bar:
-            groups, lines = tr.rollouts.score(step, tr.rollouts.generate(step, tr.policies))
+            groups, lines = tr.rollouts.verify(step, tr.rollouts.generate(step, tr.policies))
             if tr.family:
                 family.update({g.prompt_id: tr.family[g.prompt_id] for gs in groups.values() for g in gs})
             for name in tr.policies:
@@ -131,12 +131,12 @@ def probe(
                     pcfg.seed, Purpose.UPDATE, step, tr.names.index(recv)
                 )  # the seed training step `step` uses
                 budget = tr.samplings[recv].max_new_tokens
-                pending[recv] = tr.workers[recv].score_peers(batches[recv], seed, pcfg.temperature, budget)
+                pending[recv] = tr.workers[recv].weigh_peers(batches[recv], seed, pcfg.temperature, budget)
                 gen = torch.Generator().manual_seed(
                     derive_seed(pcfg.seed, Purpose.EXCHANGE, step, tr.names.index(recv))
                 )
                 cb = unbalanced.build(recv, groups, tr.live, pcfg.n, gen)
-                pending_c[recv] = tr.workers[recv].score_peers(cb, seed, pcfg.temperature, budget)
+                pending_c[recv] = tr.workers[recv].weigh_peers(cb, seed, pcfg.temperature, budget)
             for recv in names:
                 for r in pending[recv].get():
                     scored[(r["source"], recv)].append(r)

@@ -53,7 +53,7 @@ def run_summary(run_dir: str | Path) -> list[dict]:
                 "seconds": sum(
                     (ln.get("time_generate") or 0)
                     + (ln.get("time_reward") or 0)
-                    + (ln.get("time_score") or 0)
+                    + (ln.get("time_logprobs") or 0)
                     + (ln.get("time_update") or 0)
                     for ln in mine
                 ),

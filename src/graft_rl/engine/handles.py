@@ -55,9 +55,9 @@ class WorkerHandle:
         """The receiver's update on its batch (:meth:`PolicyWorker.train`): a ``ReceiverUpdate``."""
         return self._submit(PolicyWorker.train, batch, step, seed, temperature, max_new_tokens)
 
-    def score_peers(self, batch, seed: int, temperature: float, max_new_tokens: int | None) -> Pending:
-        """What :meth:`train` computes for the peer rows, without updating (:meth:`PolicyWorker.score_peers`)."""
-        return self._submit(PolicyWorker.score_peers, batch, seed, temperature, max_new_tokens)
+    def weigh_peers(self, batch, seed: int, temperature: float, max_new_tokens: int | None) -> Pending:
+        """What :meth:`train` computes for the peer rows, without updating (:meth:`PolicyWorker.weigh_peers`)."""
+        return self._submit(PolicyWorker.weigh_peers, batch, seed, temperature, max_new_tokens)
 
     def evaluate(self, problems, reward, samples, temperature, top_p, max_new_tokens, seed, timeout, budget) -> Pending:
         """pass@1 of the policy on ``problems`` (:meth:`PolicyWorker.evaluate`)."""

@@ -2,8 +2,8 @@
 
 :class:`Rollouts` is the trainer's collaborator for steps 1 and 2 of a step: which prompts a step
 draws, every policy's generation (:meth:`Rollouts.generate`, started on its worker, so under Ray the
-policies sample at once), then :meth:`Rollouts.score`: the reward (the run's reward, or the scorer
-the trainer was given; success is ``reward >= data.success_threshold``), the method's rollout filter
+policies sample at once), then :meth:`Rollouts.verify`: the reward (the run's reward, or the
+``reward_groups`` the trainer was given; success is ``reward >= data.success_threshold``), the method's rollout filter
 with its refills (DAPO's dynamic sampling), and the replay of stored peers' groups. Every draw
 derives from ``(seed, step, policy)``, so a resumed run samples what an uninterrupted one would.
 """
@@ -66,11 +66,11 @@ class Rollouts:
         names: Sequence[str],
         method,
         peers: Mapping[str, tuple[RecordStore, str]] | None = None,
-        scorer: Callable[[list[RolloutGroup]], dict] | None = None,
+        reward_groups: Callable[[list[RolloutGroup]], dict] | None = None,
     ):
         self.cfg, self.data, self.rows, self.reward = cfg, data, rows, reward
         self.workers, self.samplings, self.names, self.method = workers, samplings, list(names), method
-        self.peers, self.scorer = peers or {}, scorer
+        self.peers, self.given_reward_groups = peers or {}, reward_groups
         self.steps_per_epoch = len(data) // cfg.prompt_batch
         # Ray: generations started for the next step as each policy's update finished (Trainer.update)
         self._prefetched: dict[tuple[str, int], Pending] = {}
@@ -113,30 +113,30 @@ class Rollouts:
         }
 
     # ------------------------------------------------------------------ rewards (step 2)
-    def verify(self, groups: list[RolloutGroup]) -> dict:
-        """Score the groups (the run's reward, or the scorer the trainer was given) and mark each
-        response's success: ``reward >= data.success_threshold``."""
-        stats = (self.scorer or self.score_groups)(groups)
+    def verify_groups(self, groups: list[RolloutGroup]) -> dict:
+        """Set the groups' rewards (the run's reward, or the ``reward_groups`` the trainer was given)
+        and mark each response's success: ``reward >= data.success_threshold``."""
+        stats = (self.given_reward_groups or self.reward_groups)(groups)
         for g in groups:
             g.success = self.reward.successes(g.rewards)
         return stats
 
-    def score_groups(self, groups: list[RolloutGroup]) -> dict:
-        """The default scorer: the run's reward on every response (hard timeout per answer, a budget
+    def reward_groups(self, groups: list[RolloutGroup]) -> dict:
+        """The default ``reward_groups``: the run's reward on every response (hard timeout per answer, a budget
         per call), setting each group's ``rewards``; returns the verification counts."""
         rows = [(g, i) for g in groups for i in range(g.n)]
-        scores, st = self.reward.score(
+        rewards, st = self.reward.score(
             [g.texts[i] for g, i in rows],
             [self.rows[g.prompt_id] for g, _ in rows],
             self.cfg.data.verify_timeout,
             self.cfg.data.verify_budget,
         )
-        it = iter(scores)
+        it = iter(rewards)
         for g in groups:
             g.rewards = [next(it) for _ in range(g.n)]
         return {"verify_timeouts": st.timeout, "verify_errors": st.error + st.crash, "verify_over_budget": st.budget}
 
-    def score(self, step: int, pending: Mapping[str, Pending]) -> tuple[Groups, dict[str, dict]]:
+    def verify(self, step: int, pending: Mapping[str, Pending]) -> tuple[Groups, dict[str, dict]]:
         """Wait for each policy's generation and verify it (dynamic sampling applied), replay the stored
         peers' groups (rewards verified again, not trusted from the records), and start each policy's
         metric line. time_generate is measured in the worker, where the generation ran (Table 5)."""
@@ -149,7 +149,7 @@ class Rollouts:
             timer = PhaseTimer()
             timer.add("generate", gen_s)
             with timer("reward"):
-                vst = self.verify(gs)
+                vst = self.verify_groups(gs)
             rfilter = self.method.rollout_filter()
             if rfilter is not None:
                 gs, extra, lines[name]["gen_batches"] = self._dynamic_sampling(
@@ -165,7 +165,7 @@ class Rollouts:
                 RolloutGroup(g.prompt_id, g.prompt, name, g.texts, g.token_ids, g.gen_logprobs, g.finish_reasons)
                 for g in store.replay(peer_policy, step, prompts)
             ]
-            self.verify(groups[name])
+            self.verify_groups(groups[name])
         return groups, lines
 
     def _dynamic_sampling(
@@ -213,7 +213,7 @@ class Rollouts:
             timer.add("generate", gen_s)
             extra_rollouts += len(more) * self.cfg.n
             with timer("reward"):
-                st = self.verify(more)
+                st = self.verify_groups(more)
             for k, v in st.items():
                 vstats[k] = vstats.get(k, 0) + v
             keep.extend(gr for gr in more if rfilter.keep(gr))

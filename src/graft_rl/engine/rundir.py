@@ -27,6 +27,7 @@ __all__ = [
     "RunDirError",
     "RunLock",
     "read_log",
+    "RENAMED_KEYS",
     "rewrite_log",
     "replace_dir",
     "remove_dir",
@@ -88,10 +89,25 @@ class RunLock:
             self.fd = None
 
 
+#: metric keys renamed since runs were first recorded: old name -> new name. :func:`read_log` gives
+#: every reader (``graft analyze``, ``graft seeds``, reports, ``--resume``) the new names, so a run
+#: recorded before a rename reads like one recorded after it.
+RENAMED_KEYS: dict[str, str] = {
+    "time_score": "time_logprobs",  # the worker's phase that computes pi_old and weighs peer rows (0.9)
+}
+
+
+def _renamed(record: dict) -> dict:
+    if not any(k in record for k in RENAMED_KEYS):
+        return record
+    return {RENAMED_KEYS.get(k, k): v for k, v in record.items()}
+
+
 def read_log(path: Path) -> tuple[list[dict], bool]:
     """The records of a JSONL log and whether a torn last line (power loss mid-write) was dropped.
 
     A line that does not parse anywhere but last is damage, not a torn write: one error line.
+    Keys renamed since the line was written come back under their new names (:data:`RENAMED_KEYS`).
     """
     if not path.is_file():
         return [], False
@@ -102,7 +118,7 @@ def read_log(path: Path) -> tuple[list[dict], bool]:
         if not raw.strip():
             continue
         try:
-            out.append(json.loads(raw))
+            out.append(_renamed(json.loads(raw)))
         except (json.JSONDecodeError, UnicodeDecodeError):
             if i == last:
                 torn = True

@@ -4,10 +4,10 @@ every timed span of the engine goes through one :class:`PhaseTimer`, so a phase'
 
 Example:
     >>> timer = PhaseTimer()
-    >>> with timer("score"):
+    >>> with timer("logprobs"):
     ...     pass
     >>> sorted(timer.metrics())
-    ['time_score']
+    ['time_logprobs']
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@ One step (paper Section 4, Algorithm in Figure 2), each phase a call whose argum
 
 1. generate (:meth:`Rollouts.generate <graft_rl.engine.rollouts.Rollouts.generate>`): every live
    policy samples ``n`` responses for the same prompt batch, at once under Ray;
-2. score (:meth:`Rollouts.score <graft_rl.engine.rollouts.Rollouts.score>`): rewards are verified
+2. verify (:meth:`Rollouts.verify <graft_rl.engine.rollouts.Rollouts.verify>`): rewards are verified
    (hard timeout per answer), the method's rollout filter refills, stored peers' groups are replayed
    (Section 6.2), and each policy's groups are recorded;
 3. exchange (:meth:`Trainer.exchange`): for each receiver the method builds its batch (own groups,
    grafted groups with source advantages; Section 4.1);
-4. update (:meth:`Trainer.update`): each receiver scores every row under its own tokenisation once,
-   before any update (old log-probs), weighs peer rows by compatibility (Section 4.2), orders its
+4. update (:meth:`Trainer.update`): each receiver computes its log-probs of every row under its own
+   tokenisation once, before any update (pi_old), weighs peer rows by compatibility (Section 4.2), orders its
    groups into minibatches (peer-last) and runs one epoch, all receivers at once under Ray;
 5. validate (:class:`~graft_rl.engine.validation.Validation`) and 6. checkpoint
    (:class:`~graft_rl.engine.checkpointing.Checkpoints`) when due.
@@ -28,6 +28,7 @@ import math
 import signal
 import statistics
 import textwrap
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -56,6 +57,20 @@ from graft_rl.seeding import Purpose, derive_seed
 __all__ = ["Trainer", "RunInterrupted", "CheckpointError", "DynamicSamplingError", "derive_seed"]
 
 
+def _renamed_argument(reward_groups, scorer):
+    """``Trainer(scorer=)``, the old name of ``reward_groups=``: accepted for one version, with a warning."""
+    if scorer is None:
+        return reward_groups
+    if reward_groups is not None:
+        raise TypeError("Trainer: give reward_groups= only (scorer= is its deprecated old name)")
+    warnings.warn(
+        "Trainer(scorer=...) is deprecated (0.2.0) and will be removed in 0.3.0: use Trainer(reward_groups=...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return scorer
+
+
 class Trainer:
     """Co-train the configured policies with the configured method.
 
@@ -76,20 +91,23 @@ class Trainer:
         show_progress: bool = True,
         *,
         reward: str | Callable | Reward | None = None,
-        scorer: Callable[[list[RolloutGroup]], dict] | None = None,
+        reward_groups: Callable[[list[RolloutGroup]], dict] | None = None,
         workers: Callable[[TrainConfig, list[PolicyConfig]], dict[str, WorkerHandle]] = start_workers,
         allow_changed: Sequence[str] = (),
+        scorer: Callable[[list[RolloutGroup]], dict] | None = None,
     ):
         """``reward``: the run's reward in place of ``data.reward`` -- a name, ``module:function``, or a
         Python function ``(responses, problems) -> list[float]`` (docs/tasks.md); it scores training,
         validation sets without a reward of their own, and is recorded in ``config.yaml``.
-        ``scorer``: scores a step's groups in place (sets each group's ``rewards``) and returns its
-        counts (``verify_timeouts``, ...), bypassing the reward (tests, preflight); default
-        :meth:`Rollouts.score_groups <graft_rl.engine.rollouts.Rollouts.score_groups>`.
+        ``reward_groups``: sets the ``rewards`` of a step's groups in place and returns its counts
+        (``verify_timeouts``, ...), bypassing the reward (tests, preflight); default
+        :meth:`Rollouts.reward_groups <graft_rl.engine.rollouts.Rollouts.reward_groups>`.
         ``workers``: builds each policy's :class:`~graft_rl.engine.handles.WorkerHandle` from the config and
         the policies' configs; default: in-process or Ray actors, as ``execution`` says.
         ``allow_changed``: on resume, go on although the reward's source (``"reward"``) or a data file
-        (``"data"``) changed since the checkpoint (:mod:`~graft_rl.engine.provenance`); recorded."""
+        (``"data"``) changed since the checkpoint (:mod:`~graft_rl.engine.provenance`); recorded.
+        ``scorer``: the old name of ``reward_groups`` (deprecated in 0.2.0; removed in 0.3.0)."""
+        reward_groups = _renamed_argument(reward_groups, scorer)
         check_resources(cfg)  # one line, before any model or data is touched, if e.g. no GPU is there
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
@@ -103,7 +121,7 @@ class Trainer:
         for name in START_LEFTOVERS[1:]:  # a start killed mid-write (the lock is ours now: nobody writes them)
             (self.run_dir / name).unlink(missing_ok=True)
         try:
-            self._init(cfg, resume, reward, scorer, workers, check_allowed(allow_changed))
+            self._init(cfg, resume, reward, reward_groups, workers, check_allowed(allow_changed))
         except BaseException:
             self.close()
             if not resume:  # bad input leaves nothing behind in a fresh run directory
@@ -113,7 +131,7 @@ class Trainer:
                     self.run_dir.rmdir()
             raise
 
-    def _init(self, cfg: TrainConfig, resume: bool, reward_arg, scorer, start, allow_changed) -> None:
+    def _init(self, cfg: TrainConfig, resume: bool, reward_arg, reward_groups, start, allow_changed) -> None:
         """Everything is checked before a model loads: data, rewards, validation sets, the checkpoint
         and its config and provenance; then the workers start and the run resumes or begins."""
         if cfg.torch_threads:
@@ -166,7 +184,16 @@ class Trainer:
                 print(f"graft train: {note}")
             self.samplings[name] = dataclasses.replace(self.sampling, max_new_tokens=budget)
         self.rollouts = self.rollouts_cls(
-            cfg, self.data, rows, self.reward, self.workers, self.samplings, self.names, self.method, peers, scorer
+            cfg,
+            self.data,
+            rows,
+            self.reward,
+            self.workers,
+            self.samplings,
+            self.names,
+            self.method,
+            peers,
+            reward_groups,
         )
         best = best_from_log(self.run_dir, cfg.validation.select_initial)
         if ckpt is not None:
@@ -180,7 +207,7 @@ class Trainer:
         """One training step (paper Section 4; the six phases in order) and its metric lines.
         ``stop``: the run's signal handler; a signal during the step makes it end with a checkpoint."""
         pending = self.rollouts.generate(step, self.policies)  # 1. generate (at once under Ray)
-        groups, lines = self.rollouts.score(step, pending)  # 2. score: rewards, dynamic sampling, peers
+        groups, lines = self.rollouts.verify(step, pending)  # 2. verify: rewards, dynamic sampling, peers
         for name in self.policies:
             self.store.write(step, groups[name])
         batches = self.exchange(step, groups, lines)  # 3. exchange: each receiver's batch
@@ -216,7 +243,7 @@ class Trainer:
         groups: dict[str, list[RolloutGroup]],
         lines: dict[str, dict],
     ) -> None:
-        """A step's update phase: every receiver scores, weighs and trains on its batch where its model
+        """A step's update phase: every receiver computes pi_old, weighs and trains on its batch where its model
         lives (Section 4.2-4.3); all are started before any is awaited, so under Ray each policy's
         devices score and train at the same time (in-process one after the other). Under Ray a policy
         whose update is done starts generating the next step at once (its weights are final for the

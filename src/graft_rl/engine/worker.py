@@ -178,7 +178,7 @@ class PolicyWorker:
 
     def _weigh(self, batch: ReceiverBatch, gen: torch.Generator, temperature: float, max_new_tokens: int | None):
         """``(token batch, the method's view of it)``: the batch encoded in this policy's tokens, its peer
-        rows scored (pi_old) and weighted by the method's receiver (Section 4.2); the batch is not changed."""
+        rows' pi_old computed and the rows weighted by the method's receiver (Section 4.2); the batch is not changed."""
         pol = self.policy
         pol.logprob_temperature = temperature
         tb = self._encode(batch, max_new_tokens)
@@ -193,7 +193,7 @@ class PolicyWorker:
         )
         return tb, weighed
 
-    def score_peers(
+    def weigh_peers(
         self, batch: ReceiverBatch, seed: int, temperature: float = 1.0, max_new_tokens: int | None = None
     ) -> list[dict]:
         """What :meth:`train` computes for the peer rows before any update (``graft probe``): per
@@ -216,14 +216,14 @@ class PolicyWorker:
     def train(
         self, batch: ReceiverBatch, step: int, seed: int, temperature: float = 1.0, max_new_tokens: int | None = None
     ) -> ReceiverUpdate:
-        """Score the rows that need pi_old, weight peer rows, run the step's minibatches in the method's order.
+        """Compute pi_old of the rows that need it, weight peer rows, run the step's minibatches in the method's order.
 
         pi_old (the receiver's log-probs before the step's first update) is computed beforehand
         only where it differs from what the update's own forward pass gives: peer rows (their
         compatibility score needs it before any update) and rows trained after the first update.
         Rows of the first update take pi_old from that forward pass, detached (the same quantity,
         so one forward pass fewer per row; with one update per step, as ``minibatch >= prompt_batch``
-        gives, own rows are never scored separately).
+        gives, own rows never need a pass of their own).
 
         ``temperature``: the rollout temperature; every log-prob here (old, new, reference; so the
         ratio and the compatibility score) comes from logits divided by it (as verl does).
@@ -233,13 +233,13 @@ class PolicyWorker:
         """
         pol, recv, timer = self.policy, self._receiver(), PhaseTimer()
         gen = torch.Generator().manual_seed(seed)
-        with timer("score"):  # the batch in this policy's tokens, its peer rows scored and weighted
+        with timer("logprobs"):  # the batch in this policy's tokens, its peer rows' pi_old and weights
             tb, w = self._weigh(batch, gen, temperature, max_new_tokens)
             ref = pol.reference_logprobs(tb)[0] if self.with_reference else None
         records = recv.records(batch, w)
         order = recv.order(batch, self.minibatch, gen)  # peer-last minibatches of batch rows
         first = set(order[0]) if order else set()
-        with timer("score"):  # pi_old of the rows trained after the first update (the policy will have moved)
+        with timer("logprobs"):  # pi_old of the rows trained after the first update (the policy will have moved)
             self._old_logprobs(tb, recv.later_rows(batch, w, first), w.old)
         stats: dict = {}
         upd: list[dict] = []
@@ -253,7 +253,7 @@ class PolicyWorker:
         stats["peer_cut"] = len(tb.cut)  # peer responses longer than the receiver's max_new_tokens here
         stats.update(exchange_stats(batch, w))
         stats.update(_update_stats(upd, ref is not None))
-        stats.update(timer.metrics())  # time_score, time_update
+        stats.update(timer.metrics())  # time_logprobs, time_update
         return ReceiverUpdate(stats, w.weights, w.included, records)
 
     def _receiver(self) -> Receiver:

@@ -71,7 +71,7 @@ class Row:
     success: bool = False  # reward >= data.success_threshold
     is_aux: bool = False  # SGT auxiliary NLL target, not in the policy-gradient term
     include: bool = True  # False: removed from numerator and denominator (success-only)
-    weight: float = 1.0  # compatibility weight, set by the weighting after scoring
+    weight: float = 1.0  # compatibility weight, set by the weighting from the compatibility s
     # per-row numbers a method's objective reads (e.g. HACPO's capability ratio "kappa"), by name
     extras: dict[str, float] = field(default_factory=dict)
 
@@ -193,9 +193,9 @@ def _resolve(chosen: dict[str, torch.Tensor], k: dict[str, torch.Tensor]) -> dic
     names = list(chosen)
     sel = torch.stack([chosen[p] for p in names])  # [P, G]
     ks = torch.stack([k[p] for p in names]).float()
-    # score = k (most successes) minus a tiny rank term so the earlier peer wins ties
-    score = torch.where(sel, ks - torch.arange(len(names))[:, None] * 1e-3, torch.full_like(ks, -1.0))
-    best = score.argmax(dim=0)
+    # rank = k (most successes) minus a tiny rank term so the earlier peer wins ties
+    rank = torch.where(sel, ks - torch.arange(len(names))[:, None] * 1e-3, torch.full_like(ks, -1.0))
+    best = rank.argmax(dim=0)
     any_sel = sel.any(dim=0)
     return {p: any_sel & (best == i) for i, p in enumerate(names)}
 
@@ -229,26 +229,26 @@ class Every(Selection):
 
 # --------------------------------------------------------------------------- weightings
 def register_weighting(name: str) -> Callable:
-    """Decorator: make ``fn(score [M], cfg, gen) -> weight [M]`` (compatibility scores of one source's peer
+    """Decorator: make ``fn(compatibility [M], cfg, gen) -> weight [M]`` (compatibility scores of one source's peer
     responses -> their weights; own responses keep 1) available as ``method.weighting: NAME``."""
     return WEIGHTINGS.register(name)
 
 
 @register_weighting("gate")
-def gate(score: torch.Tensor, cfg, gen) -> torch.Tensor:
+def gate(compatibility: torch.Tensor, cfg, gen) -> torch.Tensor:
     """GRAFT's compatibility gate (Section 4.2, :func:`graft_rl.algo.compatibility_weight`) with its
     Table 2 / Appendix G switches: ``gate: false`` (w = 1), ``floor: false``, ``admission: random``."""
     if not cfg.gate:
-        return torch.ones_like(score)  # "w/o compatibility gate": w = 1
+        return torch.ones_like(compatibility)  # "w/o compatibility gate": w = 1
     if cfg.admission == "random":
-        return algo.random_admission_weight(score, cfg.delta, gen)
-    return algo.compatibility_weight(score, cfg.delta, floor=cfg.floor)
+        return algo.random_admission_weight(compatibility, cfg.delta, gen)
+    return algo.compatibility_weight(compatibility, cfg.delta, floor=cfg.floor)
 
 
 @register_weighting("none")
-def no_weighting(score: torch.Tensor, cfg, gen) -> torch.Tensor:
+def no_weighting(compatibility: torch.Tensor, cfg, gen) -> torch.Tensor:
     """Every peer response counts fully: for losses with their own off-policy correction (LUFFY, HACPO)."""
-    return torch.ones_like(score)
+    return torch.ones_like(compatibility)
 
 
 # --------------------------------------------------------------------------- compositions

@@ -26,7 +26,7 @@ class RowTensors:
     """Per-row tensors of a receiver batch (``M`` rows, ``T`` tokens), indexed by row.
 
     ``old``: the receiver's log-probs before the step's first update (pi_old of the ratio). Rows
-    flagged in ``old_is_current`` were not scored beforehand: they are trained in the step's first
+    flagged in ``old_is_current`` had no pi_old computed beforehand: they are trained in the step's first
     update, where pi_old *is* the current policy, so their pi_old is the forward pass's own
     log-probs, detached (ratio exactly 1, as verl and TRL do on-policy); see :meth:`old_for`.
     ``src_mean``: the source's mean generation log-prob of each row; ``extras``: per-row numbers a

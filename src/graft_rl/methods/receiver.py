@@ -2,7 +2,7 @@
 the compatibility score and weight of each peer response, the minibatch order, and the loss.
 
 The worker (``graft_rl.engine.worker``) encodes a :class:`~graft_rl.methods.exchange.ReceiverBatch` under
-its policy and scores rows on request; everything a method decides is here, through its parts:
+its policy and computes rows' log-probs on request; everything a method decides is here, through its parts:
 the composition's ``keeps_cut``, the loss's ``loss_mask``, the weighting, the position of peer groups
 (``method.position``), and the :class:`~graft_rl.methods.objectives.Objective`.
 """
@@ -27,7 +27,7 @@ __all__ = ["Receiver", "Weighed", "exchange_stats"]
 
 @dataclass
 class Weighed:
-    """A receiver batch as its receiver sees it before any update: the loss mask, pi_old where scored,
+    """A receiver batch as its receiver sees it before any update: the loss mask, pi_old where computed,
     the peer rows (their compatibility ``(s_token, s_char)`` in ``compat``), each row's weight and
     whether it is in the loss."""
 
@@ -55,10 +55,10 @@ class Receiver:
         mask: torch.Tensor,
         cut: list[int],
         eos_token_ids,
-        score: Callable[[list[int], torch.Tensor], None],
+        old_logprobs: Callable[[list[int], torch.Tensor], None],
         gen: torch.Generator,
     ) -> Weighed:
-        """Weight the batch's peer rows (Section 4.2): ``score(rows, old)`` fills ``old[rows]`` with the
+        """Weight the batch's peer rows (Section 4.2): ``old_logprobs(rows, old)`` fills ``old[rows]`` with the
         receiver's current log-probs; ``cut``: peer rows longer than the receiver's budget, which leave
         the loss unless the composition keeps them; the loss's ``loss_mask`` edits ``mask`` in place."""
         weights = [r.weight for r in batch.rows]
@@ -71,7 +71,7 @@ class Receiver:
         old = torch.zeros(mask.shape)  # pi_old, filled where it is needed before the first update
         # compatibility of peer responses (Section 4.2); per-character variant logged too
         peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
-        score(peer_rows, old)
+        old_logprobs(peer_rows, old)
         recv_sum = (old * mask).sum(1)
         recv_mean = algo.mean_token_logprob(old, mask)
         compat: dict[int, tuple[float, float]] = {}
@@ -116,18 +116,18 @@ class Receiver:
         return [[r for gi in mb.tolist() for r in group_rows[gi]] for mb in order]
 
     def later_rows(self, batch: ReceiverBatch, w: Weighed, first: set[int]) -> list[int]:
-        """Rows that need pi_old scored before the first update: in the loss, trained after the first
-        minibatch, and not scored already (peer rows were, for their compatibility)."""
-        scored = set(w.peer_rows)
+        """Rows that need pi_old computed before the first update: in the loss, trained after the first
+        minibatch, and without it already (peer rows have it, for their compatibility)."""
+        known = set(w.peer_rows)
         return [
-            i for i, r in enumerate(batch.rows) if i not in first and i not in scored and w.included[i] and not r.is_aux
+            i for i, r in enumerate(batch.rows) if i not in first and i not in known and w.included[i] and not r.is_aux
         ]
 
     def tensors(self, batch: ReceiverBatch, w: Weighed, ref: torch.Tensor | None, first: set[int]) -> RowTensors:
-        """The per-row tensors the objective reads; rows of the first minibatch not scored take pi_old
+        """The per-row tensors the objective reads; rows of the first minibatch without pi_old take it
         from the update's own forward pass."""
         rows = batch.rows
-        scored = set(w.peer_rows)
+        known = set(w.peer_rows)
         extras = {
             key: [r.extras.get(key, 1.0) for r in rows] for key in dict.fromkeys(k for r in rows for k in r.extras)
         }
@@ -141,7 +141,7 @@ class Receiver:
             [r.is_aux for r in rows],
             [r.src_mean_logprob for r in rows],
             ref,
-            old_is_current=[i in first and i not in scored for i in range(len(rows))],
+            old_is_current=[i in first and i not in known for i in range(len(rows))],
             extras=extras,
         )
 

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from graft_rl.policy.loading import load_model, resolve_model
+from graft_rl.policy.logprobs import length_micro_batches
 from graft_rl.policy.lora import save_adapter
 from graft_rl.policy.policy import Policy
-from graft_rl.policy.scoring import length_micro_batches
 from graft_rl.policy.training import load_state_file
 from graft_rl.policy.types import PolicyError, TokenBatch
 from graft_rl.seeding import rank_seed
@@ -135,7 +135,7 @@ class ShardedPolicy(Policy):
     # ------------------------------------------------------------------ scoring and updates
     def _passes(self, batch: TokenBatch) -> list[list[int] | None]:
         """This rank's rows of every pass: the passes are cut for the whole group by length
-        (:func:`~graft_rl.policy.scoring.length_micro_batches` with ``ranks = W``) and each is dealt
+        (:func:`~graft_rl.policy.logprobs.length_micro_batches` with ``ranks = W``) and each is dealt
         over the ranks, so every rank runs the same number of passes of like size (FSDP's collectives
         need every rank in every pass; a rank with no row in a pass runs a padding pass, ``None``)."""
         passes = length_micro_batches(batch.lengths(), self.micro_batch_tokens, self.world)

@@ -24,8 +24,8 @@ from graft_rl.policy.config import (
     uses_fused_head,
 )
 from graft_rl.policy.loading import load_model, load_policy_model, resolve_model
+from graft_rl.policy.logprobs import PolicyLogprobs
 from graft_rl.policy.rollout import make_backend
-from graft_rl.policy.scoring import PolicyScoring
 from graft_rl.policy.tokens import PromptTooLongError
 from graft_rl.policy.training import PolicyTraining
 from graft_rl.policy.types import PolicyError, RolloutGroup, SamplingParams, TokenBatch
@@ -58,7 +58,7 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-class Policy(PolicyScoring, PolicyTraining):
+class Policy(PolicyLogprobs, PolicyTraining):
     """One trainable model with its tokenizer, optimiser and rollout backend."""
 
     def __init__(self, config: PolicyConfig, with_reference: bool = False):

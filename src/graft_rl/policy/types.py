@@ -62,7 +62,7 @@ class RolloutGroup:
     gen_logprobs: list[list[float]]
     finish_reasons: list[str]
     rewards: list[float] = field(default_factory=list)
-    # per response: reward >= data.success_threshold (set by the trainer's scoring); empty: reward > 0
+    # per response: reward >= data.success_threshold (set by the trainer's verification); empty: reward > 0
     success: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""How a policy scores responses (:class:`PolicyScoring`, a part of
+"""A policy's log-probs of responses (:class:`PolicyLogprobs`, a part of
 :class:`~graft_rl.policy.policy.Policy`): response-token log-probs in forward passes of rows of
 similar length (:func:`length_micro_batches`), through the chunked LM head or chunked log-softmax,
 with the hooks a sharded policy overrides (which passes this process runs, how results combine)."""
@@ -13,7 +13,7 @@ import torch
 from graft_rl.policy.heads import logprob_head
 from graft_rl.policy.types import TokenBatch
 
-__all__ = ["PASS_OVERHEAD", "PolicyScoring", "length_micro_batches", "token_logprobs_from_logits"]
+__all__ = ["PASS_OVERHEAD", "PolicyLogprobs", "length_micro_batches", "token_logprobs_from_logits"]
 
 
 def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> torch.Tensor:
@@ -78,7 +78,7 @@ def length_micro_batches(
     return out[::-1]
 
 
-class PolicyScoring:
+class PolicyLogprobs:
     """Mixed into :class:`~graft_rl.policy.policy.Policy`, whose model, tokenizer, config,
     ``micro_batch_tokens``, ``fused_head``, ``logprob_temperature`` and ``compute_context`` it uses."""
 
@@ -134,7 +134,7 @@ class PolicyScoring:
 
     @torch.no_grad()
     def token_logprobs(self, batch: TokenBatch, model=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score every response under this policy: ``(logprobs [M, T], mask [M, T])`` on CPU, float32.
+        """Every response's log-probs under this policy: ``(logprobs [M, T], mask [M, T])`` on CPU, float32.
 
         Micro-batched by ``micro_batch_tokens``; no gradient. ``model`` scores with another
         module sharing this tokenizer (the frozen reference of :meth:`init_reference`).
@@ -164,7 +164,7 @@ class PolicyScoring:
     #: each micro-batch's loss is multiplied by this before backward (FSDP averages over ranks)
     loss_scale = 1.0
 
-    def score_texts(self, problems: Sequence[str], responses: Sequence[str], finished: Sequence[bool] | None = None):
+    def text_logprobs(self, problems: Sequence[str], responses: Sequence[str], finished: Sequence[bool] | None = None):
         """Convenience: :meth:`encode_texts` then :meth:`token_logprobs`."""
         finished = [True] * len(responses) if finished is None else finished
         return self.token_logprobs(self.encode_texts(problems, responses, finished))
