@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from runs import checked_method as _method
+from runs import k_groups as _groups
 
 from graft_rl.engine.config import load_config
 from graft_rl.methods import build_exchange
 from graft_rl.policy import RolloutGroup
-
-from .test_exchange import _groups
 
 
 @pytest.mark.parametrize(

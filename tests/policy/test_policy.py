@@ -368,3 +368,31 @@ def test_a_stop_string_given_as_text_stays_whole():
     assert load_config(base, ["policies.0.stop=a, b"]).policies[0].stop == ["a, b"]
     with pytest.raises(ConfigError, match="stop must be a list of non-empty strings"):
         load_config(base, ['policies.0.stop=[""]'])
+
+
+def test_peer_responses_are_cut_at_the_receivers_max_new_tokens_and_lose_their_eos(tiny_pair):
+    """A peer's text can be more tokens in the receiver's tokenizer than the receiver's own budget;
+    it is cut there (counted in ``cut``), and a cut response is a truncated one: no EOS."""
+    from graft_rl.policy import Policy, PolicyConfig
+
+    pol = Policy(PolicyConfig(name="A", model=str(tiny_pair[0])))  # byte-level: one token per character
+    eos = pol.end_token_ids()[0]
+    texts = ["x" * 40 + " \\boxed{1}", "short \\boxed{2}", "y" * 40]
+    full = pol.encode_texts(["Q"] * 3, texts, [True, True, False])
+    assert full.cut == [] and full.response_ids[0][-1] == eos and full.response_ids[1][-1] == eos
+    capped = pol.encode_texts(["Q"] * 3, texts, [True, True, False], max_tokens=20)
+    assert capped.cut == [0, 2]
+    assert [len(r) for r in capped.response_ids] == [20, len(full.response_ids[1]), 20]
+    assert capped.response_ids[0] == full.response_ids[0][:20] and eos not in capped.response_ids[0]
+    assert capped.response_ids[1] == full.response_ids[1]  # fits: unchanged, EOS kept
+
+
+def test_peer_responses_never_run_past_the_receivers_context(tmp_path):
+    from graft_rl.policy import Policy, PolicyConfig
+    from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "gpt2_48", "gpt2", bpe_tokenizer(), max_positions=48)
+    pol = Policy(PolicyConfig(name="B", model=str(model)))
+    batch = pol.encode_texts(["1+1=?"], ["two " * 60 + "\\boxed{2}"], [True], max_tokens=4096)
+    assert batch.cut == [0] and batch.lengths()[0] == 48
+    pol.token_logprobs(batch)  # a learned-position model indexes out of its table past 48

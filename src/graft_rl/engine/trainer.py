@@ -50,6 +50,7 @@ from graft_rl.engine.trackers import Trackers, completion_rows
 from graft_rl.engine.validation import Validation, best_from_log, validation_sets
 from graft_rl.methods import build_method
 from graft_rl.methods.exchange import ReceiverBatch
+from graft_rl.methods.reporting import family_stats
 from graft_rl.policy import PolicyConfig, RolloutGroup, SamplingParams
 from graft_rl.rewards import Reward
 from graft_rl.seeding import Purpose, derive_seed
@@ -254,7 +255,7 @@ class Trainer:
         for name in self.policies:
             lines[name].update(self._finish_receiver(name, batches[name], step, pending[name]))
             if self.family:
-                lines[name].update(batches[name].family_stats(self.family, groups[name]))
+                lines[name].update(family_stats(batches[name], self.family, groups[name]))
 
     def _train_receiver(self, name: str, batch: ReceiverBatch, step: int) -> Pending:
         """Start scoring, weighting and updating one receiver where its model lives."""

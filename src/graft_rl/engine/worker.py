@@ -16,7 +16,8 @@ import torch
 from graft_rl.engine.timing import PhaseTimer
 from graft_rl.methods import MethodConfig, build_method, load_plugins
 from graft_rl.methods.exchange import ReceiverBatch
-from graft_rl.methods.receiver import Receiver, exchange_stats
+from graft_rl.methods.receiver import Receiver
+from graft_rl.methods.reporting import exchange_stats
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch
 from graft_rl.policy.tokens import PromptTooLongError
 

@@ -5,16 +5,18 @@ compositions, weightings, losses and auxiliary losses, and methods as presets of
   or ``module:NAME`` / ``file.py:NAME`` for any part key);
 - :mod:`~graft_rl.methods.config`: ``method`` in a config (:class:`MethodConfig`);
 - :mod:`~graft_rl.methods.advantages`, :mod:`~graft_rl.methods.losses`: the estimators and losses;
-- :mod:`~graft_rl.methods.exchange`: selections, compositions, weightings and the exchange that
-  builds each receiver's batch; :mod:`~graft_rl.methods.receiver` and
-  :mod:`~graft_rl.methods.objectives`: the receiver's side and its minibatch loss;
+- :mod:`~graft_rl.methods.exchange` (the driver's side): selections, compositions and the exchange
+  that builds each receiver's batch; :mod:`~graft_rl.methods.receiver`,
+  :mod:`~graft_rl.methods.weighting` and :mod:`~graft_rl.methods.objectives` (the receiver's side):
+  inclusion, weights, tensors, minibatches and their loss; :mod:`~graft_rl.methods.reporting`: what
+  both put in the metric lines;
 - :mod:`~graft_rl.methods.base`: :class:`Method` (a preset of parts plus its state) and its registry.
 
 Importing this package registers the shipped parts and methods: ``grpo``, ``dr_grpo``, ``graft``,
 ``sgt``, ``luffy``, ``hacpo``.
 """
 
-from graft_rl.methods import advantages, losses  # noqa: F401  (register the shipped parts)
+from graft_rl.methods import advantages, losses, weighting  # noqa: F401  (register the shipped parts)
 from graft_rl.methods.advantages import AdvantageContext, register_advantage
 from graft_rl.methods.base import (
     Method,
@@ -30,10 +32,10 @@ from graft_rl.methods.exchange import (
     Selection,
     register_composition,
     register_selection,
-    register_weighting,
 )
 from graft_rl.methods.losses import LossContext, register_aux_loss, register_loss
 from graft_rl.methods.registry import load_plugins
+from graft_rl.methods.weighting import register_weighting
 
 # the shipped methods register on import, in this order (the paper's; error messages list them so)
 # isort: off

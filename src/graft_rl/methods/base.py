@@ -60,8 +60,13 @@ class RolloutFilter:
 
 
 class Method:
-    """Base class of a registered method (see the module docstring). The default is GRPO's
-    on-policy update with no peer: subclasses name other parts in their :attr:`preset`."""
+    """Base class of a registered method (see the module docstring). Its :attr:`preset` is GRAFT's
+    parts (Sections 4.1-4.2: ``grpo`` advantages computed by each source, ``complementary``
+    selection, ``replace`` composition, ``gate`` weighting, ``token_mean_clip`` loss), the exchange
+    every other method is a variation of: a subclass spreads it and names the parts it changes
+    (``{**Method.preset, "loss": "luffy"}``). GRPO is this preset with ``uses_peers = False``: with no
+    peer the selection, composition and weighting never act. (A neutral base would change the
+    resolved parts every run writes to ``config.yaml``.)"""
 
     name: ClassVar[str] = ""
     Params: ClassVar[type | None] = None

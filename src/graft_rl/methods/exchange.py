@@ -12,8 +12,12 @@ An exchange is four parts, each chosen by its ``method`` key from a registry
   prompt: the peer group *replaces* the failed own group (``replace``: GRAFT, LUFFY), the groups are
   pooled (``pool``: the pooled-groups ablation), or one correct response is an auxiliary target
   (``aux_target``: SGT); HACPO registers its pooling in its file;
-- a **weighting** (``method.weighting``) turns compatibility scores into weights on the receiver's
-  worker: the gate (Section 4.2) with its switches (no gate, no floor, random admission), or none.
+- a **weighting** (``method.weighting``, :mod:`graft_rl.methods.weighting`) turns compatibility
+  scores into weights on the receiver's worker: the gate (Section 4.2) with its switches, or none.
+
+This module is the driver's side (selection, composition, each receiver's batch); the receiver's
+side is :mod:`~graft_rl.methods.receiver` and :mod:`~graft_rl.methods.weighting`, what both report
+is :mod:`~graft_rl.methods.reporting`.
 
 More than two policies (beyond the paper): for receiver R each peer P is first selected
 pairwise, exactly as with two models (balancing between R and P); a prompt selected from
@@ -23,16 +27,17 @@ order of policies in the config. With two policies this is the paper's rule.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from graft_rl import algo
 from graft_rl.methods.advantages import AdvantageContext
+from graft_rl.methods.batch import ReceiverBatch, Row, group_rewards, rows_of, success_counts, successes
 from graft_rl.methods.config import MethodConfig
-from graft_rl.methods.registry import ADVANTAGES, COMPOSITIONS, SELECTIONS, WEIGHTINGS
+from graft_rl.methods.registry import ADVANTAGES, COMPOSITIONS, SELECTIONS
+from graft_rl.methods.reporting import selection_stats
 from graft_rl.policy import RolloutGroup
 
 __all__ = [
@@ -44,114 +49,10 @@ __all__ = [
     "group_rewards",
     "register_composition",
     "register_selection",
-    "register_weighting",
     "rows_of",
     "success_counts",
     "successes",
 ]
-
-
-@dataclass
-class Row:
-    """One response in a receiver's batch (own, grafted, pooled or auxiliary)."""
-
-    group: int  # index into ReceiverBatch.groups
-    prompt_id: str
-    prompt: str
-    source: str  # the policy that generated it
-    is_peer: bool
-    text: str
-    token_ids: list[int] | None  # the source's ids: used only when source == receiver
-    finished: bool
-    reward: float
-    advantage: float
-    src_logprob_sum: float  # sum of the source's generation log-probs
-    src_mean_logprob: float  # mean of the same (paper's l-bar)
-    index: int = 0  # position in the source's group
-    success: bool = False  # reward >= data.success_threshold
-    is_aux: bool = False  # SGT auxiliary NLL target, not in the policy-gradient term
-    include: bool = True  # False: removed from numerator and denominator (success-only)
-    weight: float = 1.0  # compatibility weight, set by the weighting from the compatibility s
-    # per-row numbers a method's objective reads (e.g. HACPO's capability ratio "kappa"), by name
-    extras: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class ReceiverBatch:
-    receiver: str
-    rows: list[Row]
-    group_is_peer: list[bool]  # per planned group: contains grafted/peer responses
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def group_rows(self) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in self.group_is_peer]
-        for i, r in enumerate(self.rows):
-            out[r.group].append(i)
-        return out
-
-    def family_stats(self, family: Mapping[str, str], own: list[RolloutGroup]) -> dict:
-        """Per prompt family (``subject``): own groups, own all-fail groups, prompts with peer data
-        (grafted groups; SGT's auxiliary response), and grafted peer responses with those the gate
-        admitted (weight > 0): counts, pooled by the report."""
-        out: dict[str, float] = {}
-
-        def add(key: str, fam: str, v: float = 1.0) -> None:
-            out[f"{key}/{fam}"] = out.get(f"{key}/{fam}", 0.0) + v
-
-        for g in own:
-            fam = family[g.prompt_id]
-            add("groups", fam)
-            add("all_fail", fam, float(g.k == 0))
-        for rows in self.group_rows():
-            if not any(self.rows[i].is_peer for i in rows):  # no peer data for this prompt
-                continue
-            fam = family[self.rows[rows[0]].prompt_id]
-            add("grafted", fam)  # a grafted group, or SGT's auxiliary peer response
-            peer = [self.rows[i] for i in rows if self.rows[i].is_peer and not self.rows[i].is_aux]
-            add("grafted_rows", fam, len(peer))
-            add("admitted_rows", fam, sum(1 for r in peer if r.weight > 0))
-        return out
-
-
-# --------------------------------------------------------------------------- helpers
-def success_counts(groups: list[RolloutGroup]) -> torch.Tensor:
-    return torch.tensor([g.k for g in groups], dtype=torch.long)
-
-
-def successes(group: RolloutGroup) -> list[float]:
-    """1.0 per successful response (``reward >= data.success_threshold``, as the trainer marked it), else 0.0."""
-    return [float(x) for x in group.succeeded]
-
-
-def group_rewards(groups: list[RolloutGroup]) -> torch.Tensor:
-    return torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-
-
-def rows_of(group: RolloutGroup, gi: int, is_peer: bool, adv: list[float]) -> list[Row]:
-    rows = []
-    ok = successes(group)
-    for i in range(group.n):
-        lps = group.gen_logprobs[i]
-        s = float(sum(lps))
-        rows.append(
-            Row(
-                group=gi,
-                prompt_id=group.prompt_id,
-                prompt=group.prompt,
-                source=group.policy,
-                is_peer=is_peer,
-                text=group.texts[i],
-                token_ids=group.token_ids[i],
-                finished=group.finish_reasons[i] == "stop",
-                reward=float(group.rewards[i]),
-                advantage=float(adv[i]),
-                src_logprob_sum=s,
-                src_mean_logprob=s / len(lps) if lps else math.nan,
-                index=i,
-                success=ok[i] > 0,
-            )
-        )
-    return rows
 
 
 # --------------------------------------------------------------------------- selections
@@ -170,20 +71,19 @@ class Selection:
     def pairwise(self, k_peer, k_recv, n, balanced_ok: bool, gen) -> torch.Tensor:
         raise NotImplementedError
 
-    def select(self, receiver, k: dict[str, torch.Tensor], n: dict[str, int], live: set[str], gen) -> tuple[dict, dict]:
-        """``n``: each policy's own group size. Whether a *source* group is mixed (``1 <= k < n``)
-        uses the source's ``n`` (a replayed peer may have sampled another ``n`` than the receiver)."""
+    def select(self, receiver, k: dict[str, torch.Tensor], n: dict[str, int], live: set[str], gen) -> dict:
+        """``{peer: bool[G]}``. ``n``: each policy's own group size. Whether a *source* group is mixed
+        (``1 <= k < n``) uses the source's ``n`` (a replayed peer may have sampled another ``n`` than
+        the receiver)."""
         k_recv = k[receiver]
         chosen: dict[str, torch.Tensor] = {}
-        candidates: dict[str, int] = {}
         for peer, k_peer in k.items():
             if peer == receiver:
                 continue
             # balancing needs both directions; a replayed peer is one-directional (Section 6.2)
             both_live = peer in live and receiver in live
             chosen[peer] = self.pairwise(k_peer, k_recv, n[peer], both_live, gen)
-            candidates[peer] = int(algo.complementary_mask(k_peer, k_recv, n[peer]).sum())
-        return _resolve(chosen, k), candidates
+        return _resolve(chosen, k)
 
 
 def _resolve(chosen: dict[str, torch.Tensor], k: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -225,30 +125,6 @@ class Every(Selection):
 
     def pairwise(self, k_peer, k_recv, n, balanced_ok, gen):
         return torch.ones_like(k_recv, dtype=torch.bool)
-
-
-# --------------------------------------------------------------------------- weightings
-def register_weighting(name: str) -> Callable:
-    """Decorator: make ``fn(compatibility [M], cfg, gen) -> weight [M]`` (compatibility scores of one source's peer
-    responses -> their weights; own responses keep 1) available as ``method.weighting: NAME``."""
-    return WEIGHTINGS.register(name)
-
-
-@register_weighting("gate")
-def gate(compatibility: torch.Tensor, cfg, gen) -> torch.Tensor:
-    """GRAFT's compatibility gate (Section 4.2, :func:`graft_rl.algo.compatibility_weight`) with its
-    Table 2 / Appendix G switches: ``gate: false`` (w = 1), ``floor: false``, ``admission: random``."""
-    if not cfg.gate:
-        return torch.ones_like(compatibility)  # "w/o compatibility gate": w = 1
-    if cfg.admission == "random":
-        return algo.random_admission_weight(compatibility, cfg.delta, gen)
-    return algo.compatibility_weight(compatibility, cfg.delta, floor=cfg.floor)
-
-
-@register_weighting("none")
-def no_weighting(compatibility: torch.Tensor, cfg, gen) -> torch.Tensor:
-    """Every peer response counts fully: for losses with their own off-policy correction (LUFFY, HACPO)."""
-    return torch.ones_like(compatibility)
 
 
 # --------------------------------------------------------------------------- compositions
@@ -353,14 +229,14 @@ class Exchange:
         k = {name: success_counts(gs) for name, gs in groups.items()}
         adv = {name: self.advantages(name, group_rewards(gs), capability, state) for name, gs in groups.items()}
         group_n = {name: (gs[0].n if gs else n) for name, gs in groups.items()}
-        chosen, candidates = self.selection.select(receiver, k, group_n, live, gen) if len(groups) > 1 else ({}, {})
+        chosen = self.selection.select(receiver, k, group_n, live, gen) if len(groups) > 1 else {}
         from_peer = {}  # prompt index -> peer
         for peer, mask in chosen.items():
             for q in torch.nonzero(mask).flatten().tolist():
                 from_peer[q] = peer
         pooled_with = {}  # every_prompt: prompt -> the peer whose group it pools when none was selected
         if self.composition.every_prompt and len(groups) > 1:
-            every, _ = Every(self.cfg).select(receiver, k, group_n, live, gen)  # deterministic: no draw
+            every = Every(self.cfg).select(receiver, k, group_n, live, gen)  # deterministic: no draw
             for peer, mask in every.items():
                 pooled_with.update({q: peer for q in torch.nonzero(mask).flatten().tolist()})
         rows: list[Row] = []
@@ -373,10 +249,24 @@ class Exchange:
             for part_rows, is_peer in self.composition(g, groups[peer][q] if peer else None, ctx):
                 rows.extend(part_rows)
                 group_is_peer.append(is_peer)
-        stats = {
-            "candidates_in": float(sum(candidates.values())),
-            "exchanged_in": float(len(from_peer)),
-        }
-        for peer in chosen:
-            stats[f"exchanged_from/{peer}"] = float(sum(1 for p in from_peer.values() if p == peer))
+        stats = selection_stats(receiver, k, group_n, chosen, from_peer)
         return ReceiverBatch(receiver, rows, group_is_peer, stats)
+
+
+_MOVED = {"register_weighting": "weighting", "gate": "weighting", "no_weighting": "weighting"}
+
+
+def __getattr__(name: str):
+    """Names that left this module in 0.2.0 still import from here for one version, with a warning."""
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        where = f"graft_rl.methods.{_MOVED[name]}"
+        warnings.warn(
+            f"graft_rl.methods.exchange.{name} moved to {where} in 0.2.0 (this name goes in 0.3.0)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(where), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,9 @@ register_selection("graft")(Complementary)  # the paper's name for its rule (SGT
 
 @register_method("graft")
 class GRAFT(Method):
-    """Gated replacement of answer-failed groups with peer trajectories."""
+    """Gated replacement of answer-failed groups with peer trajectories: the base preset as it is."""
+
+    preset = Method.preset
 
     @classmethod
     def with_stored_peers(cls, cfg: MethodConfig) -> None:

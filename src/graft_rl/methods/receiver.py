@@ -9,7 +9,6 @@ the composition's ``keeps_cut``, the loss's ``loss_mask``, the weighting, the po
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -17,12 +16,12 @@ from typing import Literal, cast
 import torch
 
 from graft_rl import algo
+from graft_rl.methods.batch import ReceiverBatch
 from graft_rl.methods.config import MethodConfig
-from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.methods.objectives import Minibatch, Objective, RowTensors
 from graft_rl.methods.registry import COMPOSITIONS, WEIGHTINGS
 
-__all__ = ["Receiver", "Weighed", "exchange_stats"]
+__all__ = ["Receiver", "Weighed"]
 
 
 @dataclass
@@ -149,22 +148,3 @@ class Receiver:
         """The step's minibatches (:meth:`order`) as :class:`Minibatch` objects, each owning its batch rows
         and its loss (``Policy.update(tokens.select(mb.rows), mb.loss)``)."""
         return [self.objective.minibatch(t, rows, step, i) for i, rows in enumerate(order)]
-
-
-def exchange_stats(batch: ReceiverBatch, w: Weighed) -> dict:
-    """Compatibility and admission of the peer rows (Section 4.2; in source order)."""
-    rows = batch.rows
-    by_source = [
-        i for src in dict.fromkeys(rows[i].source for i in w.peer_rows) for i in w.peer_rows if rows[i].source == src
-    ]
-    weights = [w.weights[i] for i in by_source]
-    s_tok = [w.compat[i][0] for i in by_source]
-    s_chr = [w.compat[i][1] for i in by_source]
-    return {
-        "admitted_frac": (sum(1 for x in weights if x > 0) / len(weights)) if weights else None,
-        "peer_weight_mean": statistics.fmean(weights) if weights else None,
-        "compat_token_median": statistics.median(s_tok) if s_tok else None,
-        "compat_char_median": statistics.median(s_chr) if s_chr else None,
-        "compat_token": [round(x, 5) for x in s_tok],
-        "compat_char": [round(x, 5) for x in s_chr],
-    }
