@@ -93,7 +93,7 @@ def task(tmp_path, tiny_pair, monkeypatch):
 
     for registry in (METHODS, *PART_KEYS.values()):  # what the plugin registered leaves with the test
         for key, obj in list(registry._entries.items()):
-            if str(getattr(obj, "__module__", "")).startswith("graft_rl_plugin_"):
+            if str(getattr(getattr(obj, "fn", obj), "__module__", "")).startswith("graft_rl_plugin_"):
                 del registry._entries[key]
 
 
@@ -196,3 +196,67 @@ def test_a_users_method_trains_and_resumes_under_ray_where_the_file_is_only_on_t
     assert main(["train", "--resume", "run", "--no-progress", "steps=3"]) == 0
     lines = [json.loads(x) for x in (task / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [1, 1, 2, 2, 3, 3]
+
+
+def test_one_plugin_file_named_as_a_module_and_as_a_path_is_one_plugin(task, monkeypatch, capsys):
+    """`plugins: [mytask_issue50.parts]` with `method.loss: /abs/.../parts.py:NAME` (the same file)."""
+    import sys
+
+    pkg = task / "mytask_issue50"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "parts.py").write_text(PARTS.replace('"sign"', '"median_baseline"'))
+    monkeypatch.syspath_prepend(str(task))
+    cfg = yaml.safe_load((task / "task.yaml").read_text())
+    cfg.update(plugins=["mytask_issue50.parts"], run_dir="run_named", steps=1)
+    cfg["method"] = {"name": "graft", "advantage": "median_baseline", "loss": f"{pkg / 'parts.py'}:half_clip"}
+    (task / "named.yaml").write_text(yaml.safe_dump(cfg))
+    try:
+        assert main(["train", "named.yaml", "--no-progress"]) == 0, capsys.readouterr().err
+        assert _marks(pkg, "loss") and _marks(pkg, "advantage")
+    finally:
+        from graft_rl.methods.registry import METHODS, PART_KEYS
+
+        for registry in (METHODS, *PART_KEYS.values()):
+            for key, obj in list(registry._entries.items()):
+                if "mytask_issue50" in str(getattr(getattr(obj, "fn", obj), "__module__", "")):
+                    del registry._entries[key]
+        sys.modules.pop("mytask_issue50.parts", None)
+        sys.modules.pop("mytask_issue50", None)
+
+
+def test_two_files_registering_one_name_are_refused_naming_both(task, capsys):
+    (task / "other.py").write_text(
+        "from graft_rl.methods import register_advantage\n\n\n"
+        "@register_advantage('sign')\ndef sign(rewards, ctx):\n    return rewards\n"
+    )
+    cfg = yaml.safe_load((task / "task.yaml").read_text())
+    cfg.update(plugins=["parts.py", "other.py"], run_dir="run_clash")
+    (task / "clash.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", "clash.yaml", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "registered twice" in err[0]
+    assert f"{task / 'parts.py'}: sign" in err[0] and f"{task / 'other.py'}: sign" in err[0]
+
+
+@pytest.mark.parametrize("gone", ["parts.py", "reward.py"])
+def test_a_plugin_or_reward_file_gone_at_resume_is_named_in_one_line(task, capsys, gone):
+    import hashlib
+
+    assert main(["train", "task.yaml", "--no-progress", "steps=1"]) == 0
+    digest = hashlib.sha256((task / gone).read_bytes()).hexdigest()
+    (task / gone).rename(task / f"{gone}.moved")
+    from graft_rl.methods import registry
+    from graft_rl.rewards import custom
+
+    for cache in (registry._MODULES, registry._SOURCES, registry._PLUGIN_FILES, custom._CACHE):
+        cache.clear()  # as a fresh `graft train --resume` process finds them
+    capsys.readouterr()
+    assert main(["train", "--resume", "run", "--no-progress", "steps=2"]) == 2
+    out, err = capsys.readouterr()
+    err = err.strip().splitlines()
+    assert len(err) == 1 and "damaged" not in err[0] + out, err
+    assert str(task / gone) in err[0] and digest[:12] in err[0] and "no such file" in err[0]
+    assert "put it back" in err[0], err[0]
+    (task / f"{gone}.moved").rename(task / gone)  # back where the run recorded it: the resume goes on
+    assert main(["train", "--resume", "run", "--no-progress", "steps=2"]) == 0

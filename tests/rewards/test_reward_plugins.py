@@ -141,7 +141,7 @@ def test_a_reward_that_fails_on_some_responses_scores_them_zero_and_counts_them(
         ("no_such_module_x:f", r"data.reward 'no_such_module_x:f': cannot load it \(ModuleNotFoundError"),
         ("my_task_reward:nope", r"cannot load it \(AttributeError"),
         ("exactt", r"data.reward 'exactt': not a reward name \(math, gsm8k, gym"),
-        ("/nowhere/r.py:f", r"file /nowhere/r.py not found"),
+        ("/nowhere/r.py:f", r"/nowhere/r.py: no such file"),
         ("python:shaped", r"was scored by a Python function given to Trainer\(reward=...\); give it again"),
     ],
 )

@@ -33,11 +33,20 @@ from graft_rl.engine.rundir import (
     write_text_atomic,
 )
 from graft_rl.engine.store import RecordStore
+from graft_rl.errors import MissingSourceError
 
 if TYPE_CHECKING:
     from graft_rl.engine.handles import WorkerHandle
 
-__all__ = ["Checkpoints", "CheckpointError", "COMMITTED", "is_write_error", "write_error_text", "cpu_threads"]
+__all__ = [
+    "Checkpoints",
+    "CheckpointError",
+    "COMMITTED",
+    "is_write_error",
+    "write_error_text",
+    "cpu_threads",
+    "gone_source",
+]
 
 #: ``best/.committed``: the best weights as of the newest checkpoint (see :meth:`Checkpoints.commit_best`).
 COMMITTED = ".committed"
@@ -352,3 +361,37 @@ def _normalised(saved: dict) -> dict:
         return to_dict(load_config(saved, saved=True))
     except (ConfigError, TypeError, ValueError):
         return saved
+
+
+def gone_source(run_dir: Path, exc: MissingSourceError) -> ConfigError:
+    """One line for a plugin or reward file that is gone at ``--resume``: which file, what the run
+    recorded of it (its sha256, in the newest checkpoint that has it) and how to go on. The config is
+    not damaged, so nothing falls back to a checkpoint's copy of it."""
+
+    def recorded(node, kind: str | None = None):
+        if isinstance(node, dict):
+            if node.get("source") == str(exc.path) and "sha256" in node:
+                return node, kind
+            for key, value in node.items():
+                found = recorded(value, kind or {"plugins": "plugin", "rewards": "reward"}.get(key))
+                if found:
+                    return found
+        return None
+
+    for ckpt in sorted((run_dir / "checkpoints").glob("step_*"), reverse=True):
+        hit = recorded((_read_json(ckpt / "trainer_state.json") or {}).get("provenance"))
+        if hit:
+            (fp, kind), where = hit, ckpt.name
+            break
+    else:
+        fp, kind, where = {}, None, None
+    kind = kind or ("reward" if "data.reward" in str(exc) else "plugin")
+    seen = (
+        f"the run recorded it in checkpoint {where} (sha256 {str(fp.get('sha256'))[:12]})"
+        if where
+        else "no checkpoint recorded it"
+    )
+    return ConfigError(
+        f"{exc}; {seen}: put it back at {exc.path} and resume again, or name where it is now in "
+        f"{run_dir / 'config.yaml'} (another content also needs --allow-changed {kind})"
+    )

@@ -37,7 +37,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from graft_rl.data import Problem
-from graft_rl.engine.checkpointing import CheckpointError, Checkpoints, cpu_threads
+from graft_rl.engine.checkpointing import CheckpointError, Checkpoints, cpu_threads, gone_source
 from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
 from graft_rl.engine.handles import Pending, WorkerHandle, completion_order, start_workers
 from graft_rl.engine.prompts import PromptRows, check_prompts, prompt_families, training_data
@@ -48,6 +48,7 @@ from graft_rl.engine.rundir import RunLock, append_lines, clean_stale, finite_js
 from graft_rl.engine.store import RecordStore
 from graft_rl.engine.trackers import Trackers, completion_rows
 from graft_rl.engine.validation import Validation, best_from_log, validation_sets
+from graft_rl.errors import MissingSourceError
 from graft_rl.methods import build_method
 from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.methods.reporting import family_stats
@@ -123,8 +124,10 @@ class Trainer:
             (self.run_dir / name).unlink(missing_ok=True)
         try:
             self._init(cfg, resume, reward, reward_groups, workers, check_allowed(allow_changed))
-        except BaseException:
+        except BaseException as exc:
             self.close()
+            if resume and isinstance(exc, MissingSourceError):  # a plugin or reward file moved away
+                raise gone_source(self.run_dir, exc) from None
             if not resume:  # bad input leaves nothing behind in a fresh run directory
                 for f in (self.run_dir / "config.yaml", *(self.run_dir / n for n in START_LEFTOVERS)):
                     f.unlink(missing_ok=True)
@@ -369,6 +372,8 @@ class Trainer:
         try:
             load_config(cfg_path, [f"run_dir={run_dir}"], saved=True)
             source: Path | dict = cfg_path
+        except MissingSourceError as exc:  # the config is fine; a file it names is gone
+            raise gone_source(Path(run_dir), exc) from None
         except ConfigError as exc:  # torn or edited config.yaml: every checkpoint holds the config it ran with
             source = _config_from_checkpoints(Path(run_dir), cfg_path, exc)
         cfg = load_config(source, [*(overrides or []), f"run_dir={run_dir}"], saved=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
-from graft_rl.errors import ConfigError
+from graft_rl.errors import ConfigError, MissingSourceError
 
 __all__ = [
     "ADVANTAGES",
@@ -145,7 +145,10 @@ class Registry(Generic[T]):
             if old is not None:
                 prev = self._raw(old)
                 if prev is not obj and _origin(prev) != _origin(obj) and not _same_plugin(prev, obj):
-                    raise ValueError(f"{self.kind} {name!r} is registered twice ({_origin(prev)}, {_origin(obj)})")
+                    raise ValueError(
+                        f"{self.kind} {name!r} is registered twice, by two different sources "
+                        f"({_where_defined(prev)} and {_where_defined(obj)})"
+                    )
             self._entries[name] = self._record(name, obj, declared)
             return obj
 
@@ -186,11 +189,33 @@ class Registry(Generic[T]):
         )
 
 
+def _source_file(obj) -> Path | None:
+    """The file that defines ``obj`` (a function's code, a class's module), resolved: one source file is
+    one plugin whether it was imported as a module (``mytask.parts``) or by path (``.../parts.py``)."""
+    code = getattr(obj, "__code__", None)
+    name = code.co_filename if code is not None else getattr(sys.modules.get(obj.__module__), "__file__", None)
+    if not name or name.startswith("<"):
+        return None
+    return Path(name).resolve()
+
+
 def _same_plugin(old, new) -> bool:
-    """The same definition from a plugin file imported again from another path (a run's plugin
-    copied or moved): the newer one is kept."""
-    same = getattr(old, "__qualname__", None) == getattr(new, "__qualname__", None)
-    return same and all(str(getattr(o, "__module__", "")).startswith(_PLUGIN_PREFIX) for o in (old, new))
+    """The same definition imported twice: from one source file named two ways (module and path) or
+    imported again after an edit, or the same source from another path (a run's plugin copied or moved).
+    The newer one is kept."""
+    if getattr(old, "__qualname__", None) != getattr(new, "__qualname__", None):
+        return False
+    a, b = _source_file(old), _source_file(new)
+    if a is not None and a == b:  # one file: named two ways, or edited and imported again (the newer wins)
+        return True
+    files = [str(getattr(sys.modules.get(getattr(o, "__module__", "")), "__file__", "")) for o in (old, new)]
+    return all(f in _SOURCES for f in files) and _SOURCES[files[0]] == _SOURCES[files[1]]  # a copied file
+
+
+def _where_defined(obj) -> str:
+    """``file: qualname`` of a registered object (its module's name when it has no file)."""
+    file = _source_file(obj)
+    return f"{file}: {getattr(obj, '__qualname__', '?')}" if file else _origin(obj)
 
 
 def _origin(obj) -> str:
@@ -265,15 +290,28 @@ def import_plugin(spec: str, where: str = "plugins") -> Any:
         if not path.is_file():
             if cached is not None:  # read before (the driver sends this copy to its actors)
                 return cached
-            raise ConfigError(f"{where}: {spec}: no such file")
+            raise MissingSourceError(f"{where}: {spec}: no such file", path)
         source = path.read_bytes()
         if cached is not None and _SOURCES.get(spec) == source:
             return cached
         _PLUGIN_FILES[spec] = path
+        named = _module_of_file(path)  # the same file imported as a module: one plugin, not two
+        if named is not None:
+            _MODULES[spec] = named
+            return named
         return _import_source(spec, source, where)
     else:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
             sys.path.append(str(Path.cwd()))  # a module beside the config, as `python -m` would find it
+        try:
+            found = importlib.util.find_spec(spec)
+        except (ImportError, ValueError):
+            found = None
+        origin = Path(found.origin).resolve() if found is not None and found.origin else None
+        as_file = next((m for k, m in _MODULES.items() if k.endswith(".py") and _PLUGIN_FILES.get(k) == origin), None)
+        if origin is not None and as_file is not None and spec not in sys.modules:
+            _PLUGIN_FILES[spec], _MODULES[spec] = origin, as_file  # imported by path already: the same plugin
+            return as_file
         try:
             mod = importlib.import_module(spec)
         except ImportError as exc:
@@ -282,6 +320,14 @@ def import_plugin(spec: str, where: str = "plugins") -> Any:
         _PLUGIN_FILES[spec] = Path(file).resolve() if file else None
     _MODULES[spec] = mod
     return mod
+
+
+def _module_of_file(path: Path) -> Any:
+    """A module plugin already imported from ``path`` (by its module name), if any."""
+    for spec, mod in _MODULES.items():
+        if not spec.endswith(".py") and _PLUGIN_FILES.get(spec) == path:
+            return mod
+    return None
 
 
 def load_plugins(specs: Iterable[str] | dict[str, bytes | None]) -> None:

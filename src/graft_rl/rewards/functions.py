@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from graft_rl.errors import MissingSourceError
 from graft_rl.rewards.custom import CONTRACT, PICKLE_PREFIX, load_target
 from graft_rl.rewards.pool import Outcome, VerifierPool, VerifyStats
 from graft_rl.rewards.verifiers import _finish, score_responses
@@ -41,6 +42,13 @@ _REGISTRY: dict[str, Callable] = {}
 
 class RewardError(ValueError):
     """A reward that cannot be used, or that broke its contract; the message names it."""
+
+
+class RewardFileMissing(RewardError, MissingSourceError):
+    """``data.reward: file.py:function`` names a file that is not there."""
+
+    def __init__(self, message: str, path):
+        MissingSourceError.__init__(self, message, path)
 
 
 def register_reward(name: str):
@@ -262,7 +270,7 @@ def resolve_reward(spec: str | Callable | Reward, threshold: float = 1.0) -> Rew
     if mod.endswith(".py"):
         path = Path(mod).expanduser()
         if not path.is_file():
-            raise RewardError(f"data.reward {spec!r}: file {path} not found")
+            raise RewardFileMissing(f"data.reward {spec!r}: {path.resolve()}: no such file", path.resolve())
         target = f"{path.resolve()}:{spec.rpartition(':')[2]}"
     try:
         load_target(target)
