@@ -260,3 +260,14 @@ def test_a_plugin_or_reward_file_gone_at_resume_is_named_in_one_line(task, capsy
     assert "put it back" in err[0], err[0]
     (task / f"{gone}.moved").rename(task / gone)  # back where the run recorded it: the resume goes on
     assert main(["train", "--resume", "run", "--no-progress", "steps=2"]) == 0
+
+
+def test_config_show_lists_a_users_method_from_its_plugins_or_its_config(task, capsys):
+    assert main(["config", "show", "sign_graft", "--plugins", "parts.py"]) == 0
+    out = capsys.readouterr().out
+    out = " ".join(out.split())  # the listing wraps at 100 columns
+    assert "method sign_graft" in out and "advantage sign" in out and "loss user_half_clip" in out
+    assert main(["config", "show", "task.yaml"]) == 0  # its plugins: parts.py
+    assert "method sign_graft" in capsys.readouterr().out
+    assert main(["config", "show", "no_such_method"]) == 2
+    assert "add --plugins SPEC" in capsys.readouterr().err

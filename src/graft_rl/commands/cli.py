@@ -47,8 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
         "what",
         nargs="?",
         default=None,
-        help="show: a section (run, data, validation, ray, tracking, method, policies, peers) or a method name; "
-        "init: the file to write (default graft.yaml)",
+        help="show: a section (run, data, validation, ray, tracking, method, policies, peers), a method name, or a "
+        "config file (its method, after importing its plugins); init: the file to write (default graft.yaml)",
+    )
+    c.add_argument(
+        "--plugins",
+        nargs="+",
+        default=[],
+        metavar="SPEC",
+        help="show: import these plugins first (module or file.py), so a method or part they register is listed",
     )
     c.add_argument("--data", default=None, help="init: your training data (file, folder or hf:ORG/NAME)")
     c.add_argument("--reward", default=None, help="init: your reward, path/to/file.py:function or module:function")
@@ -505,7 +512,7 @@ def _config(ns) -> int:
             out = write_starter(ns.what or "graft.yaml", ns.data, ns.reward, ns.models, ns.force)
             print(f"graft config init: wrote {out}; edit it, then: graft probe {out}")
         else:
-            print(show(ns.what))
+            print(show(ns.what, ns.plugins))
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2

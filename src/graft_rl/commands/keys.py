@@ -12,12 +12,13 @@ import dataclasses
 import inspect
 import re
 import textwrap
+from types import SimpleNamespace
 
 from graft_rl.engine.config import DataConfig, PeerRecords, RayConfig, TrackingConfig, TrainConfig, ValidationConfig
 from graft_rl.errors import ConfigError
 from graft_rl.methods import MethodConfig, method_class, method_names
 from graft_rl.methods.config import method_params
-from graft_rl.methods.registry import PART_KEYS
+from graft_rl.methods.registry import PART_KEYS, load_plugins, normalise, part_modules
 from graft_rl.policy import PolicyConfig
 
 __all__ = ["SECTIONS", "describe", "field_comments", "show"]
@@ -93,8 +94,13 @@ def _table(title: str, rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def show(what: str | None = None) -> str:
-    """The listing of one section, of one method's own keys, or (``None``) of every section."""
+def show(what: str | None = None, plugins: list[str] | tuple[str, ...] = ()) -> str:
+    """The listing of one section, of one method's own keys, or (``None``) of every section. ``plugins``
+    are imported first (a user's methods and parts); ``what`` may be a config file: its method, listed
+    after importing the config's own plugins."""
+    load_plugins(plugins)
+    if what is not None and what.endswith((".yaml", ".yml")):
+        return _show_config(what)
     if what is None:
         parts = [show(name) for name in SECTIONS]
         return (
@@ -135,5 +141,25 @@ def show(what: str | None = None) -> str:
         return _table(f"{head}\n  {parts}\n  {peers}; its own keys (method.KEY):", rows)
     raise ConfigError(
         f"graft config show: {what!r} is neither a section ({', '.join(SECTIONS)}) nor a method "
-        f"({', '.join(method_names())})"
+        f"({', '.join(method_names())}); a method of your own: add --plugins SPEC, or name a config that imports it"
     )
+
+
+def _show_config(path: str) -> str:
+    """``graft config show CONFIG.yaml``: the config's method (its parts and keys), its plugins imported."""
+    from pathlib import Path
+
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"graft config show: {path}: no such file")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"graft config show: {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    method = data.get("method") or {}
+    # paths as `graft train` reads them (relative to the current directory), then the part keys' modules
+    load_plugins([normalise(p) for p in data.get("plugins") or []])
+    load_plugins(part_modules(SimpleNamespace(**{"name": "", **method})))
+    return show(str(method.get("name", "graft")))
