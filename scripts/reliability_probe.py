@@ -4,10 +4,12 @@ signals, a concurrent run, a partial directory, an edited config, a torn log, ba
 (issue 33) where one command's output meets another's: resume across execution, eval results that
 merge, damaged or swapped checkpoints, a linked best/, SIGTERM in probe; (issue 40) what a reward's
 processes leave, a reward or data file changed under a resume, a crafted checkpoint, a user's task
-through graft eval, a start killed at its first write, a YAML tab, SIGTERM in eval, a large table.
+through graft eval, a start killed at its first write, a YAML tab, SIGTERM in eval, a large table;
+(issue 50) kill -9 at the rename that commits best/, and graft eval --out on a full disk.
 
     python scripts/reliability_probe.py            # ~12 minutes on 2 cores
     python scripts/reliability_probe.py --only 40  # issue 40's rows only (~3 minutes)
+    python scripts/reliability_probe.py --only 50  # issue 50's rows only (~1 minute)
 
 Settings as in the issue: testbed default, ``steps=8 checkpoint_every=2 validation.every=4
 validation.limit=32``. Prints one Markdown row per check; exits 1 if any fails. The deterministic
@@ -325,6 +327,7 @@ def main() -> int:
     lock_and_steps(root)
     between_commands(root, ref, ref_metrics)
     issue40(root)
+    issue50(root)
     shutil.rmtree(root, ignore_errors=True)
     return 0 if all(ok for _, ok, _ in ROWS) else 1
 
@@ -684,13 +687,71 @@ class _Payload:
         return (os.makedirs, (self.marker,))
 
 
+#: run graft in this process, killed with SIGKILL at the rename that commits best/.committed/<policy>
+#: (between replace_dir's two renames: the old copy moved aside, the new one not yet in place)
+KILL_AT_COMMIT = """
+import os, signal, sys
+from graft_rl.engine import rundir
+real = rundir.os.replace
+def replace(src, dst):
+    real(src, dst)
+    if os.path.basename(os.path.dirname(str(dst))) == ".committed" and os.path.basename(str(dst)).startswith(".trash_"):
+        os.kill(os.getpid(), signal.SIGKILL)
+rundir.os.replace = replace
+from graft_rl.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+#: run graft with the disk under GRAFT_PROBE_FULL filling after its start-up check: every write of a
+#: result there fails as a full disk's write() does, ENOSPC with no file name
+FULL_DISK = """
+import errno, os, pathlib, sys
+full = os.environ["GRAFT_PROBE_FULL"]
+real = pathlib.Path.write_text
+def write_text(self, *a, **k):
+    if str(self).startswith(full) and self.name != ".write_test":
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(self, *a, **k)
+pathlib.Path.write_text = write_text
+from graft_rl.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def issue50(root: Path) -> None:
+    ref_metrics = strip(lines(root / "reference" / "metrics.jsonl"))
+    d = root / "kill_at_commit"
+    args = ["train", "--no-progress", f"run_dir={d}", *SETTINGS]
+    p = subprocess.run([sys.executable, "-c", KILL_AT_COMMIT, *args], capture_output=True, text=True, timeout=900)
+    left = sorted(str(x.relative_to(d)) for x in (d / "best" / ".committed").glob(".trash_*"))
+    rc2, _, err = cli("train", "--no-progress", "--resume", str(d))
+    trash = sorted(str(x.relative_to(d)) for x in d.rglob(".trash_*"))
+    same = strip(lines(d / "metrics.jsonl")) == ref_metrics
+    row(
+        "kill -9 at the rename that commits best/, --resume",
+        p.returncode == -signal.SIGKILL and bool(left) and rc2 == 0 and same and not trash,
+        f"exit {p.returncode} leaving {left}; resume exit {rc2}; identical: {same}; .trash_* left: {trash or 'none'}",
+    )
+
+    out = root / "full_disk_eval"
+    env = {**os.environ, "GRAFT_PROBE_FULL": str(out)}
+    ev = ["eval", str(root / "reference"), "--limit", "8", "--samples", "1", "--runs", "1", "--out", str(out)]
+    p = subprocess.run([sys.executable, "-c", FULL_DISK, *ev], capture_output=True, text=True, env=env, timeout=900)
+    msg = last(p.stderr, root)
+    row(
+        "graft eval --out on a full disk",
+        p.returncode == 2 and str(out).replace(str(root), "PROBE") in msg and "No space left" in msg,
+        msg[:160],
+    )
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TQDM_DISABLE", "1")
-    if sys.argv[1:] == ["--only", "40"]:
+    if sys.argv[1:] in (["--only", "40"], ["--only", "50"]):
         _root = Path(tempfile.mkdtemp(prefix="graft_probe_"))
         print("| check | result | detail |\n|---|---|---|", flush=True)
         finish(graft(_root / "reference"))
-        issue40(_root)
+        (issue40 if sys.argv[2] == "40" else issue50)(_root)
         shutil.rmtree(_root, ignore_errors=True)
         sys.exit(0 if all(ok for _, ok, _ in ROWS) else 1)
     sys.exit(main())

@@ -172,13 +172,20 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 
 def clean_stale(run_dir: Path) -> list[str]:
-    """Remove what interrupted writes leave behind (``.step_N.tmp``, ``.trash_*``, ``*.tmp``); returns the names."""
+    """Remove what interrupted writes leave behind (``.step_N.tmp``, ``.trash_*``, ``*.tmp``), in
+    ``checkpoints/``, ``best/`` and ``best/.committed/``; a ``.trash_X`` whose ``X`` is gone (a kill between
+    :func:`replace_dir`'s renames) is renamed back instead. Returns what it did."""
     removed = []
-    for sub in (run_dir / "checkpoints", run_dir / "best"):
+    # best/.committed holds the best weights as of the newest checkpoint, swapped in the same way
+    for sub in (run_dir / "checkpoints", run_dir / "best", run_dir / "best" / ".committed"):
         if not sub.is_dir():
             continue
         for p in sub.iterdir():
-            if p.name.startswith((".trash_", ".step_")) or p.name.endswith(".tmp"):
+            if p.name.startswith(".trash_") and not (sub / p.name.removeprefix(".trash_")).exists():
+                # killed between replace_dir's two renames: the old directory is the only copy; it returns
+                os.replace(p, sub / p.name.removeprefix(".trash_"))
+                removed.append(f"{p.relative_to(run_dir)} (restored as {p.name.removeprefix('.trash_')})")
+            elif p.name.startswith((".trash_", ".step_")) or p.name.endswith(".tmp"):
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
                 removed.append(str(p.relative_to(run_dir)))
     return removed
@@ -361,23 +368,32 @@ def best_steps(validation: list[dict], select_initial: bool = False) -> dict[str
     return best
 
 
+def _named(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` when the OS did not (a ``write()`` that fails with ENOSPC has no filename)."""
+    if exc.filename:
+        return exc
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))
+
+
 def append_lines(path: Path, lines: list[str]) -> None:
     """Append whole lines to a log; an OS error (a full disk) names the file (``OSError.filename``)."""
     try:
         with path.open("a") as f:
             f.write("".join(line + "\n" for line in lines))
     except OSError as exc:
-        if exc.filename:
-            raise
-        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
+        raise _named(exc, path) from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all (a temporary file, then a rename)."""
+    """Write ``path`` whole or not at all (a temporary file, then a rename); an OS error names the file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)  # a partial temporary file is no result
+        raise _named(exc, path) from None
 
 
 def finite_json(x):
