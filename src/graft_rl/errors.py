@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "MissingSourceError"]
+from collections.abc import Callable
+
+__all__ = ["ConfigError", "MissingSourceError", "removed_names"]
 
 
 class ConfigError(ValueError):
@@ -16,3 +18,20 @@ class MissingSourceError(ConfigError):
     def __init__(self, message: str, path):
         super().__init__(message)
         self.path = path
+
+
+#: where a removed public name's user reads what to write instead
+PORTING_GUIDE = "docs/porting.md in the graft-rl source (CHANGELOG.md has every change by version)"
+
+
+def removed_names(module: str, names: dict[str, str]) -> Callable[[str], object]:
+    """A module ``__getattr__`` for public names a version removed: importing one raises an
+    ``ImportError`` that says when it went, what replaces it and where the porting guide is, instead of
+    Python's bare "cannot import name". ``names``: removed name -> "removed in X: use Y"."""
+
+    def __getattr__(name: str) -> object:
+        if name in names:
+            raise ImportError(f"{module}.{name} was {names[name]}; see the porting guide, {PORTING_GUIDE}")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

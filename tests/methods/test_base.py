@@ -128,3 +128,25 @@ def test_a_method_written_against_the_old_hooks_is_refused_when_registered():
         class OldStyle(Method):
             def objective(self):
                 return None
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("graft_rl.methods.grpo", "OwnGroupsOnly"),
+        ("graft_rl.methods.dr_grpo", "DrGRPOExchange"),
+        ("graft_rl.methods.graft", "PooledExchange"),
+        ("graft_rl.methods.sgt", "SGTObjective"),
+        ("graft_rl.methods.hacpo", "HacpoExchange"),
+        ("graft_rl.methods.luffy", "LuffyObjective"),
+        ("graft_rl.methods.exchange", "Weighting"),
+    ],
+)
+def test_a_removed_public_name_points_to_the_porting_guide(module, name):
+    import importlib
+
+    mod = importlib.import_module(module)
+    with pytest.raises(ImportError, match=rf"{module}.{name} was removed in 0.1.0.*porting guide, docs/porting.md"):
+        exec(f"from {module} import {name}", {})
+    assert not hasattr(mod, "no_such_name")
+    assert name in (Path(__file__).parents[2] / "docs" / "porting.md").read_text()  # the guide names it

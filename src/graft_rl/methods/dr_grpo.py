@@ -11,6 +11,7 @@ difference is the normaliser, the minibatch's token count here vs a fixed consta
 from __future__ import annotations
 
 from graft_rl.algo import dr_grpo_advantages as unnormalised_advantages
+from graft_rl.errors import removed_names
 from graft_rl.methods.base import register_method
 from graft_rl.methods.grpo import GRPO
 
@@ -22,3 +23,11 @@ class DrGRPO(GRPO):
     """GRPO with Dr. GRPO's unnormalised advantages (every GRPO key, dynamic sampling included, applies)."""
 
     preset = {**GRPO.preset, "advantage": "dr_grpo"}
+
+
+__getattr__ = removed_names(
+    __name__,
+    {
+        "DrGRPOExchange": 'removed in 0.1.0 (methods are presets of parts): preset = {**GRPO.preset, "advantage": "dr_grpo"}',
+    },
+)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from graft_rl import algo
+from graft_rl.errors import removed_names
 from graft_rl.methods.advantages import AdvantageContext
 from graft_rl.methods.batch import ReceiverBatch, Row, group_rewards, rows_of, success_counts, successes
 from graft_rl.methods.config import MethodConfig
@@ -269,4 +270,14 @@ def __getattr__(name: str):
             stacklevel=2,
         )
         return getattr(importlib.import_module(where), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _removed(name)
+
+
+_removed = removed_names(
+    __name__,
+    {
+        "SGTRule": "removed in 0.1.0 (methods are presets of parts): selection sgt (graft_rl.methods.sgt)",
+        "Weighting": "removed in 0.1.0: a weighting is a function, @register_weighting(NAME) (graft_rl.methods.weighting)",
+        "NoWeighting": "removed in 0.1.0: weighting none (graft_rl.methods.weighting.no_weighting)",
+    },
+)

@@ -7,6 +7,7 @@ pooled-groups ablation (``pooled: true``) is the ``pool`` composition."""
 
 from __future__ import annotations
 
+from graft_rl.errors import removed_names
 from graft_rl.methods.base import Method, register_method
 from graft_rl.methods.config import MethodConfig
 from graft_rl.methods.exchange import Complementary, register_selection
@@ -25,3 +26,11 @@ class GRAFT(Method):
     @classmethod
     def with_stored_peers(cls, cfg: MethodConfig) -> None:
         cfg.balance = False  # one direction only: balancing is inactive (Section 6.2)
+
+
+__getattr__ = removed_names(
+    __name__,
+    {
+        "PooledExchange": "removed in 0.1.0 (methods are presets of parts): method.composition: pool (or pooled: true)",
+    },
+)

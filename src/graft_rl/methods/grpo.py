@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from graft_rl import algo
-from graft_rl.errors import ConfigError
+from graft_rl.errors import ConfigError, removed_names
 from graft_rl.methods.base import Method, RolloutFilter, register_method
 
 __all__ = ["GRPO"]
@@ -51,3 +51,11 @@ class GRPO(Method):
             if p["dynamic_sampling"]
             else None
         )
+
+
+__getattr__ = removed_names(
+    __name__,
+    {
+        "OwnGroupsOnly": "removed in 0.1.0 (methods are presets of parts): a method without peers sets uses_peers = False, as GRPO does",
+    },
+)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from graft_rl import algo
-from graft_rl.errors import ConfigError
+from graft_rl.errors import ConfigError, removed_names
 from graft_rl.methods.advantages import CAPABILITY_FLOOR, AdvantageContext, register_advantage
 from graft_rl.methods.base import Method, register_method
 from graft_rl.methods.config import MethodConfig, check_range
@@ -188,3 +188,12 @@ class HACPO(Method):
     def load_state_dict(self, state: dict) -> None:
         for k, v in state.get("success_history", {}).items():
             self._history(k).extend(v)
+
+
+__getattr__ = removed_names(
+    __name__,
+    {
+        "HacpoExchange": "removed in 0.1.0 (methods are presets of parts): advantage hacpo, composition hacpo_pool",
+        "HacpoObjective": "removed in 0.1.0 (methods are presets of parts): loss hacpo",
+    },
+)

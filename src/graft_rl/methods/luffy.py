@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from graft_rl import algo
+from graft_rl.errors import removed_names
 from graft_rl.methods.base import Method, register_method
 from graft_rl.methods.config import check_range
 from graft_rl.methods.losses import LossContext, register_loss
@@ -41,3 +42,11 @@ def luffy(lp, old, mask, ctx: LossContext):
 @register_method("luffy")
 class LUFFY(Method):
     preset = {**Method.preset, "weighting": "none", "loss": "luffy"}
+
+
+__getattr__ = removed_names(
+    __name__,
+    {
+        "LuffyObjective": "removed in 0.1.0 (methods are presets of parts): loss luffy with weighting none",
+    },
+)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from graft_rl import algo
+from graft_rl.errors import removed_names
 from graft_rl.methods.base import Method, register_method
 from graft_rl.methods.config import check_range
 from graft_rl.methods.exchange import (
@@ -66,3 +67,12 @@ def sgt_nll(lp, aux_mask, cfg):
 @register_method("sgt")
 class SGT(Method):
     preset = {**Method.preset, "selection": "sgt", "composition": "aux_target", "aux_loss": "sgt_nll"}
+
+
+__getattr__ = removed_names(
+    __name__,
+    {
+        "SGTExchange": "removed in 0.1.0 (methods are presets of parts): selection sgt, composition aux_target",
+        "SGTObjective": "removed in 0.1.0 (methods are presets of parts): aux_loss sgt_nll",
+    },
+)
