@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 GENERATE = "generate (hf, bf16 compute)"
-CHUNKED = "score, chunked LM head"
-NAIVE = "score, full logits (replaced path)"
+CHUNKED = "old log-probs, chunked LM head"
+NAIVE = "old log-probs, full logits (replaced path)"
 UPDATE = "update, bf16 compute / fp32 master / ckpt"
 PURE = "update, pure bf16 (opt-in)"
 FSDP = "update, FSDP2 (world 1, ShardedPolicy)"
@@ -147,7 +147,7 @@ def test_gpu_check_vllm_rows_run_on_vllms_cpu_build(tmp_path):
     update/push/generate cycles, seeds that only the per-request seed can make agree, a held-back tensor
     refused, FSDP2 beside an engine, two engines one after another, the Transformers backend."""
     pytest.importorskip("vllm")
-    skip = "generate,score,naive,update,pure,fsdp,trainer,lora"
+    skip = "generate,logprobs,naive,update,pure,fsdp,trainer,lora"
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--skip", skip, "--out", str(tmp_path)],
         capture_output=True,

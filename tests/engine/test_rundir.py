@@ -11,16 +11,21 @@ import pytest
 from graft_rl.engine import rundir
 
 
-def test_clean_stale_looks_inside_best_committed_and_restores_a_lone_trash(tmp_path):
+def test_clean_stale_looks_inside_best_committed_and_restores_a_lone_complete_trash(tmp_path):
     committed = tmp_path / "best" / ".committed"
     (committed / ".trash_A").mkdir(parents=True)  # killed between replace_dir's renames: A is gone
     (committed / ".trash_A" / "w").write_text("old")
+    rundir.write_manifest(committed / ".trash_A", step=2)
     (committed / "B").mkdir()
     (committed / ".trash_B").mkdir()  # killed after both renames: B is the new copy, the trash is stale
+    (tmp_path / "checkpoints" / ".trash_step_000001").mkdir(parents=True)  # remove_dir killed mid-rmtree
+    (tmp_path / "checkpoints" / ".trash_step_000001" / "w").write_text("half")
     removed = rundir.clean_stale(tmp_path)
     assert (committed / "A" / "w").read_text() == "old" and not (committed / ".trash_A").exists()
     assert not (committed / ".trash_B").exists() and (committed / "B").is_dir()
-    assert len(removed) == 2
+    assert not (tmp_path / "checkpoints" / "step_000001").exists()  # no manifest: never a checkpoint again
+    assert not (tmp_path / "checkpoints" / ".trash_step_000001").exists()
+    assert len(removed) == 3
 
 
 def test_a_full_disk_write_names_its_file(tmp_path, monkeypatch):

@@ -173,15 +173,17 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 def clean_stale(run_dir: Path) -> list[str]:
     """Remove what interrupted writes leave behind (``.step_N.tmp``, ``.trash_*``, ``*.tmp``), in
-    ``checkpoints/``, ``best/`` and ``best/.committed/``; a ``.trash_X`` whose ``X`` is gone (a kill between
-    :func:`replace_dir`'s renames) is renamed back instead. Returns what it did."""
+    ``checkpoints/``, ``best/`` and ``best/.committed/``. A ``.trash_X`` whose ``X`` is gone and whose files
+    all match its manifest is the only copy (a kill between :func:`replace_dir`'s renames) and is renamed
+    back instead; one that does not match is half of a :func:`remove_dir` and goes. Returns what it did."""
     removed = []
     # best/.committed holds the best weights as of the newest checkpoint, swapped in the same way
     for sub in (run_dir / "checkpoints", run_dir / "best", run_dir / "best" / ".committed"):
         if not sub.is_dir():
             continue
         for p in sub.iterdir():
-            if p.name.startswith(".trash_") and not (sub / p.name.removeprefix(".trash_")).exists():
+            lone = p.name.startswith(".trash_") and not (sub / p.name.removeprefix(".trash_")).exists()
+            if lone and p.is_dir() and manifest_problem(p, required=True) is None:
                 # killed between replace_dir's two renames: the old directory is the only copy; it returns
                 os.replace(p, sub / p.name.removeprefix(".trash_"))
                 removed.append(f"{p.relative_to(run_dir)} (restored as {p.name.removeprefix('.trash_')})")
