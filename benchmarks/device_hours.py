@@ -92,7 +92,7 @@ def main() -> None:
 
     from graft_rl.engine.trainer import Trainer
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     real = Trainer._train_receiver
     trials = []
     try:

@@ -90,7 +90,7 @@ def make_cfg(tmp_path, tiny_pair, tiny_data):
 def ray_local():
     """A local 2-CPU Ray cluster for the tests of one module (skipped where Ray is not installed)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     yield
     ray.shutdown()
 

@@ -246,7 +246,7 @@ def test_eval_spread_over_replicas_equals_one_process(tmp_path):
 
     kw = dict(benchmarks=["testbed_heldout"], samples=2, runs=2, limit=12, max_new_tokens=24, show=False)
     one = ev.run_eval("zoo:testbed-a", out_dir=str(tmp_path / "one"), **kw)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         two = ev.run_eval("zoo:testbed-a", out_dir=str(tmp_path / "two"), replicas=2, **kw)
     finally:

@@ -59,6 +59,32 @@ def test_custom_resources_are_the_policys_total_split_over_its_ranks():
     )
 
 
+def test_a_pinned_policys_ranks_must_fit_the_nodes_that_hold_its_resource():
+    """Two nodes of 2 CPUs; B (world 2, 2 CPUs a rank) pinned to node_b: its two ranks fit no node_b."""
+    nodes = [{"CPU": 2.0, "node_a": 1.0}, {"CPU": 2.0, "node_b": 1.0}]
+    cfg = _cfg(num_cpus=2, num_gpus=0, resources={"B": {"resources": {"node_b": 1}}}, device="cpu")
+    with pytest.raises(ResourceError) as err:
+        check_cluster(cfg, cfg.policies[1:], nodes=nodes)
+    msg = str(err.value)
+    assert "policy 'B'" in msg and "node_b" in msg and "hold only 1 of them" in msg and "ray.num_cpus=1" in msg
+    fits = _cfg(num_cpus=1, num_gpus=0, resources={"B": {"resources": {"node_b": 1}}}, device="cpu")
+    check_cluster(fits, fits.policies[1:], nodes=nodes)
+
+
+def test_eval_replicas_fit_the_nodes_a_policy_is_pinned_to():
+    from graft_rl.engine.distributed import fit_replicas
+
+    nodes = [{"CPU": 2.0, "node_a": 1.0}, {"CPU": 2.0, "node_b": 1.0}]
+    cfg = _cfg(num_cpus=1, num_gpus=0, world=1, resources={"A": {"resources": {"node_a": 1}}}, device="cpu")
+    # 3 replicas (the run's 3 devices) of A, pinned to node_a's 2 CPUs: they share them
+    assert fit_replicas(cfg, cfg.policies[0], 3, nodes) == (3, 0.6666)
+    assert fit_replicas(cfg, cfg.policies[1], 3, nodes) == (3, 1.0)  # B is pinned nowhere: 4 CPUs
+    gpu = _cfg(num_cpus=1, num_gpus=1, world=1, resources={"A": {"resources": {"node_a": 1}}})
+    nodes = [{"CPU": 8.0, "GPU": 1.0, "node_a": 1.0}, {"CPU": 8.0, "GPU": 2.0, "node_b": 1.0}]
+    assert fit_replicas(gpu, gpu.policies[0], 3, nodes) == (1, 1.0)  # one GPU where A may run: one replica
+    assert fit_replicas(gpu, gpu.policies[1], 3, nodes) == (3, 1.0)
+
+
 @pytest.mark.slow
 def test_misfit_fails_in_seconds_with_one_line(make_cfg, ray_local, tiny_pair, capsys, tmp_path):
     """8 CPUs per rank on a 2-CPU Ray cluster: one line from `graft train`, no 600 s wait."""
@@ -227,3 +253,16 @@ def test_killed_actors_are_gone_before_kill_actors_returns(ray_local, remembered
         kill_actors(actors)
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actors[0].pid.remote(), timeout=5)
+
+
+def test_ray_address_null_starts_a_local_instance_whatever_a_stale_cluster_file_says(monkeypatch):
+    """`ray.address: null` is a new local instance ("local"), not Ray's own None, which joins whatever
+    /tmp/ray/ray_current_cluster names: a cluster killed without shutdown leaves that file, and every
+    later run on the machine then failed joining a dead address. RAY_ADDRESS (ray job submit) still wins."""
+    from graft_rl.engine.distributed import ray_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_address(None) == "local"
+    assert ray_address("auto") == "auto" and ray_address("10.0.0.1:6379") == "10.0.0.1:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert ray_address(None) == "10.0.0.2:6379" and ray_address("auto") == "auto"

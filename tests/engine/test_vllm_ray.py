@@ -66,6 +66,7 @@ def test_sharded_vllm_run_equals_in_process_and_pushes_weights_to_every_rank(
     local = None  # its two engines go before the Ray ranks start theirs
 
     ray.init(
+        address="local",
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
@@ -141,6 +142,7 @@ def test_every_rank_engine_samples_its_share_from_the_pushed_weights(make_cfg, v
 
     monkeypatch.setattr(Rollouts, "verify_groups", fake_verify)
     ray.init(
+        address="local",
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

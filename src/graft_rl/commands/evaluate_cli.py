@@ -48,7 +48,8 @@ def resolve_targets(target: str, policy: str | None = None, **overrides) -> list
     ``replicas``' job): a run directory (its best checkpoints, else the latest) with each policy's own
     prompt format, lengths, dtype and rollout backend; a checkpoint directory, with the settings it was
     saved with (``graft_policy.json``, else its run's config); or a model."""
-    path = Path(target).expanduser()
+    # absolute: a Ray replica works in the directory its raylet was started from, not this one
+    path = Path(target).expanduser().resolve() if Path(target).expanduser().exists() else Path(target).expanduser()
     one = {"gguf_file": None, "tokenizer": None, "world_size": 1, "reference_model": None, "reference_gguf_file": None}
     if (path / "config.yaml").is_file():
         from graft_rl.engine.config import load_config
@@ -410,6 +411,7 @@ def _evaluate_targets(
             pc = replace(pc, vllm_kwargs={**pc.vllm_kwargs, "sleep": False})
         W = replicas or default_replicas(target, pc)
         workers, actors = start_evaluators(target, pc, W)
+        W = len(workers)  # the replicas that fit the nodes the policy is pinned to
         if show and actors:
             print(f"graft eval: {pc.name} on {W} Ray actors ({pc.backend} backend, device {pc.device})")
         try:

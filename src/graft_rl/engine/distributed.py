@@ -127,9 +127,7 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
     for pc in policy_configs:
         _check_gpu_share(cfg, pc)
     if nodes is None:
-        import ray
-
-        nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+        nodes = alive_nodes()
     total: dict[str, float] = {}
     for n in nodes:
         for k, v in n.items():
@@ -160,13 +158,82 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
                 f"{_fit_hint(cfg, {key: want / ranks}, {key: have}, ranks)}"
             )
     for pc in policy_configs:
-        b = policy_bundles(cfg, pc)[0]
+        bundles = policy_bundles(cfg, pc)
+        b = bundles[0]
+        custom = [k for k, v in b.items() if k not in ("CPU", "GPU") and v > 0]
+        held = [n for n in nodes if all(n.get(k, 0.0) > 0 for k in custom)]  # the nodes it is pinned to
+        fits = sum(bundles_that_fit(n, b) for n in held)
+        if custom and 0 < fits < len(bundles):
+            raise ResourceError(
+                f"policy {pc.name!r}: its {len(bundles)} rank bundles {_fmt(b)} must sit on the node(s) with "
+                f"{', '.join(custom)}, which hold only {fits} of them ({' + '.join(_fmt(n_sub(n, b)) for n in held)}); "
+                f"{_fit_hint(cfg, b, _summed(held), len(bundles))}"
+            )
         if not any(all(n.get(k, 0.0) + 1e-9 >= v for k, v in b.items()) for n in nodes):
             biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)))
             raise ResourceError(
                 f"policy {pc.name!r}: no node of the Ray cluster can hold one rank's bundle {_fmt(b)} (largest node: "
                 f"{_fmt({k: biggest.get(k, 0) for k in b})}); {_fit_hint(cfg, b, biggest, 1)}"
             )
+
+
+def bundles_that_fit(node: dict, bundle: dict) -> int:
+    """How many copies of ``bundle`` one node's total resources hold."""
+    need = {k: v for k, v in bundle.items() if v > 0}
+    if not need:
+        return 1 << 30
+    return min(int((node.get(k, 0.0) + 1e-9) // v) for k, v in need.items())
+
+
+def n_sub(node: dict, bundle: dict) -> dict:
+    """``node``'s totals of the resources ``bundle`` asks for."""
+    return {k: node.get(k, 0.0) for k in bundle}
+
+
+def _summed(nodes: list[dict]) -> dict:
+    out: dict[str, float] = {}
+    for n in nodes:
+        for k, v in n.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def alive_nodes() -> list[dict]:
+    """Each alive node's total resources, from the running Ray cluster."""
+    import ray
+
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def short_resource(bundle: dict) -> str:
+    """What keeps ``bundle`` from being placed now: the resources no alive node has free enough of."""
+    import ray
+
+    free = ray.available_resources()
+    short = [
+        f"{k} (needs {v:g}, {free.get(k, 0.0):g} free in the cluster)"
+        for k, v in bundle.items()
+        if v > free.get(k, 0.0) + 1e-9
+    ]
+    return ", ".join(short) if short else f"no single node has {_fmt(bundle)} free at once"
+
+
+def place(bundles: list[dict], name: str, timeout: float, strategy: str = "PACK"):
+    """A placement group of ``bundles``, ready within ``timeout`` seconds (``ray.placement_timeout``), or one
+    :class:`ResourceError` line naming the resource that is short; every actor is started in one."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(bundles, strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise ResourceError(
+            f"{name}: the Ray cluster did not place {len(bundles)} x {_fmt(bundles[0])} within {timeout:g} s "
+            f"(ray.placement_timeout); short: {short_resource(bundles[0])} (ray status shows what is free)"
+        ) from None
+    return pg
 
 
 def _fit_hint(cfg, bundle: dict, have: dict, ranks: int) -> str:
@@ -191,6 +258,7 @@ def _fit_hint(cfg, bundle: dict, have: dict, ranks: int) -> str:
 
 
 _NAMES: dict = {}
+_PLACED: dict = {}  # actor id -> the placement group a one-rank actor (policy or eval replica) was started in
 _WHERE: dict = {}  # actor id -> (node id, pid), recorded at start: kill_actors waits for that process
 
 
@@ -251,15 +319,31 @@ def kill_actors(actors: list, timeout: float = 60.0) -> None:
         local = pid is not None and node == here
         while time.monotonic() < deadline and not (_process_gone(pid) if local else _actor_dead(a)):
             time.sleep(0.05)
+        pg = _PLACED.pop(a._actor_id.hex(), None)
+        if pg is not None:  # a one-rank actor's own placement group: its reservation goes with it
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+
+
+def ray_address(address: str | None) -> str:
+    """What ``ray.address`` means to ``ray.init``. ``None`` starts a new local instance
+    (``"local"``): Ray's own ``None`` would join whatever ``/tmp/ray/ray_current_cluster`` names, and
+    a cluster killed without shutdown leaves that file behind, so every later run would try to join a
+    dead address. ``RAY_ADDRESS`` (set by ``ray job submit``) still wins over ``None``."""
+    if address is not None:
+        return address
+    return os.environ.get("RAY_ADDRESS") or "local"
 
 
 def init_ray(address: str | None, **kw) -> None:
-    """``ray.init`` (no dashboard); a local instance this process starts (``address`` None) is
+    """``ray.init`` (no dashboard) at :func:`ray_address`; a local instance this process starts is
     watched by :mod:`graft_rl.engine.reaper`, so a SIGKILL of this process leaves none of its processes."""
     import ray
 
     if ray.is_initialized():
         return
+    address = ray_address(address)
     kw = {"include_dashboard": False, "log_to_driver": False, "ignore_reinit_error": True, **kw}
     import signal
     import threading
@@ -268,7 +352,7 @@ def init_ray(address: str | None, **kw) -> None:
     ray.init(address=address, **kw)
     if callable(handler) and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)  # ray.init installs sys.exit on SIGTERM; keep the command's own
-    if address is None:
+    if address == "local":
         from graft_rl.engine import reaper
 
         reaper.watch()
@@ -304,7 +388,9 @@ def start_actors(cfg, policy_configs) -> dict:
             for r, a in enumerate(actors[pc.name].actors):
                 _NAMES[a._actor_id.hex()] = (pc.name, r)
             continue
-        actor = remote_cls.options(**{k: v for k, v in opts.items() if v is not None}).remote(*worker_args)
+        actor = _start_placed(
+            remote_cls, policy_bundles(cfg, pc)[0], opts, worker_args, pc.name, cfg.ray.placement_timeout
+        )
         actors[pc.name] = actor
         _NAMES[actor._actor_id.hex()] = (pc.name, None)
     # fail early (with the policy's name) if an actor cannot build its model (groups were checked in start)
@@ -315,9 +401,55 @@ def start_actors(cfg, policy_configs) -> dict:
     return actors
 
 
+def _start_placed(remote_cls, bundle: dict, opts: dict, args: tuple, name: str, timeout: float):
+    """One actor in a placement group of its own bundle: if the cluster cannot place it within
+    ``timeout`` seconds, one :class:`ResourceError` line naming what is short (a plain actor would wait
+    for ever). The group is removed when :func:`kill_actors` kills the actor."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = place([bundle], f"policy {name!r}", timeout)
+    extra = {k: v for k, v in opts.items() if k not in ("num_cpus", "num_gpus", "resources") and v is not None}
+    actor = remote_cls.options(
+        num_cpus=bundle["CPU"],
+        num_gpus=bundle.get("GPU", 0),
+        resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")} or None,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        **extra,
+    ).remote(*args)
+    _PLACED[actor._actor_id.hex()] = pg
+    return actor
+
+
+def fit_replicas(cfg, pc, replicas: int, nodes: list[dict] | None = None) -> tuple[int, float]:
+    """``(replicas, CPUs each)`` that the nodes a policy is pinned to hold (``ray.resources``' custom
+    resources; every node when it has none): on CPUs the replicas share those nodes' cores, the most
+    per replica that still places every one (at most ``ray.num_cpus``); replicas that cannot be placed
+    at all (too few GPUs there) are dropped. ``graft eval`` says so when it runs fewer."""
+    nodes = alive_nodes() if nodes is None else nodes
+    rank = policy_bundles(cfg, pc)[0]
+    custom = [k for k, v in rank.items() if k not in ("CPU", "GPU") and v > 0]
+    held = [n for n in nodes if all(n.get(k, 0.0) > 0 for k in custom)] or nodes
+    gpus = rank.get("GPU", 0.0)
+    if gpus:
+        fit = sum(int((n.get("GPU", 0.0) + 1e-9) // gpus) for n in held)
+        return max(1, min(replicas, fit)), float(rank["CPU"])
+    cpus = [n.get("CPU", 0.0) for n in held]
+    # the largest share c <= num_cpus with sum_n floor(cpu_n / c) >= replicas: one of cpu_n / k
+    best = 0.0
+    for c in sorted({min(rank["CPU"], cpu / k) for cpu in cpus for k in range(1, replicas + 1)}, reverse=True):
+        c = round(math.floor(c / _GRID) * _GRID, 4)
+        if c > 0 and sum(int((cpu + 1e-9) // c) for cpu in cpus) >= replicas:
+            best = c
+            break
+    if best == 0.0:  # not even a grid step each: as many replicas as hold the smallest share
+        return max(1, min(replicas, int(sum(cpus) // max(rank["CPU"], _GRID)))), float(rank["CPU"])
+    return replicas, best
+
+
 def start_replicas(cfg, pc, replicas: int) -> list:
     """``replicas`` independent one-rank actors of one policy, each on one rank's resources (``graft
-    eval`` over a run's devices: data parallel, each with its own model and rollout engine)."""
+    eval`` over a run's devices: data parallel, each with its own model and rollout engine), each placed
+    within ``ray.placement_timeout`` or one line naming what is short. Fit them first (:func:`fit_replicas`)."""
     from dataclasses import replace
 
     import ray
@@ -325,31 +457,19 @@ def start_replicas(cfg, pc, replicas: int) -> list:
     init_ray(cfg.ray.address)
     spread = replace(pc, world_size=replicas)
     check_cluster(cfg, [spread])
-    extra = {k: v for k, v in _actor_options(cfg, pc).items() if k not in ("num_cpus", "num_gpus", "resources")}
+    opts = {**_actor_options(cfg, pc), "max_restarts": 0}
     threads = cfg.ray.torch_threads or max(1, int(cfg.ray.num_cpus))
     remote_cls = ray.remote(pinned_worker_class())
-    actors = []
-    for b in policy_bundles(cfg, spread):
-        custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
-        opts = {
-            "num_cpus": b["CPU"],
-            "num_gpus": b.get("GPU", 0),
-            "resources": custom or None,
-            "max_restarts": 0,
-            **extra,
-        }
-        actors.append(
-            remote_cls.options(**{k: v for k, v in opts.items() if v is not None}).remote(
-                replace(pc, world_size=1),
-                None,
-                1,
-                "skip",
-                threads,  # an evaluator: no method, no KL reference
-            )
-        )
-    for r, a in enumerate(actors):
-        _NAMES[a._actor_id.hex()] = (pc.name, r)
-    get(GroupRef([a.name.remote() for a in actors], pc.name))
+    actors: list = []
+    try:
+        for r, b in enumerate(policy_bundles(cfg, spread)):
+            args = (replace(pc, world_size=1), None, 1, "skip", threads)  # an evaluator: no method, no KL reference
+            actors.append(_start_placed(remote_cls, b, opts, args, pc.name, cfg.ray.placement_timeout))
+            _NAMES[actors[-1]._actor_id.hex()] = (pc.name, r)
+        get(GroupRef([a.name.remote() for a in actors], pc.name))
+    except BaseException:
+        kill_actors(actors)
+        raise
     _remember(actors)
     return actors
 
@@ -471,19 +591,10 @@ class ActorGroup:
         collective_timeout: float = 3600.0,
     ) -> ActorGroup:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world = len(bundles)
-        pg = placement_group(bundles, strategy="PACK")
-        try:
-            ray.get(pg.ready(), timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(pg)
-            raise ResourceError(
-                f"policy {name!r}: the Ray cluster did not place {world} x {_fmt(bundles[0])} within {timeout:g} s "
-                f"(ray.placement_timeout): its resources are held by other work (ray status shows what is free)"
-            ) from None
+        pg = place(bundles, f"policy {name!r}", timeout)
         extra = {
             k: v for k, v in opts.items() if k not in ("num_cpus", "num_gpus", "resources", "name") and v is not None
         }

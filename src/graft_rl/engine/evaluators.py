@@ -38,8 +38,10 @@ class LocalEvaluator:
 
 
 def eval_ray_config(target: str, pc: PolicyConfig, replicas: int):
-    """Ray settings for ``replicas`` eval actors: the run's (address, CPUs, GPUs, custom resources) where
-    ``target`` is a run directory, else a local Ray; on a CPU the replicas share the machine's cores."""
+    """``(Ray settings, replicas)`` for the eval actors of one policy: the run's (address, CPUs, GPUs,
+    custom resources) where ``target`` is a run directory, else a local Ray. The replicas are fitted to
+    the nodes the policy is pinned to (:func:`~graft_rl.engine.distributed.fit_replicas`): on CPUs they
+    share those nodes' cores; fewer than asked when no more fit there (said in one line)."""
     from dataclasses import replace as dc_replace
 
     from graft_rl.engine.config import RayConfig, load_config
@@ -47,19 +49,24 @@ def eval_ray_config(target: str, pc: PolicyConfig, replicas: int):
     cfg_file = Path(target).expanduser() / "config.yaml"
     cfg = load_config(cfg_file, [f"run_dir={target}"], saved=True) if cfg_file.is_file() else None
     ray_cfg = dc_replace(cfg.ray) if cfg is not None else RayConfig()
+    from types import SimpleNamespace
+
+    from graft_rl.engine.distributed import fit_replicas, init_ray
+
+    init_ray(ray_cfg.address)
     if pc.device.startswith("cuda"):
         ray_cfg.num_gpus = ray_cfg.num_gpus or 1.0
     else:
-        import ray
-
-        from graft_rl.engine.distributed import init_ray
-
-        init_ray(ray_cfg.address)
         ray_cfg.num_gpus = 0.0
-        ray_cfg.num_cpus = min(ray_cfg.num_cpus, int(ray.cluster_resources().get("CPU", 1) / replicas * 1e4) / 1e4)
-    from types import SimpleNamespace
-
-    return SimpleNamespace(ray=ray_cfg)
+    settings = SimpleNamespace(ray=ray_cfg)
+    fitted, cpus = fit_replicas(settings, pc, replicas)
+    ray_cfg.num_cpus = cpus
+    if fitted < replicas:
+        print(
+            f"graft eval: {pc.name}: {fitted} of {replicas} replicas fit on the Ray nodes it may run on "
+            f"(ray.resources.{pc.name}); evaluating with {fitted} (the numbers do not depend on how many)"
+        )
+    return settings, fitted
 
 
 def start_evaluators(target: str, pc: PolicyConfig, replicas: int) -> tuple[list, bool]:
@@ -75,7 +82,8 @@ def start_evaluators(target: str, pc: PolicyConfig, replicas: int) -> tuple[list
         )
     from graft_rl.engine.distributed import start_replicas
 
-    return start_replicas(eval_ray_config(target, pc, replicas), pc, replicas), True
+    settings, fitted = eval_ray_config(target, pc, replicas)
+    return start_replicas(settings, pc, fitted), True
 
 
 def evaluate_benchmarks(
