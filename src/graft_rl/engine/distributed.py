@@ -28,10 +28,12 @@ reaches the driver as one line naming the policy and rank (:class:`ActorError`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import time
+import weakref
 from typing import Any
 
 __all__ = [
@@ -258,7 +260,7 @@ def _fit_hint(cfg, bundle: dict, have: dict, ranks: int) -> str:
 
 
 _NAMES: dict = {}
-_PLACED: dict = {}  # actor id -> the placement group a one-rank actor (policy or eval replica) was started in
+_PLACED: dict = {}  # actor id -> the release (a weakref.finalize) of a one-rank actor's own placement group
 _WHERE: dict = {}  # actor id -> (node id, pid), recorded at start: kill_actors waits for that process
 
 
@@ -319,11 +321,9 @@ def kill_actors(actors: list, timeout: float = 60.0) -> None:
         local = pid is not None and node == here
         while time.monotonic() < deadline and not (_process_gone(pid) if local else _actor_dead(a)):
             time.sleep(0.05)
-        pg = _PLACED.pop(a._actor_id.hex(), None)
-        if pg is not None:  # a one-rank actor's own placement group: its reservation goes with it
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(pg)
+        release = _PLACED.pop(a._actor_id.hex(), None)
+        if release is not None:  # a one-rank actor's own placement group: its reservation goes with it
+            release()
 
 
 def ray_address(address: str | None) -> str:
@@ -416,8 +416,21 @@ def _start_placed(remote_cls, bundle: dict, opts: dict, args: tuple, name: str, 
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         **extra,
     ).remote(*args)
-    _PLACED[actor._actor_id.hex()] = pg
+    # the group goes with the actor however it ends: kill_actors, or its last handle dropped (as a plain
+    # actor's resources would); a weakref finalizer runs once
+    _PLACED[actor._actor_id.hex()] = weakref.finalize(actor, _remove_group, pg)
     return actor
+
+
+def _remove_group(pg) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ray.util.placement_group import remove_placement_group
+
+    with contextlib.suppress(Exception):  # already removed, or the cluster is going down
+        remove_placement_group(pg)
 
 
 def fit_replicas(cfg, pc, replicas: int, nodes: list[dict] | None = None) -> tuple[int, float]:
