@@ -89,9 +89,14 @@ def task(tmp_path, tiny_pair, monkeypatch):
     (tmp_path / "task.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     monkeypatch.chdir(tmp_path)
     yield tmp_path
+    forget_file_plugins()
+
+
+def forget_file_plugins() -> None:
+    """Remove from every registry what file plugins registered: it leaves with the test that imported them."""
     from graft_rl.methods.registry import METHODS, PART_KEYS
 
-    for registry in (METHODS, *PART_KEYS.values()):  # what the plugin registered leaves with the test
+    for registry in (METHODS, *PART_KEYS.values()):
         for key, obj in list(registry._entries.items()):
             if str(getattr(getattr(obj, "fn", obj), "__module__", "")).startswith("graft_rl_plugin_"):
                 del registry._entries[key]

@@ -16,7 +16,7 @@ from runs import quick_eval_args
 
 from graft_rl.commands.cli import main
 
-from .test_plugins import PARTS, REWARD
+from .test_plugins import PARTS, REWARD, forget_file_plugins
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +53,19 @@ def _placed() -> dict[tuple[str, int | None], str]:
     node_of = {
         n["NodeID"]: next(k for k in ("node_a", "node_b") if k in n["Resources"]) for n in ray.nodes() if n["Alive"]
     }
-    return {
-        who: node_of[distributed._WHERE[aid][0]] for aid, who in distributed._NAMES.items() if aid in distributed._WHERE
-    }
+    # actors of this cluster only: earlier tests in this process leave records of actors on other nodes
+    where = {aid: w[0] for aid, w in distributed._WHERE.items() if w[0] in node_of}
+    return {who: node_of[where[aid]] for aid, who in distributed._NAMES.items() if aid in where}
 
 
-def test_two_nodes_train_resume_eval_and_analyze(two_nodes, tiny_pair, tmp_path, monkeypatch):
+@pytest.fixture
+def forget_plugins():
+    """What the test's file plugin registers leaves with the test (other tests list the registries)."""
+    yield
+    forget_file_plugins()
+
+
+def test_two_nodes_train_resume_eval_and_analyze(two_nodes, tiny_pair, tmp_path, monkeypatch, forget_plugins):
     from graft_rl.engine.config import load_config
     from graft_rl.engine.trainer import Trainer
 
