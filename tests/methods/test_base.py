@@ -55,7 +55,31 @@ def test_every_shipped_method_is_a_preset_of_registered_parts():
         "weighting": "gate",
         "loss": "token_mean_clip",
         "aux_loss": "none",
+        "correction": "none",
     }
+
+
+def test_a_preset_written_before_the_correction_key_gets_its_default():
+    """A user's method whose preset names no ``correction`` (written before the key existed) registers,
+    builds and validates, with correction ``none``."""
+    from graft_rl.methods import Method, MethodConfig, register_method
+    from graft_rl.methods.registry import METHODS
+
+    old_preset = {k: v for k, v in Method.preset.items() if k != "correction"}
+
+    @register_method("_old_preset_method")
+    class OldPreset(Method):
+        preset = old_preset
+
+    try:
+        cfg = MethodConfig(name="_old_preset_method")
+        cfg.validate()
+        assert cfg.part_name("correction") == "none"
+        cfg = MethodConfig(name="_old_preset_method", correction="tis")
+        cfg.validate()
+        assert cfg.part_name("correction") == "tis"
+    finally:
+        METHODS._entries.pop("_old_preset_method", None)
 
 
 def test_a_swapped_part_reaches_the_receivers_objective():

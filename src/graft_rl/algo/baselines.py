@@ -282,6 +282,7 @@ def luffy_policy_loss(
     gamma: float = 0.1,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""LUFFY-style peer updates (Appendix G, "LUFFY-style peer updates").
 
@@ -291,7 +292,8 @@ def luffy_policy_loss(
     tokens of the minibatch, as in :func:`~graft_rl.algo.policy_loss`.
 
     Args:
-        logprobs, old_logprobs, mask: ``[M, T]``; advantages: ``[M]`` or ``[M, T]``; is_peer: ``[M]``.
+        logprobs, old_logprobs, mask: ``[M, T]``; advantages: ``[M]`` or ``[M, T]``; is_peer: ``[M]``;
+        token_weights: ``[M, T]`` factors of each token's term (a correction's weights of own tokens), or None.
 
     Returns:
         ``(loss, stats)`` with ``clip_frac`` over own tokens, ``peer_shaping_mean`` over peer tokens.
@@ -311,6 +313,8 @@ def luffy_policy_loss(
     shaped = luffy_shaping(torch.exp(lp), gamma)
     peer = is_peer.to(torch.bool).unsqueeze(1).expand_as(m)
     objective = torch.where(peer, shaped * a, own_obj)
+    if token_weights is not None:
+        objective = objective * _per_token(token_weights.detach().to(wd), m, "token_weights")
     loss = -(objective * m).sum() / m.sum().clamp_min(1.0)
     with torch.no_grad():
         own_m = m * (~peer).to(wd)
@@ -467,6 +471,7 @@ def hacpo_policy_loss(
     peer_clip_increment: float = 0.025,
     alpha: float = 1.0,
     max_abs_log_ratio: float = 10.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""HACPO's sequence-level clipped objective (Appendix B, as in HACPO's released recipe).
 
@@ -483,7 +488,8 @@ def hacpo_policy_loss(
     Args:
         logprobs, old_logprobs, mask: ``[M, T]``; src_mean_logprob, advantages, is_peer: ``[M]``;
         update_index: minibatch update within the step (:func:`hacpo_peer_clip_lower`);
-        capability_ratio: scalar or ``[M]``.
+        capability_ratio: scalar or ``[M]``;
+        weights: ``[M]`` factors of each response's term (a correction's weight of own responses), or None.
 
     Stats: ``clip_frac`` (own responses clipped), the peer bound and clipped fractions, and
     ``clipped_seq`` (``[M]`` bool: the response's sequence ratio was clipped, own or peer) so the
@@ -508,6 +514,8 @@ def hacpo_policy_loss(
     kappa = torch.as_tensor(capability_ratio, dtype=wd, device=logprobs.device)
     peer_obj = r_peer * r_peer.detach().pow(alpha) * kappa * a
     objective = torch.where(peer, peer_obj, own_obj)
+    if weights is not None:
+        objective = objective * weights.detach().to(wd)
     valid = torch.isfinite(cur)  # empty responses contribute nothing
     objective = torch.where(valid, objective, torch.zeros_like(objective))
     loss = -objective.sum() / valid.sum().clamp_min(1)

@@ -251,7 +251,7 @@ def _per_token(x: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
     """Broadcast a ``[M]`` per-response tensor to ``[M, T]``; pass ``[M, T]`` through."""
     if x.dim() == 1:
         if x.shape[0] != like.shape[0]:
-            raise ValueError(f"policy_loss: {name} has {x.shape[0]} rows, expected {like.shape[0]}")
+            raise ValueError(f"policy_loss: {name} must be [M]={like.shape[0]} or [M, T], got {tuple(x.shape)}")
         return x.unsqueeze(1).expand_as(like)
     if x.shape != like.shape:
         raise ValueError(f"policy_loss: {name} must be [M] or [M, T]={tuple(like.shape)}, got {tuple(x.shape)}")
@@ -301,7 +301,8 @@ def policy_loss(
         old_logprobs: ``[M, T]`` receiver log-probs before the step's first update (no gradient).
         advantages: ``[M]`` or ``[M, T]`` advantages (source-computed for grafted responses).
         mask: ``[M, T]`` response-token mask.
-        weights: ``[M]`` compatibility weights, or ``None`` for all ones.
+        weights: ``[M]`` compatibility weights, or ``None`` for all ones; or ``[M, T]`` per-token weights
+            (the compatibility weight times a correction's weight, :mod:`graft_rl.methods.corrections`).
         eps_low, eps_high: clip range (Table 3: 0.2 / 0.28).
         ratio: ``"token"`` (GRAFT) or ``"sequence"``.
 
@@ -332,17 +333,16 @@ def policy_loss(
     surr = rho * a
     surr_clipped = rho.clamp(1.0 - eps_low, 1.0 + eps_high) * a
     objective = torch.minimum(surr, surr_clipped)
-    if weights is None:
-        w = torch.ones(m.shape[0], dtype=wd, device=m.device)
-    else:
-        if weights.shape != (m.shape[0],):
-            raise ValueError(f"policy_loss: weights must be [M]={m.shape[0]}, got {tuple(weights.shape)}")
-        w = weights.detach().to(wd)
+    w = (
+        torch.ones_like(m)
+        if weights is None
+        else _per_token(weights.detach().to(wd), m, "weights")  # [M] per response, or [M, T] per token
+    )
     num_tokens = m.sum()
-    loss = -(objective * m * w.unsqueeze(1)).sum() / num_tokens.clamp_min(1.0)
+    loss = -(objective * m * w).sum() / num_tokens.clamp_min(1.0)
 
     with torch.no_grad():
-        active = m * (w != 0).to(wd).unsqueeze(1)
+        active = m * (w != 0).to(wd)
         clipped = (surr_clipped < surr).to(wd) * active
         pos = active * (a > 0).to(wd)
         neg = active * (a < 0).to(wd)
@@ -386,8 +386,8 @@ def clipped_token_mask(
         _, _, _, rho, a = _ratio_terms(logprobs.detach(), old_logprobs, advantages, mask, ratio)
         clipped = rho.clamp(1.0 - eps_low, 1.0 + eps_high) * a < rho * a
         active = mask.bool()
-        if weights is not None:
-            active = active & (weights.detach() != 0).unsqueeze(1)
+        if weights is not None:  # [M] or [M, T], as policy_loss takes them
+            active = active & (_per_token(weights.detach(), mask, "weights") != 0)
         return clipped & active
 
 

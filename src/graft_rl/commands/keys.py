@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from graft_rl.engine.config import DataConfig, PeerRecords, RayConfig, TrackingConfig, TrainConfig, ValidationConfig
 from graft_rl.errors import ConfigError
 from graft_rl.methods import MethodConfig, method_class, method_names
-from graft_rl.methods.config import method_params
+from graft_rl.methods.config import method_params, preset_part
 from graft_rl.methods.registry import PART_KEYS, load_plugins, normalise, part_modules
 from graft_rl.policy import PolicyConfig
 
@@ -132,7 +132,9 @@ def show(what: str | None = None, plugins: list[str] | tuple[str, ...] = ()) -> 
             else "trains on its own groups only"
         )
         parts = textwrap.fill(
-            "parts: " + ", ".join(f"{kind} {cls.preset[kind]}" for kind in PART_KEYS), 98, subsequent_indent="    "
+            "parts: " + ", ".join(f"{kind} {preset_part(what, kind)}" for kind in PART_KEYS),
+            98,
+            subsequent_indent="    ",
         )
         params = method_params(what)
         if not params:

@@ -216,9 +216,20 @@ class TrainConfig:
             raise ConfigError(f"policies/peers: names must be unique, got {names}")
         self.method.check_policies(len(names), stored_peers=bool(self.peers))
         self._validate_sizes()
+        self._validate_correction()
         self._validate_tracking()
         self._validate_data_and_validation()
         self._validate_execution()
+
+    def _validate_correction(self) -> None:
+        """A correction compares the engine's log-probs with the trainer's: both must be of one distribution."""
+        name = self.method.part_name("correction")
+        if name != "none" and self.top_p < 1:
+            raise ConfigError(
+                f"method.correction {name!r} with top_p {self.top_p}: the engine records log-probs of the top-p "
+                "truncated distribution, the trainer of the full one, so their ratio would carry -log(kept mass) "
+                "on every token; set top_p: 1 or method.correction: none"
+            )
 
     def _validate_sizes(self) -> None:
         for key in (

@@ -51,9 +51,17 @@ class WorkerHandle:
         """``(groups, seconds)``: the policy's rollouts of ``prompts`` (:meth:`PolicyWorker.generate_timed`)."""
         return self._submit(PolicyWorker.generate_timed, prompts, sampling, seed)
 
-    def train(self, batch, step: int, seed: int, temperature: float, max_new_tokens: int | None) -> Pending:
+    def train(
+        self,
+        batch,
+        step: int,
+        seed: int,
+        temperature: float,
+        max_new_tokens: int | None,
+        engine_logprobs: bool = True,
+    ) -> Pending:
         """The receiver's update on its batch (:meth:`PolicyWorker.train`): a ``ReceiverUpdate``."""
-        return self._submit(PolicyWorker.train, batch, step, seed, temperature, max_new_tokens)
+        return self._submit(PolicyWorker.train, batch, step, seed, temperature, max_new_tokens, engine_logprobs)
 
     def weigh_peers(self, batch, seed: int, temperature: float, max_new_tokens: int | None) -> Pending:
         """What :meth:`train` computes for the peer rows, without updating (:meth:`PolicyWorker.weigh_peers`)."""

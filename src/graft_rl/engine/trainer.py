@@ -263,7 +263,10 @@ class Trainer:
     def _train_receiver(self, name: str, batch: ReceiverBatch, step: int) -> Pending:
         """Start scoring, weighting and updating one receiver where its model lives."""
         seed = derive_seed(self.cfg.seed, Purpose.UPDATE, step, self.names.index(name))
-        return self.workers[name].train(batch, step, seed, self.cfg.temperature, self.samplings[name].max_new_tokens)
+        sp = self.samplings[name]
+        # the engine's log-probs are of the trainer's distribution unless sampling truncated it (top-p/top-k)
+        same = sp.top_p >= 1.0 and not sp.top_k
+        return self.workers[name].train(batch, step, seed, self.cfg.temperature, sp.max_new_tokens, same)
 
     def _finish_receiver(self, name: str, batch: ReceiverBatch, step: int, handle: Pending) -> dict:
         """Wait for a receiver's update; keep its rows' weights and inclusion on the driver's batch

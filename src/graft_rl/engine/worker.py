@@ -215,7 +215,13 @@ class PolicyWorker:
         ]
 
     def train(
-        self, batch: ReceiverBatch, step: int, seed: int, temperature: float = 1.0, max_new_tokens: int | None = None
+        self,
+        batch: ReceiverBatch,
+        step: int,
+        seed: int,
+        temperature: float = 1.0,
+        max_new_tokens: int | None = None,
+        engine_logprobs: bool = True,
     ) -> ReceiverUpdate:
         """Compute pi_old of the rows that need it, weight peer rows, run the step's minibatches in the method's order.
 
@@ -231,6 +237,10 @@ class PolicyWorker:
         ``max_new_tokens``: the receiver's own response budget; re-tokenised peer responses are cut
         to it (``peer_cut`` counts them). The batch is not changed: what was computed for its rows
         comes back in the :class:`ReceiverUpdate`.
+
+        ``engine_logprobs``: the own rows' engine log-probs are of the distribution the trainer computes
+        (sampled without top-p / top-k truncation), so the gap to pi_old is measured in the forward pass
+        that computes pi_old (``mismatch_*``) and the method's correction applies to it.
         """
         pol, recv, timer = self.policy, self._receiver(), PhaseTimer()
         gen = torch.Generator().manual_seed(seed)
@@ -245,7 +255,8 @@ class PolicyWorker:
         stats: dict = {}
         upd: list[dict] = []
         with timer("update"):
-            for mb in recv.minibatches(recv.tensors(batch, w, ref, first), order, step):
+            tensors = recv.tensors(batch, w, ref, first, tb.response_ids, engine_logprobs)
+            for mb in recv.minibatches(tensors, order, step):
                 upd.append(pol.update(tb.select(mb.rows), mb.loss))
                 if upd[-1]["skipped"] and self.nonfinite_loss == "stop":
                     stats["nonfinite_stop"] = True
@@ -294,4 +305,30 @@ def _update_stats(upd: list[dict], with_kl: bool) -> dict:
     out["grad_norm"] = statistics.fmean(u["grad_norm"] for u in good) if good else None
     out["skipped_updates"] = len(upd) - len(good)
     out["minibatches"] = len(upd)
+    out.update(_gap_stats(upd))
+    return out
+
+
+def _gap_stats(upd: list[dict]) -> dict:
+    """The engine-trainer gap of the step's own tokens (:func:`graft_rl.methods.corrections.gap`), over
+    every update (a skipped one measured it too): ``mismatch_kl`` (k3, token mean), ``mismatch_abs``
+    (mean |log mu - log pi_old|), ``mismatch_max``, ``mismatch_out`` (fraction outside the correction's
+    bounds); with a correction, ``correction_weight`` (mean weight) and ``correction_masked`` (fraction
+    weighted 0). None where nothing was measured (no own token, or top-p sampling)."""
+    tokens = sum(u.get("mismatch_tokens_total", 0.0) for u in upd)
+    if tokens <= 0:
+        return {k: None for k in ("mismatch_kl", "mismatch_abs", "mismatch_max", "mismatch_out")}
+
+    def mean(key: str) -> float:
+        return sum(u.get(key, 0.0) for u in upd) / tokens
+
+    out = {
+        "mismatch_kl": mean("mismatch_kl_total"),
+        "mismatch_abs": mean("mismatch_abs_total"),
+        "mismatch_max": max(u.get("mismatch_abs_peak", 0.0) for u in upd),
+        "mismatch_out": mean("mismatch_out_total"),
+    }
+    if any("correction_weight_total" in u for u in upd):
+        out["correction_weight"] = mean("correction_weight_total")
+        out["correction_masked"] = mean("correction_masked_total")
     return out

@@ -1,10 +1,11 @@
 """Methods from parts (docs/design.md, "Methods from parts"): registries of advantages, selections,
-compositions, weightings, losses and auxiliary losses, and methods as presets of them.
+compositions, weightings, losses, auxiliary losses and corrections, and methods as presets of them.
 
 - :mod:`~graft_rl.methods.registry`: the registries and the user's plugins (``plugins:`` in a config,
   or ``module:NAME`` / ``file.py:NAME`` for any part key);
 - :mod:`~graft_rl.methods.config`: ``method`` in a config (:class:`MethodConfig`);
 - :mod:`~graft_rl.methods.advantages`, :mod:`~graft_rl.methods.losses`: the estimators and losses;
+  :mod:`~graft_rl.methods.corrections`: the engine-trainer gap of own responses, measured and corrected;
 - :mod:`~graft_rl.methods.exchange` (the driver's side): selections, compositions and the exchange
   that builds each receiver's batch; :mod:`~graft_rl.methods.receiver`,
   :mod:`~graft_rl.methods.weighting` and :mod:`~graft_rl.methods.objectives` (the receiver's side):
@@ -16,7 +17,7 @@ Importing this package registers the shipped parts and methods: ``grpo``, ``dr_g
 ``sgt``, ``luffy``, ``hacpo``.
 """
 
-from graft_rl.methods import advantages, losses, weighting  # noqa: F401  (register the shipped parts)
+from graft_rl.methods import advantages, corrections, losses, weighting  # noqa: F401  (register the shipped parts)
 from graft_rl.methods.advantages import AdvantageContext, register_advantage
 from graft_rl.methods.base import (
     Method,
@@ -27,6 +28,7 @@ from graft_rl.methods.base import (
     register_method,
 )
 from graft_rl.methods.config import EXCHANGE_KEYS, PART_NAMES, MethodConfig, check_range
+from graft_rl.methods.corrections import register_correction
 from graft_rl.methods.exchange import (
     ComposeContext,
     Selection,
@@ -62,6 +64,7 @@ __all__ = [
     "register_advantage",
     "register_aux_loss",
     "register_composition",
+    "register_correction",
     "register_loss",
     "register_method",
     "register_selection",

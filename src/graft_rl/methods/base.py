@@ -37,7 +37,7 @@ from graft_rl.errors import ConfigError
 from graft_rl.methods.config import PART_NAMES, MethodConfig
 from graft_rl.methods.exchange import Exchange, ReceiverBatch
 from graft_rl.methods.receiver import Receiver
-from graft_rl.methods.registry import ADVANTAGES, COMPOSITIONS, LOSSES, METHODS
+from graft_rl.methods.registry import ADVANTAGES, COMPOSITIONS, LOSSES, METHODS, PART_DEFAULTS
 
 __all__ = [
     "Method",
@@ -79,6 +79,7 @@ class Method:
         "weighting": "gate",
         "loss": "token_mean_clip",
         "aux_loss": "none",
+        "correction": "none",
     }
     #: per-step state the method keeps for its parts (HACPO: ``capability``, each policy's success rate)
     keeps: ClassVar[tuple[str, ...]] = ()
@@ -119,6 +120,12 @@ class Method:
             raise ConfigError(
                 f"method.weighting {names['weighting']!r} weighs peer responses, but loss {names['loss']!r} takes no "
                 "weight (it has its own off-policy correction); set method.weighting: none"
+            )
+        if names["correction"] != "none" and not LOSSES.get(names["loss"]).corrects:
+            raise ConfigError(
+                f"method.correction {names['correction']!r} weights own tokens, but loss {names['loss']!r} does not "
+                "apply a correction's weights (token_mean_clip, gspo, luffy and hacpo do; a loss of your own "
+                "declares corrects=True); set method.correction: none"
             )
         if cfg.pooled and names["composition"] != "pool":
             raise ConfigError(
@@ -179,7 +186,7 @@ def register_method(name: str) -> Callable[[type[Method]], type[Method]]:
                 f"method {name!r} overrides {', '.join(legacy)}(): a method now names its parts in `preset` "
                 "(register the rule as an advantage, composition, weighting or loss: docs/contributing.md)"
             )
-        missing = set(PART_NAMES) - set(cls.preset)
+        missing = set(PART_NAMES) - set(cls.preset) - set(PART_DEFAULTS)  # a newer key has its default
         if missing:
             raise ValueError(f"method {name!r}: its preset names no {', '.join(sorted(missing))} part")
         cls.name = name

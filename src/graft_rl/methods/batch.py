@@ -39,6 +39,9 @@ class Row:
     weight: float = 1.0  # compatibility weight, set by the weighting from the compatibility s
     # per-row numbers a method's objective reads (e.g. HACPO's capability ratio "kappa"), by name
     extras: dict[str, float] = field(default_factory=dict)
+    # an own row's per-token engine log-probs (log mu of token_ids; the gap to pi_old and its
+    # correction: graft_rl.methods.corrections); None for a peer's row (re-tokenised: no per-token mu)
+    gen_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -90,6 +93,7 @@ def rows_of(group: RolloutGroup, gi: int, is_peer: bool, adv: list[float]) -> li
                 src_mean_logprob=s / len(lps) if lps else math.nan,
                 index=i,
                 success=ok[i] > 0,
+                gen_logprobs=None if is_peer else list(lps),
             )
         )
     return rows

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graft_rl.errors import ConfigError
-from graft_rl.methods.registry import METHODS, PART_KEYS
+from graft_rl.methods.registry import METHODS, PART_DEFAULTS, PART_KEYS
 
 __all__ = ["EXCHANGE_KEYS", "PART_NAMES", "MethodConfig", "check_range", "method_params", "preset_part"]
 
@@ -57,6 +57,9 @@ class MethodConfig:
     weighting: str = "auto"  # gate | none | module:NAME
     loss: str = "auto"  # token_mean_clip | gspo | luffy | hacpo | module:NAME
     aux_loss: str = "auto"  # none | sgt_nll | module:NAME
+    # the engine-trainer gap of own responses (docs/design.md, "Engine and trainer"): none | tis |
+    # tis_sequence | icepop | mask_sequence | module:NAME
+    correction: str = "auto"
     # --- which peer groups (Section 4.1, Appendix G)
     # auto = the method's own rule (graft/luffy: complementary, sgt: sgt, hacpo: all);
     # complementary (= graft) | random (count-matched) | sgt (k_recv=0, k_peer>=1) | all
@@ -229,7 +232,9 @@ def preset_part(method: str, kind: str, cfg: MethodConfig | None = None) -> str:
     """The part of ``kind`` a method uses unless its key overrides it (its class's ``preset``; the
     pooled-groups switch turns GRAFT's replacement into pooling)."""
     cls = METHODS.get(method, "method.name")
-    name = cls.preset[kind]
+    name = cls.preset.get(kind, PART_DEFAULTS.get(kind))
+    if name is None:
+        raise ConfigError(f"method {method!r}: its preset names no {kind} part")
     if kind == "composition" and cfg is not None and cfg.pooled and name == "replace":
         return "pool"
     return name

@@ -77,6 +77,7 @@ def pop_final_eos(response_ids: list[list[int]], mask: torch.Tensor, eos_token_i
     loss_mask=pop_final_eos,
     Params=HacpoLossParams,
     check=_check_hacpo,
+    corrects=True,
 )
 def hacpo_loss(lp, old, mask, ctx: LossContext):
     """HACPO (Appendix B; ``recipe/hacpo/hacpo_workers.py``): sequence ratios, own ones PPO-clipped by its
@@ -97,6 +98,7 @@ def hacpo_loss(lp, old, mask, ctx: LossContext):
         c.hacpo_self_clip_high,
         c.hacpo_peer_clip_start,
         c.hacpo_peer_clip_increment,
+        weights=ctx.response_correction(mask),  # a correction's weight of each own response (token mean)
     )
     stats["clipped"] = stats.pop("clipped_seq")  # whole responses, by its own schedule of bounds
     return loss, stats

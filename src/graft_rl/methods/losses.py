@@ -20,6 +20,9 @@ source's mean log-prob, method numbers such as HACPO's ``kappa``, the update ind
   A loss declared ``clips=False`` reports 0; one that clips but returns no ``clipped`` has no such
   diagnostics (none is computed on its behalf). ``clipped_seq`` is read as ``clipped`` ``[m]`` (its
   name before 0.x; deprecated).
+- ``corrects`` (default False): it applies ``ctx.correction`` (a ``method.correction``'s weight of each
+  own token, :mod:`graft_rl.methods.corrections`) to its per-token terms, or ``ctx.response_correction``
+  to its per-response ones; a loss that does not is refused with a correction other than ``none``.
 
 An auxiliary loss is ``fn(lp, aux_mask, cfg) -> loss``: the token mean over auxiliary targets' tokens
 (SGT's NLL), added with the minibatch's token-mean weighting. The equations are in :mod:`graft_rl.algo`.
@@ -53,6 +56,8 @@ class LossContext:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     step: int = 0
     update_index: int = 0
+    # the correction's weight of each token [m, T] (1 on peer tokens), or None: method.correction none
+    correction: torch.Tensor | None = None
 
     def rows(self, keep: torch.Tensor) -> LossContext:
         """The same context for the rows ``keep`` selects (``[m]`` bool or indices)."""
@@ -63,7 +68,22 @@ class LossContext:
             is_peer=self.is_peer[keep],
             src_mean=self.src_mean[keep],
             extras={k: v[keep] for k, v in self.extras.items()},
+            correction=None if self.correction is None else self.correction[keep],
         )
+
+    def token_weight(self) -> torch.Tensor:
+        """The compatibility weight, ``[m]``; times the correction's token weights, ``[m, T]``, with one."""
+        return self.weight if self.correction is None else self.weight[:, None] * self.correction
+
+    def response_correction(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """``[m]``: each response's mean correction weight over its ``mask`` tokens (1 without tokens), for
+        a loss with one term per response (verl's sequence-mean of token-weighted terms); None without one."""
+        if self.correction is None:
+            return None
+        m = mask.to(self.correction.dtype)
+        tokens = m.sum(dim=1)
+        mean = (self.correction * m).sum(dim=1) / tokens.clamp_min(1.0)
+        return torch.where(tokens > 0, mean, torch.ones_like(mean))
 
 
 def register_loss(
@@ -75,10 +95,12 @@ def register_loss(
     Params=None,
     check=None,
     clips: bool = True,
+    corrects: bool = False,
 ) -> Callable:
     """Decorator: make ``fn(lp, old, mask, ctx) -> (loss, stats)`` available as ``method.loss: NAME``.
     ``weighted``: it applies ``ctx.weight`` (the compatibility weighting); a loss that does not must be
-    used with ``method.weighting: none``. ``clips``: it clips, and says what in ``stats["clipped"]``."""
+    used with ``method.weighting: none``. ``clips``: it clips, and says what in ``stats["clipped"]``.
+    ``corrects``: it applies ``ctx.correction`` (see the module docstring)."""
     return LOSSES.register(
         name,
         aggregation=aggregation,
@@ -88,6 +110,7 @@ def register_loss(
         Params=Params,
         check=check,
         clips=clips,
+        corrects=corrects,
     )
 
 
@@ -97,14 +120,16 @@ def register_aux_loss(name: str, Params=None, check=None) -> Callable:
 
 
 # --------------------------------------------------------------------------- the paper's
-@register_loss("token_mean_clip")
+@register_loss("token_mean_clip", corrects=True)
 def token_mean_clip(lp, old, mask, ctx: LossContext):
     """GRPO/GRAFT's loss (Section 4.2): the token-clipped, compatibility-weighted surrogate, token mean
-    (:func:`graft_rl.algo.policy_loss`); ``ratio: sequence`` is the paper's sequence-ratio ablation."""
+    (:func:`graft_rl.algo.policy_loss`); ``ratio: sequence`` is the paper's sequence-ratio ablation. A
+    correction's weight multiplies each own token's term (as verl's ``pg_losses * rollout_is_weights``)."""
     c = ctx.cfg
     ratio: Literal["token", "sequence"] = "sequence" if c.ratio == "sequence" else "token"
-    loss, stats = algo.policy_loss(lp, old, ctx.adv, mask, ctx.weight, c.eps_low, c.eps_high, ratio)
-    stats["clipped"] = algo.clipped_token_mask(lp, old, ctx.adv, mask, ctx.weight, c.eps_low, c.eps_high, ratio)
+    w = ctx.token_weight()
+    loss, stats = algo.policy_loss(lp, old, ctx.adv, mask, w, c.eps_low, c.eps_high, ratio)
+    stats["clipped"] = algo.clipped_token_mask(lp, old, ctx.adv, mask, w, c.eps_low, c.eps_high, ratio)
     return loss, stats
 
 
@@ -119,13 +144,16 @@ def _check_gspo(cfg) -> None:
     check_range(cfg, {"gspo_clip_low": (0.0, 1.0, True), "gspo_clip_high": (0.0, math.inf, True)})
 
 
-@register_loss("gspo", aggregation="response_mean", Params=GSPOParams, check=_check_gspo)
+@register_loss("gspo", aggregation="response_mean", Params=GSPOParams, check=_check_gspo, corrects=True)
 def gspo(lp, old, mask, ctx: LossContext):
     """GSPO (Zheng et al., 2025): length-normalised sequence ratio, one clip per response with its own
     range, mean over responses (:func:`graft_rl.algo.gspo_policy_loss`). The compatibility weight scales
-    each peer response's term, as in GRAFT's token loss."""
+    each peer response's term, as in GRAFT's token loss; a correction's weight, each own response's by
+    its token mean (its one term is the token mean of a per-token term that is the same on every token)."""
     c = ctx.cfg
-    loss, stats = algo.gspo_policy_loss(lp, old, ctx.adv, mask, ctx.weight, c.gspo_clip_low, c.gspo_clip_high)
+    corr = ctx.response_correction(mask)
+    w = ctx.weight if corr is None else ctx.weight * corr
+    loss, stats = algo.gspo_policy_loss(lp, old, ctx.adv, mask, w, c.gspo_clip_low, c.gspo_clip_high)
     stats["clipped"] = stats.pop("clipped_seq")  # whole responses
     return loss, stats
 

@@ -27,12 +27,16 @@ class LuffyParams:
     weighted=False,
     Params=LuffyParams,
     check=lambda cfg: check_range(cfg, {"luffy_gamma": (0.0, math.inf, False)}),
+    corrects=True,
 )
 def luffy(lp, old, mask, ctx: LossContext):
     """LUFFY (Appendix B): own tokens the clipped surrogate, peer tokens the shaped, unclipped one
-    ``f(x) = x / (x + gamma)`` (:func:`graft_rl.algo.luffy_policy_loss`)."""
+    ``f(x) = x / (x + gamma)`` (:func:`graft_rl.algo.luffy_policy_loss`). A correction weighs the own
+    tokens' term only (peer tokens carry weight 1)."""
     c = ctx.cfg
-    loss, stats = algo.luffy_policy_loss(lp, old, ctx.adv, mask, ctx.is_peer, c.luffy_gamma, c.eps_low, c.eps_high)
+    loss, stats = algo.luffy_policy_loss(
+        lp, old, ctx.adv, mask, ctx.is_peer, c.luffy_gamma, c.eps_low, c.eps_high, token_weights=ctx.correction
+    )
     # own tokens: the clipped surrogate; peer tokens are never clipped
     own = algo.clipped_token_mask(lp, old, ctx.adv, mask, None, c.eps_low, c.eps_high)
     stats["clipped"] = own & ~ctx.is_peer.bool().unsqueeze(1)

@@ -1,6 +1,8 @@
 """The minibatch objective of a receiver (Section 4.2): the method's loss part (``method.loss``,
 :mod:`graft_rl.methods.losses`) aggregated over the minibatch as it declares, plus ``kl_coef`` x the KL
-to the initial policy and the auxiliary loss part (``method.aux_loss``, SGT's NLL).
+to the initial policy and the auxiliary loss part (``method.aux_loss``, SGT's NLL). Each micro-batch
+also measures the engine-trainer gap of its own tokens and applies the correction part
+(``method.correction``, :mod:`graft_rl.methods.corrections`).
 
 :meth:`Objective.minibatch` returns a closure that :meth:`Policy.update` calls once per forward pass
 (a micro-batch of the minibatch's rows); each call returns the micro-batch's *contribution* to the
@@ -16,8 +18,9 @@ import torch
 
 from graft_rl import algo
 from graft_rl.methods.config import MethodConfig
+from graft_rl.methods.corrections import gap
 from graft_rl.methods.losses import LossContext
-from graft_rl.methods.registry import AUX_LOSSES, LOSSES, LossPart, Part
+from graft_rl.methods.registry import AUX_LOSSES, CORRECTIONS, LOSSES, CorrectionPart, LossPart, Part
 
 __all__ = ["Minibatch", "Objective", "RowTensors"]
 
@@ -30,7 +33,9 @@ class RowTensors:
     update, where pi_old *is* the current policy, so their pi_old is the forward pass's own
     log-probs, detached (ratio exactly 1, as verl and TRL do on-policy); see :meth:`old_for`.
     ``src_mean``: the source's mean generation log-prob of each row; ``extras``: per-row numbers a
-    method's objective reads, by name (``Row.extras``, e.g. HACPO's ``kappa``).
+    method's objective reads, by name (``Row.extras``, e.g. HACPO's ``kappa``). ``mu``: the engine's
+    log-prob of each own token (``[M, T]``), where ``has_mu`` (``[M]``) says a row has them; both None
+    where the engine's distribution is not the trainer's (top-p sampling).
     """
 
     def __init__(
@@ -46,8 +51,13 @@ class RowTensors:
         ref: torch.Tensor | None = None,
         old_is_current=None,
         extras: dict | None = None,
+        mu: torch.Tensor | None = None,
+        has_mu=None,
     ):
-        self.old, self.mask, self.ref = old, mask, ref
+        self.old, self.mask, self.ref, self.mu = old, mask, ref, mu
+        self.has_mu = (
+            torch.zeros(len(mask), dtype=torch.bool) if has_mu is None else torch.as_tensor(has_mu, dtype=torch.bool)
+        )
         self.old_is_current = (
             torch.zeros(len(mask), dtype=torch.bool)
             if old_is_current is None
@@ -67,6 +77,10 @@ class RowTensors:
         current = self.old_is_current[rows].to(lp.device)
         return torch.where(current[:, None], lp.detach(), old) if bool(current.any()) else old
 
+    def mu_mask(self, rows) -> torch.Tensor:
+        """Own tokens of the policy-gradient term with an engine log-prob (where the gap is measured)."""
+        return self.rl_mask(rows) * self.has_mu[rows].float()[:, None]
+
     def rl_mask(self, rows) -> torch.Tensor:
         """Tokens of the policy-gradient term: included rows that are not auxiliary targets."""
         keep = (self.include & ~self.is_aux)[rows].float()
@@ -83,10 +97,19 @@ class Objective:
     """A receiver's minibatch loss from its parts: ``loss`` (a :func:`~graft_rl.methods.losses.register_loss`
     entry; default ``cfg.loss``) and ``aux_loss`` (default ``cfg.aux_loss``)."""
 
-    def __init__(self, cfg: MethodConfig, loss: LossPart | None = None, aux_loss: Part | None = None):
+    def __init__(
+        self,
+        cfg: MethodConfig,
+        loss: LossPart | None = None,
+        aux_loss: Part | None = None,
+        correction: CorrectionPart | None = None,
+    ):
         self.cfg = cfg
         self.loss: LossPart = loss if loss is not None else LOSSES.get(cfg.part_name("loss"))
         self.aux_loss: Part = aux_loss if aux_loss is not None else AUX_LOSSES.get(cfg.part_name("aux_loss"))
+        self.correction: CorrectionPart = (
+            correction if correction is not None else CORRECTIONS.get(cfg.part_name("correction"))
+        )
 
     def minibatch(self, t: RowTensors, mb_rows: list[int], step: int, update_index: int = 0) -> Minibatch:
         """The :class:`Minibatch` of batch rows ``mb_rows``, its minibatch-wide quantities computed once,
@@ -103,8 +126,8 @@ class Objective:
             float(t.aux_mask(mb_rows).sum()),
         )
 
-    def context(self, mb: Minibatch, rows: torch.Tensor, device) -> LossContext:
-        """The loss's per-row inputs for ``rows``."""
+    def context(self, mb: Minibatch, rows: torch.Tensor, device, correction: torch.Tensor | None = None) -> LossContext:
+        """The loss's per-row inputs for ``rows``; ``correction``: the correction's token weights, if any."""
         t = mb.t
         return LossContext(
             self.cfg,
@@ -115,7 +138,19 @@ class Objective:
             {k: v[rows].to(device) for k, v in t.extras.items()},
             mb.step,
             mb.update_index,
+            correction,
         )
+
+    def engine_gap(self, mb: Minibatch, rows: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
+        """The gap between the engine's log-probs of these rows' own tokens and ``old`` (pi_old, from this
+        very forward pass for rows of the first update), and the correction's weights of them
+        (:func:`~graft_rl.methods.corrections.gap`); nothing where mu is not comparable (top-p sampling)."""
+        t = mb.t
+        if t.mu is None:
+            return None, {}
+        T = old.shape[1]
+        mask = t.mu_mask(rows)[:, :T].to(old.device)
+        return gap(old, t.mu[rows, :T].to(old.device), mask, self.correction, self.cfg)
 
     def micro(self, lp: torch.Tensor, mb: Minibatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """One micro-batch's ``(loss contribution, stats)``; ``lp``: its current log-probs ``[m, T]``.
@@ -128,15 +163,16 @@ class Objective:
         T = lp.shape[1]
         rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
         old = t.old_for(rows, lp)
-        ctx = self.context(mb, rows, lp.device)
+        correction, gap_totals = self.engine_gap(mb, rows, old)
+        ctx = self.context(mb, rows, lp.device, None if correction is None else correction.to(lp.device))
         if self.loss.aggregation == "response_mean":
             valid = rl_mask.sum(dim=1) > 0
             if not bool(valid.any()):
-                return lp.sum() * 0.0, {}
+                return lp.sum() * 0.0, gap_totals
             own = valid & ~ctx.is_peer
             ctx = ctx.rows(valid)
             loss, st = self.loss(lp[valid], old[valid], rl_mask[valid], ctx)
-            stats = self.clip_counts(st, rl_mask[valid], ctx)
+            stats = {**self.clip_counts(st, rl_mask[valid], ctx), **gap_totals}
             total = loss * (float(valid.sum()) / max(mb.responses, 1.0))
             if self.loss.kl == "own_response_mean":
                 total = self._own_response_kl(lp, mb, rows, rl_mask, own, total, stats)
@@ -144,7 +180,7 @@ class Objective:
                 total = self.with_kl(lp, mb, rows, rl_mask, total, stats)
             return self.with_aux(lp, mb, rows, total), stats
         loss, st = self.loss(lp, old, rl_mask, ctx)
-        stats = self.clip_counts(st, rl_mask, ctx)
+        stats = {**self.clip_counts(st, rl_mask, ctx), **gap_totals}
         total = loss * (float(rl_mask.sum()) / mb.rl_tokens) if mb.rl_tokens > 0 else lp.sum() * 0.0
         total = self.with_kl(lp, mb, rows, rl_mask, total, stats)
         return self.with_aux(lp, mb, rows, total), stats
@@ -165,6 +201,8 @@ class Objective:
         trained = mask
         if self.loss.weighted:  # a loss that ignores the weight trains every row
             trained = mask * (ctx.weight != 0).to(mask.dtype)[:, None]
+        if ctx.correction is not None:  # nor does it train a token its correction masked out
+            trained = trained * (ctx.correction[:, : trained.shape[1]] != 0).to(mask.dtype)
         if clipped is None:
             hit = torch.zeros_like(trained)
         elif clipped.dim() == 1:

@@ -122,14 +122,38 @@ class Receiver:
             i for i, r in enumerate(batch.rows) if i not in first and i not in known and w.included[i] and not r.is_aux
         ]
 
-    def tensors(self, batch: ReceiverBatch, w: Weighed, ref: torch.Tensor | None, first: set[int]) -> RowTensors:
+    def tensors(
+        self,
+        batch: ReceiverBatch,
+        w: Weighed,
+        ref: torch.Tensor | None,
+        first: set[int],
+        response_ids: list[list[int]] | None = None,
+        engine_logprobs: bool = True,
+    ) -> RowTensors:
         """The per-row tensors the objective reads; rows of the first minibatch without pi_old take it
-        from the update's own forward pass."""
+        from the update's own forward pass. ``engine_logprobs``: the own rows' engine log-probs (mu) are of
+        the distribution the trainer computes (no top-p / top-k truncation at sampling), so their gap to
+        pi_old is measured and corrected; ``response_ids``: the rows' tokens, which mu must match one to one."""
         rows = batch.rows
         known = set(w.peer_rows)
         extras = {
             key: [r.extras.get(key, 1.0) for r in rows] for key in dict.fromkeys(k for r in rows for k in r.extras)
         }
+        mu, has_mu = None, None
+        if engine_logprobs:
+            mu, has_mu = torch.zeros(w.mask.shape), torch.zeros(len(rows), dtype=torch.bool)
+            for i, r in enumerate(rows):
+                if r.is_peer or r.gen_logprobs is None:
+                    continue
+                n = len(r.gen_logprobs)
+                if response_ids is not None and n != len(response_ids[i]):
+                    raise ValueError(
+                        f"row {i} ({r.source}, prompt {r.prompt_id!r}): {n} engine log-probs for "
+                        f"{len(response_ids[i])} tokens; an own response's log-probs are one per sampled token"
+                    )
+                mu[i, :n] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
+                has_mu[i] = True
         return RowTensors(
             w.old,
             w.mask,
@@ -142,6 +166,8 @@ class Receiver:
             ref,
             old_is_current=[i in first and i not in known for i in range(len(rows))],
             extras=extras,
+            mu=mu,
+            has_mu=has_mu,
         )
 
     def minibatches(self, t: RowTensors, order: list[list[int]], step: int) -> list[Minibatch]:

@@ -4,7 +4,8 @@
 A method is a preset of parts, each chosen by a key of ``method`` in the config and each found here
 by name: ``advantage`` (:data:`ADVANTAGES`), ``selection`` (:data:`SELECTIONS`), ``composition``
 (:data:`COMPOSITIONS`), ``weighting`` (:data:`WEIGHTINGS`), ``loss`` (:data:`LOSSES`), ``aux_loss``
-(:data:`AUX_LOSSES`), and the method names themselves (:data:`METHODS`). A key is a registered
+(:data:`AUX_LOSSES`), ``correction`` (:data:`CORRECTIONS`, the engine-trainer gap of own rows), and
+the method names themselves (:data:`METHODS`). A key is a registered
 name, or ``module:NAME`` / ``path/to/file.py:NAME``: the module is imported (in this process; a Ray
 actor imports it too) and ``NAME`` is the name it registered or an attribute of it.
 
@@ -33,13 +34,16 @@ from graft_rl.errors import ConfigError, MissingSourceError
 __all__ = [
     "ADVANTAGES",
     "AdvantagePart",
+    "CORRECTIONS",
     "CompositionPart",
+    "CorrectionPart",
     "LossPart",
     "Part",
     "AUX_LOSSES",
     "COMPOSITIONS",
     "LOSSES",
     "METHODS",
+    "PART_DEFAULTS",
     "PART_KEYS",
     "SELECTIONS",
     "WEIGHTINGS",
@@ -93,13 +97,16 @@ class CompositionPart(Part):
 class LossPart(Part):
     """``aggregation``: ``token_mean`` or ``response_mean``; ``kl``: ``token_mean`` or
     ``own_response_mean``; ``weighted``: it applies the compatibility weight; ``loss_mask``: edits the
-    tokens it trains (HACPO's final EOS); ``clips``: it clips, and says what (:mod:`~graft_rl.methods.losses`)."""
+    tokens it trains (HACPO's final EOS); ``clips``: it clips, and says what (:mod:`~graft_rl.methods.losses`);
+    ``corrects``: it applies a correction's per-token weights (``LossContext.correction``), so it can be
+    combined with a ``method.correction`` other than ``none``."""
 
     aggregation: Literal["token_mean", "response_mean"] = "token_mean"
     kl: Literal["token_mean", "own_response_mean"] = "token_mean"
     weighted: bool = True
     loss_mask: Callable[..., None] | None = None
     clips: bool = True
+    corrects: bool = False
 
     def __post_init__(self) -> None:
         if self.aggregation not in ("token_mean", "response_mean") or self.kl not in (
@@ -109,6 +116,22 @@ class LossPart(Part):
             raise ValueError(
                 f"loss {self.name!r}: aggregation token_mean|response_mean, kl token_mean|own_response_mean"
             )
+
+
+@dataclass(frozen=True)
+class CorrectionPart(Part):
+    """A correction of the gap between the engine that sampled a policy's own responses (mu) and the
+    trainer's pi_old (:mod:`~graft_rl.methods.corrections`). ``level``: ``token`` (a weight per token)
+    or ``sequence`` (one weight per response, from the product of its token ratios); ``bounds``:
+    ``cfg -> (low, high)``, the ratios pi_old/mu it leaves as they are (the ``mismatch_out`` metric
+    counts tokens outside them)."""
+
+    level: Literal["token", "sequence"] = "token"
+    bounds: Callable[[Any], tuple[float, float]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.level not in ("token", "sequence"):
+            raise ValueError(f"correction {self.name!r}: level token|sequence")
 
 
 T = TypeVar("T")
@@ -229,6 +252,7 @@ COMPOSITIONS: Registry[CompositionPart] = Registry("composition", CompositionPar
 WEIGHTINGS: Registry[Part] = Registry("weighting")
 LOSSES: Registry[LossPart] = Registry("loss", LossPart)
 AUX_LOSSES: Registry[Part] = Registry("aux_loss")
+CORRECTIONS: Registry[CorrectionPart] = Registry("correction", CorrectionPart)
 
 #: the ``method`` keys that choose a part, and the registry each reads
 PART_KEYS: dict[str, Registry[Any]] = {
@@ -238,7 +262,12 @@ PART_KEYS: dict[str, Registry[Any]] = {
     "weighting": WEIGHTINGS,
     "loss": LOSSES,
     "aux_loss": AUX_LOSSES,
+    "correction": CORRECTIONS,
 }
+
+#: the part a method uses for a key its preset does not name: a key added after a user wrote their
+#: preset (``register_method`` accepts a preset without it, and such a method gets this part)
+PART_DEFAULTS: dict[str, str] = {"correction": "none"}
 
 _PLUGIN_PREFIX = "graft_rl_plugin_"  # the module names file plugins are imported under
 

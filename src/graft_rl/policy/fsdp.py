@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 from pathlib import Path
 
@@ -151,6 +152,9 @@ class ShardedPolicy(Policy):
         t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t)
         return t.tolist()
+
+    def _reduce_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        return reduce_stats(stats, self.world, self._comm_device())
 
     @property
     def loss_scale(self) -> float:
@@ -405,3 +409,23 @@ def _like(param, local: torch.Tensor):
     return DTensor.from_local(
         local.to(param.to_local().device), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
     )
+
+
+def reduce_stats(stats: dict[str, float], world: int, device: torch.device) -> dict[str, float]:
+    """Update stats over the ranks: summed, a ``*_peak`` one the largest. The names are the union of
+    every rank's first: a rank whose passes were all padding has none."""
+    names: list = [None] * world
+    dist.all_gather_object(names, sorted(stats))
+    keys = sorted({k for ks in names for k in ks})
+    sums = [k for k in keys if not k.endswith("_peak")]
+    peaks = [k for k in keys if k.endswith("_peak")]
+    out: dict[str, float] = {}
+    if sums:
+        t = torch.tensor([stats.get(k, 0.0) for k in sums], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        out.update(zip(sums, t.tolist(), strict=True))
+    if peaks:
+        t = torch.tensor([stats.get(k, -math.inf) for k in peaks], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.update(zip(peaks, t.tolist(), strict=True))
+    return out

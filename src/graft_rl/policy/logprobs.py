@@ -161,6 +161,10 @@ class PolicyLogprobs:
         """Sum per-process scalars over the processes of this policy."""
         return values
 
+    def _reduce_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        """Per-process update stats over the processes of this policy: summed, a ``*_peak`` one the largest."""
+        return stats
+
     #: each micro-batch's loss is multiplied by this before backward (FSDP averages over ranks)
     loss_scale = 1.0
 

@@ -61,8 +61,10 @@ class PolicyTraining:
 
         ``loss_fn(logprobs [m, T_m], mask [m, T_m], rows)`` returns this micro-batch's
         *contribution* to the minibatch loss (the caller scales token-mean losses by
-        ``micro tokens / minibatch tokens``) and a stats dict. A non-finite loss or gradient
-        norm skips the step (``skipped = 1``) and leaves the weights untouched.
+        ``micro tokens / minibatch tokens``) and a stats dict: each stat is averaged over the
+        micro-batches, except a ``*_total`` one (summed over micro-batches and ranks) and a ``*_peak``
+        one (the largest). A non-finite loss or gradient norm skips the step (``skipped = 1``) and
+        leaves the weights untouched.
         """
         self.optimizer.zero_grad(set_to_none=True)
         if self.config.gradient_checkpointing:
@@ -74,11 +76,13 @@ class PolicyTraining:
         grad_norm = self._clip_grad_norm()
         if bad or not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            return {"loss": float("nan"), "grad_norm": grad_norm, "skipped": 1.0}
+            # the totals are measurements of the batch (the engine-trainer gap), kept for a skipped update too
+            kept = {k: v for k, v in stats_sum.items() if k.endswith(("_total", "_peak"))}
+            return {"loss": float("nan"), "grad_norm": grad_norm, "skipped": 1.0, **kept}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.weights_version += 1
-        out = {k: v / max(n_micro, 1) for k, v in stats_sum.items()}
+        out = {k: v if k.endswith(("_total", "_peak")) else v / max(n_micro, 1) for k, v in stats_sum.items()}
         out.update(loss=total_loss, grad_norm=grad_norm, skipped=0.0)
         return out
 
@@ -102,10 +106,12 @@ class PolicyTraining:
             total_loss += float(loss.detach())
             n_micro += 1
             for k, v in stats.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
-        keys = sorted(stats_sum)
-        sums = self._reduce_sums([total_loss, float(n_micro), float(bad)] + [stats_sum[k] for k in keys])
-        return sums[0], dict(zip(keys, sums[3:], strict=True)), int(sums[1]), sums[2] > 0
+                if k.endswith("_peak"):
+                    stats_sum[k] = max(stats_sum.get(k, float(v)), float(v))
+                else:
+                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+        sums = self._reduce_sums([total_loss, float(n_micro), float(bad)])
+        return sums[0], self._reduce_stats(stats_sum), int(sums[1]), sums[2] > 0
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
