@@ -18,7 +18,8 @@ then measures, each in its own row of a Markdown table (``--skip`` name in brack
 6. [fsdp] FSDP2 (``ShardedPolicy``, world size 1, NCCL; gloo on CPU): update tokens/s, peak memory,
    log-prob agreement with the single-process path;
 7. [trainer] a 3-step GRAFT run of the trainer on the tiny heterogeneous pair, on the device
-   (needs ``pyarrow``, for the rollout store);
+   (needs ``pyarrow``, for the rollout store); [gap] the same pair, 3 GRPO steps with ``correction:
+   tis``: the engine-trainer gap a run reports (``mismatch_kl``, the TIS weights);
 8. [vllm] two update → push → generate cycles, eager: every push verified against the trainer; on a
    GPU sleep level 1, then level 2 after the first verified push (only where ``import vllm`` works);
 9. [vllm_graphs] the same with CUDA graphs (no ``enforce_eager``);
@@ -80,6 +81,7 @@ ROWS = {
     "pure": "update, pure bf16 (opt-in)",
     "fsdp": "update, FSDP2 (world 1, ShardedPolicy)",
     "trainer": "trainer: GRAFT, tiny pair, 3 steps",
+    "gap": "engine-trainer gap: hf sampler vs trainer, bf16, 3 GRPO steps, tis",
     "lora": "update, LoRA (bf16 base frozen, fp32 adapters)",
     "vllm": "vLLM: 2 × update → push → generate (sleep 1 → 2), eager",
     "vllm_graphs": "vLLM: 2 × update → push → generate, CUDA graphs",
@@ -387,13 +389,14 @@ def row_fsdp(c: Check) -> dict:
             dist.destroy_process_group()
 
 
-def row_trainer(c: Check) -> dict:
+def _tiny_run(c: Check, name: str, method: dict) -> list[dict]:
+    """A 3-step run of the trainer on the tiny heterogeneous pair, on the device, bf16 compute."""
     from graft_rl.engine.config import load_config
     from graft_rl.engine.trainer import Trainer  # needs pyarrow (graft_rl.engine.store)
     from graft_rl.policy.tiny import build_tiny_pair
 
     c.pol = None
-    tmp = c.tmp / "trainer"
+    tmp = c.tmp / name
     a, b = build_tiny_pair(tmp / "pair")
     data = tmp / "arith.jsonl"
     data.write_text(
@@ -410,16 +413,34 @@ def row_trainer(c: Check) -> dict:
             "max_new_tokens": 8,
             "checkpoint_every": 3,
             "data": {"train": str(data), "verifier": "gsm8k"},
-            "method": {"name": "graft"},
+            "method": method,
             "policies": [{"name": "A", "model": str(a), **pol}, {"name": "B", "model": str(b), **pol}],
         }
     )
+    return Trainer(cfg, show_progress=False).run()
+
+
+def row_trainer(c: Check) -> dict:
     t0 = time.perf_counter()
-    lines = Trainer(cfg, show_progress=False).run()
+    lines = _tiny_run(c, "trainer", {"name": "graft"})
     return {
         "seconds": time.perf_counter() - t0,
         "metric lines": len(lines),
         "finite losses": all(ln.get("loss") is None or ln["loss"] == ln["loss"] for ln in lines),
+    }
+
+
+def row_gap(c: Check) -> dict:
+    """The engine-trainer gap as a run reports it: the hf sampler (KV-cached decode under bf16 autocast)
+    against the trainer's full forward, 3 GRPO steps with ``correction: tis``."""
+    lines = _tiny_run(c, "gap", {"name": "grpo", "correction": "tis"})
+    kls = [ln["mismatch_kl"] for ln in lines if ln.get("mismatch_kl") is not None]
+    weights = [ln["correction_weight"] for ln in lines if ln.get("correction_weight") is not None]
+    return {
+        "steps measured": len(kls),
+        "max mismatch_kl": max(kls) if kls else None,
+        "max |Δ logp|": max((ln["mismatch_max"] for ln in lines if ln.get("mismatch_max") is not None), default=None),
+        "tis weight range": [min(weights), max(weights)] if weights else None,
     }
 
 
@@ -870,6 +891,7 @@ ROW_FNS = {
     "pure": row_pure,
     "fsdp": row_fsdp,
     "trainer": row_trainer,
+    "gap": row_gap,
     "lora": row_lora,
     "vllm": row_vllm,
     "vllm_graphs": row_vllm_graphs,
@@ -913,6 +935,15 @@ RULES = {
     "fsdp": lambda r: [("max |Δ logp| vs single process ≤ 5e-2", r["max |Δ logp| vs single process"] <= 5e-2)],
     "trainer": lambda r: [
         ("3 steps × 2 policies logged, losses finite", r["metric lines"] >= 6 and r["finite losses"])
+    ],
+    "gap": lambda r: [
+        ("every step of both policies measured", r["steps measured"] == 6),
+        # LARGE_GAP_KL: a bf16 sampler beside its own trainer on one device should stay well below it
+        ("mismatch_kl finite and ≤ 1e-3 per token", r["max mismatch_kl"] is not None and r["max mismatch_kl"] <= 1e-3),
+        (
+            "tis weights within [0.5, 2]",
+            r["tis weight range"] is not None and 0.5 <= r["tis weight range"][0] <= r["tis weight range"][1] <= 2.0,
+        ),
     ],
     "lora": lambda r: [
         ("base bf16, adapters fp32", r["base bf16, adapters fp32"]),

@@ -23,6 +23,7 @@ UPDATE = "update, bf16 compute / fp32 master / ckpt"
 PURE = "update, pure bf16 (opt-in)"
 FSDP = "update, FSDP2 (world 1, ShardedPolicy)"
 TRAINER = "trainer: GRAFT, tiny pair, 3 steps"
+GAP = "engine-trainer gap: hf sampler vs trainer, bf16, 3 GRPO steps, tis"
 LORA = "update, LoRA (bf16 base frozen, fp32 adapters)"
 VLLM = "vLLM: 2 × update → push → generate (sleep 1 → 2), eager"
 VLLM_GRAPHS = "vLLM: 2 × update → push → generate, CUDA graphs"
@@ -35,7 +36,7 @@ VLLM_HF = "vLLM Transformers backend (SmolLM3): 2 × update → push → generat
 LORA_FSDP = "LoRA on FSDP2 (world 1), bf16, KL reference forward first"
 VLLM_SHARE = "vLLM: two engines of two processes on one GPU (0.2 each), sleep/wake"  # skipped without a GPU
 VLLM_ROWS = (VLLM, VLLM_GRAPHS, VLLM_SEEDS, VLLM_LORA, VLLM_MISSING, VLLM_FSDP, VLLM_TWO, VLLM_HF)
-ALL_ROWS = [GENERATE, CHUNKED, NAIVE, UPDATE, PURE, FSDP, TRAINER, LORA, *VLLM_ROWS, LORA_FSDP, VLLM_SHARE]
+ALL_ROWS = [GENERATE, CHUNKED, NAIVE, UPDATE, PURE, FSDP, TRAINER, GAP, LORA, *VLLM_ROWS, LORA_FSDP, VLLM_SHARE]
 
 #: packages a bare GPU image (torch + transformers + accelerate) does not have
 OPTIONAL = ("pyarrow", "math_verify", "rich", "matplotlib", "ray", "vllm", "reasoning_gym", "peft")
@@ -101,6 +102,7 @@ def test_gpu_check_smoke_runs_every_row(tmp_path):
     assert rows[PURE]["changed after 3 steps @ lr 1e-6"] < 0.5
     assert rows[FSDP]["max |Δ logp| vs single process"] < 5e-2
     assert rows[TRAINER]["finite losses"]
+    assert rows[GAP]["steps measured"] == 6 and rows[GAP]["max mismatch_kl"] <= 1e-3
     assert rows[LORA]["base unchanged"] and rows[LORA]["changed after 3 steps @ lr 1e-4"] >= 0.99
     assert rows[LORA]["mean |Δ logp| adapted vs base"] > rows[LORA]["mean |Δ logp| merged vs adapted"]
     assert all(r["checks"].endswith("pass") for r in rows.values() if "skipped" not in r)
@@ -131,11 +133,12 @@ def test_gpu_check_on_a_bare_image_runs_what_it_can(tmp_path):
     assert (tmp_path / "gpu_check.json").exists()
     rows = _rows(tmp_path)
     for name, row in rows.items():
-        if name not in (TRAINER, LORA, LORA_FSDP, VLLM_SHARE, *VLLM_ROWS):
+        if name not in (TRAINER, GAP, LORA, LORA_FSDP, VLLM_SHARE, *VLLM_ROWS):
             assert "error" not in row and "skipped" not in row, (name, row)
     assert "error" not in rows[TRAINER]
     assert "peft" in rows[LORA]["skipped"]
     assert "pyarrow" in rows[TRAINER]["skipped"]
+    assert "pyarrow" in rows[GAP]["skipped"]
     assert all(rows[r]["skipped"] == "vLLM not installed" for r in VLLM_ROWS)
     assert rows[CHUNKED]["fused head"] is True
     _table_has_every_row(tmp_path)
@@ -147,7 +150,7 @@ def test_gpu_check_vllm_rows_run_on_vllms_cpu_build(tmp_path):
     update/push/generate cycles, seeds that only the per-request seed can make agree, a held-back tensor
     refused, FSDP2 beside an engine, two engines one after another, the Transformers backend."""
     pytest.importorskip("vllm")
-    skip = "generate,logprobs,naive,update,pure,fsdp,trainer,lora"
+    skip = "generate,logprobs,naive,update,pure,fsdp,trainer,gap,lora"
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--skip", skip, "--out", str(tmp_path)],
         capture_output=True,

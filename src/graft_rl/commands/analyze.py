@@ -296,6 +296,18 @@ def _summary(a: Analysis, metrics: list[dict]) -> dict:
             clip_self=_mean(cs), clip_peer=_mean(with_peer), zero_peer_clip_steps=sum(1 for c in with_peer if c == 0)
         )
     for p in a.policies:
+        gaps = [m["mismatch_kl"] for m in a.by_pol[p] if m.get("mismatch_kl") is not None]
+        pols.setdefault(p, {}).update(
+            mismatch_kl=_mean(gaps),
+            mismatch_max=max(
+                (m["mismatch_max"] for m in a.by_pol[p] if m.get("mismatch_max") is not None), default=None
+            ),
+            mismatch_out=_mean(m.get("mismatch_out") for m in a.by_pol[p] if m.get("mismatch_out") is not None),
+            correction_masked=_mean(
+                m.get("correction_masked") for m in a.by_pol[p] if m.get("correction_masked") is not None
+            ),
+        )
+    for p in a.policies:
         total = sum(sum(m.get(k) or 0 for m in a.by_pol[p]) for k in PHASES)
         pols.setdefault(p, {}).update(seconds=total, best_step=a.best.get(p))
     return {"run": str(a.run), "policies": pols, "joint_seconds": sum(pols[p]["seconds"] for p in a.policies)}
@@ -374,7 +386,46 @@ def plot(a: Analysis, out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, out / "clipping.png")
+    _plot_mismatch(a, out / "mismatch.png")
     _plot_curves(a.curves, out / "curves.png", a.summary.get("changes", []))
+
+
+def _plot_mismatch(a: Analysis, path: Path) -> None:
+    """``mismatch.png`` (runs that measured the engine-trainer gap): ``mismatch_kl`` per step (log
+    scale), and the share of own tokens outside the correction's bounds / masked by it."""
+    import matplotlib.pyplot as plt
+
+    from graft_rl.methods.corrections import LARGE_GAP_KL
+
+    measured = [p for p in a.policies if any(m.get("mismatch_kl") is not None for m in a.by_pol[p])]
+    if not measured:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for i, p in enumerate(a.policies):
+        if p not in measured:
+            continue
+        pts = [(m["step"], m["mismatch_kl"]) for m in a.by_pol[p] if m.get("mismatch_kl") is not None]
+        # k3 of identical log-probs is exactly 0: drawn at the axis floor
+        axes[0].plot([s for s, _ in pts], [max(v, 1e-16) for _, v in pts], marker=".", color=f"C{i}", label=p)
+        out = [(m["step"], m["mismatch_out"]) for m in a.by_pol[p] if m.get("mismatch_out") is not None]
+        axes[1].plot([s for s, _ in out], [v for _, v in out], color=f"C{i}", label=f"{p}: outside the bounds")
+        masked = [(m["step"], m["correction_masked"]) for m in a.by_pol[p] if m.get("correction_masked") is not None]
+        if masked:
+            axes[1].plot(
+                [s for s, _ in masked], [v for _, v in masked], color=f"C{i}", linestyle="--", label=f"{p}: masked"
+            )
+    axes[0].axhline(LARGE_GAP_KL, color="crimson", linestyle=":", linewidth=1, label=f"large ({LARGE_GAP_KL:.0e})")
+    axes[0].set_yscale("log")
+    axes[0].set_title("engine-trainer gap of own tokens: KL(mu || pi_old) per token (k3)")
+    axes[0].set_ylabel("mismatch_kl")
+    axes[1].set_title("own tokens outside the correction's bounds / masked by it")
+    axes[1].set_ylabel("fraction of own tokens")
+    axes[1].set_ylim(-0.02, 1.02)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    _save(fig, path)
 
 
 def _plot_curves(curves: list[tuple[Path, list[dict], list[dict]]], path: Path, changes: list[dict] = ()) -> None:
@@ -467,11 +518,42 @@ def report(a: Analysis) -> str:
             f"| {p} | {100 * (s['clip_self'] or 0):.2f}% | {100 * (s['clip_peer'] or 0):.2f}% | {n_peer} | "
             f"{s['zero_peer_clip_steps']} |"
         )
+    lines += ["", "## Engine and trainer", ""] + _report_mismatch(a)
     lines += ["", "## Case studies (Appendix I)", ""] + _report_cases(a.cases)
     if a.summary.get("changes"):
         lines += ["", "## Changed during the run (resumed with --allow-changed)", ""]
         lines += [f"- from step {c['step']}: {c['change']}" for c in a.summary["changes"]]
     return "\n".join(lines + ["", "## Compute (Table 5)", ""] + _report_compute(a)) + "\n"
+
+
+def _report_mismatch(a: Analysis) -> list[str]:
+    """The engine-trainer gap of each policy's own tokens over the run (``mismatch_*``), and a line
+    for a policy whose gap is large."""
+    from graft_rl.commands.report import large_gap_line
+
+    pols = a.summary["policies"]
+    measured = [p for p in a.policies if pols[p].get("mismatch_kl") is not None]
+    if not measured:
+        return [
+            "Not measured: no own token had an engine log-prob comparable with pi_old (top-p / top-k sampling, "
+            "or a run recorded before 0.3.0)."
+        ]
+    lines = [
+        "The k3 estimate of KL(mu || pi_old) per own token (mu: the rollout engine's log-prob of the token it "
+        "sampled; pi_old: the trainer's), its largest |log mu - log pi_old|, and the share of own tokens "
+        "outside the correction's bounds (and masked by it). `mismatch.png` has the curves.",
+        "",
+        "| policy | mismatch_kl (mean) | largest gap (nats) | outside bounds | masked |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for p in measured:
+        s = pols[p]
+        masked = f"{100 * s['correction_masked']:.2f}%" if s.get("correction_masked") is not None else "-"
+        lines.append(
+            f"| {p} | {s['mismatch_kl']:.2e} | {s['mismatch_max']:.3g} | {100 * (s['mismatch_out'] or 0):.2f}% | {masked} |"
+        )
+    big = large_gap_line([{"policy": p, **pols[p]} for p in measured])
+    return lines + ([] if big is None else ["", big])
 
 
 def _report_compatibility(a: Analysis) -> list[str]:

@@ -55,6 +55,7 @@ STAGES = (
     "verify",
     "exchange",
     "update",
+    "engine gap",
     "weight push",
     "validation",
     "checkpoint",
@@ -537,6 +538,9 @@ def _stages_training(r: _Run) -> None:
                 all(ln.get("loss") is not None and not ln.get("skipped_updates") for ln in lines),
                 "an update was skipped (non-finite loss or gradient)",
             )
+    with cl.stage("engine gap") as st:
+        if st is not None:
+            st.status, st.detail = _engine_gap(lines, toy.cfg)
     with cl.stage("weight push") as st:
         if st is not None:
             st.detail = _weight_push(r.trainer, r.checks_before, toy.cfg)
@@ -636,6 +640,42 @@ def _shutdown_ray() -> None:
 
         if ray.is_initialized():
             ray.shutdown()
+
+
+#: a float32 hf policy samples from the module that scores: its gap is float rounding, ~1e-13 per token
+SAME_MODULE_GAP = 1e-6
+
+
+def _engine_gap(lines: list[dict], cfg: TrainConfig) -> tuple[str, str]:
+    """``(status, detail)`` of the toy run's first step: each policy's engine-trainer gap (``mismatch_*``).
+    The rule: a non-finite gap fails; so does one above :data:`SAME_MODULE_GAP` where the engine is the
+    trainer's own module in float32 (hf backend, no lag): sampler and scorer then compute different
+    distributions, a bug. Elsewhere (vLLM, bf16) the gap is reported, with a word when it is large."""
+    from graft_rl.methods.corrections import LARGE_GAP_KL
+
+    if cfg.top_p < 1:
+        return "n/a", f"not measured: top_p {cfg.top_p} (the engine's log-probs are of the truncated distribution)"
+    pcs = {pc.name: pc for pc in cfg.policies}
+    out = []
+    for ln in lines:
+        pc, kl = pcs[ln["policy"]], ln.get("mismatch_kl")
+        if kl is None:
+            out.append(f"{ln['policy']}: no own token trained (every own group replaced)")
+            continue
+        _check(math.isfinite(kl), f"{ln['policy']}: mismatch_kl is {kl}")
+        exact = pc.backend == "hf" and pc.dtype == "float32" and pc.world_size == 1
+        if exact:
+            _check(
+                kl <= SAME_MODULE_GAP,
+                f"{ln['policy']} (hf, float32): engine and trainer differ by mismatch_kl {kl:.3g} per token "
+                f"(> {SAME_MODULE_GAP:g}): the sampler and the scorer compute different distributions",
+            )
+        word = " (large: a method.correction would act)" if kl > LARGE_GAP_KL else ""
+        out.append(
+            f"{ln['policy']} ({pc.backend}, {pc.dtype}): mismatch_kl {kl:.2e}, largest {ln['mismatch_max']:.2g} nats"
+            + word
+        )
+    return "ok", "; ".join(out)
 
 
 def _weight_push(trainer, before: dict, cfg: TrainConfig) -> str:

@@ -45,6 +45,10 @@ def run_summary(run_dir: str | Path) -> list[dict]:
                 "clip_frac_self": _mean(ln.get("clip_frac_self") for ln in mine),
                 "clip_frac_peer": _mean(ln.get("clip_frac_peer") for ln in mine),
                 "rollouts": sum(ln.get("rollouts") or 0 for ln in mine),
+                "mismatch_kl": _mean(ln.get("mismatch_kl") for ln in mine),
+                "mismatch_max": max(
+                    (ln["mismatch_max"] for ln in mine if ln.get("mismatch_max") is not None), default=None
+                ),
                 "val_before": next((v["val/score"] for v in val if v["policy"] == name), None),
                 "val_after": next((v["val/score"] for v in reversed(val) if v["policy"] == name), None),
                 "best_step": (best := next((v.get("best_step") for v in reversed(val) if v["policy"] == name), None)),
@@ -60,6 +64,25 @@ def run_summary(run_dir: str | Path) -> list[dict]:
             }
         )
     return out
+
+
+def large_gap_line(rows: list[dict]) -> str | None:
+    """One line naming the policies whose engine and trainer disagreed beyond
+    :data:`~graft_rl.methods.corrections.LARGE_GAP_KL` per token over the run (None: none did)."""
+    from graft_rl.methods.corrections import LARGE_GAP_KL
+
+    big = [r for r in rows if r.get("mismatch_kl") is not None and r["mismatch_kl"] > LARGE_GAP_KL]
+    if not big:
+        return None
+    each = ", ".join(
+        f"{r['policy']} mismatch_kl {r['mismatch_kl']:.1e} per token (largest |log mu - log pi_old| "
+        f"{r['mismatch_max']:.2f})"
+        for r in big
+    )
+    return (
+        f"engine and trainer disagree: {each}, above {LARGE_GAP_KL:.0e}; a method.correction (tis, icepop) "
+        "corrects it (docs/design.md, 'Engine and trainer')"
+    )
 
 
 def family_summary(run_dir: str | Path) -> list[dict]:
@@ -169,6 +192,9 @@ def print_run_summary(run_dir: str | Path, width: int | None = None) -> None:
         )
     console = Console(width=width) if width else Console()
     console.print(table)
+    gap = large_gap_line(rows)
+    if gap:
+        console.print(gap, soft_wrap=True)  # one line: grep finds it
     calls = reward_call_problems(run_dir)
     if calls:
         console.print(calls, soft_wrap=True)  # one line: grep finds it
