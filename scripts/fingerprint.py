@@ -2,7 +2,8 @@
 
 For each ``configs/testbed/*.yaml`` (every method and ablation of the paper's Tables 2 and 5 and
 Appendix G) it trains the shipped testbed pair for a few small steps with the preset's own method
-keys, then prints one row per preset: a digest of ``metrics.jsonl`` (every value but wall times),
+keys, then prints one row per preset: a digest of ``metrics.jsonl`` (every value but wall times and
+the engine-trainer gap, ``mismatch_*`` / ``correction_*``, which ``--json`` digests apart as ``gap``),
 of the exchange records, and of both policies' final weights, plus two readable numbers (B's last
 loss and A's grafted groups). "but clip" digests the metrics without the self/peer clip fractions
 (``--json`` keeps their values per step), for changes that correct those diagnostics alone. Run it on two checkouts and compare the tables: identical digests
@@ -37,6 +38,11 @@ SMALL = ["prompt_batch=16", "minibatch=4", "n=4", "max_new_tokens=24", "checkpoi
 CLIP_KEYS = ("clip_frac_self", "clip_frac_peer")
 
 
+#: the engine-trainer gap (0.3.0): measurements of the engine, kept out of the metrics digests so that a
+#: run from before they existed compares equal on everything else (``gap`` digests them alone)
+GAP_PREFIXES = ("mismatch_", "correction_")
+
+
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -57,7 +63,8 @@ def fingerprint(config: Path, steps: int, work: Path) -> dict:
     finally:
         tr.close()
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    metrics = [{k: v for k, v in ln.items() if not k.startswith("time_")} for ln in lines]
+    metrics = [{k: v for k, v in ln.items() if not k.startswith(("time_", *GAP_PREFIXES))} for ln in lines]
+    gap = [{k: v for k, v in ln.items() if k.startswith(GAP_PREFIXES)} for ln in lines]
     exchange = []
     for f in sorted((run_dir / "exchange").rglob("*.parquet")):
         exchange.append([f.parent.name, f.name, pq.read_table(f).to_pylist()])
@@ -77,6 +84,7 @@ def fingerprint(config: Path, steps: int, work: Path) -> dict:
         "metrics": _digest(metrics),
         "metrics_but_clip": _digest([{k: v for k, v in m.items() if k not in CLIP_KEYS} for m in metrics]),
         "clip": clip,
+        "gap": _digest(gap),
         "exchange": _digest(exchange),
         "weights": _digest(weights),
         "loss_B": b_last.get("loss"),
