@@ -83,6 +83,17 @@ def test_paper_pair1_plan_fits_four_h200s(capsys):
     assert all(p.peak(141 * GiB) < 141 * GiB for p in plans)
 
 
+def test_plan_counts_the_lag_history_in_host_memory(capsys):
+    """rollout.lag k keeps k + 1 float32 copies of the trainable parameters per rank on the host."""
+    plans = plan(load_config("configs/paper/pair1/graft.yaml", ["rollout.lag=2"]))
+    for p in plans:
+        assert p.lag_host == pytest.approx(3 * 4 * p.params / p.world_size)
+    lora = plan(load_config("configs/paper/pair1/graft.yaml", ["rollout.lag=1", "policies.0.lora={r: 16}"]))[0]
+    assert lora.lag_host == pytest.approx(2 * 4 * lora.lora_params / lora.world_size)
+    assert main(["plan", "configs/paper/pair1/graft.yaml", "rollout.lag=1"]) == 0
+    assert "host RAM per rank for rollout.lag 1: 2 float32 copies" in capsys.readouterr().out
+
+
 def test_without_checkpointing_on_one_gpu_the_3b_policy_does_not_fit(capsys):
     assert (
         main(

@@ -76,9 +76,36 @@ def reference_first(pol) -> dict:
     return {"stats": stats, "adapters_before": before, "adapters_after": after, "digest": pol.param_digest()}
 
 
+def lagged(pol, ckpt: str) -> dict:
+    """``rollout.lag: 1`` on two ranks: a generation after an update samples the weights before it (each
+    rank's shards swapped in and its rollout copy synced from them), the live shards come back, and a
+    checkpoint holds each rank's shards of the history."""
+    sp = SamplingParams(n=3, max_new_tokens=6)
+    before = pol.generate(GEN_PROMPTS, sp, seed=5, lag=1)
+    batch = pol.encode_texts(["Q"] * len(TEXTS), TEXTS, [True] * len(TEXTS))
+    old, mask = pol.token_logprobs(batch)
+    pol.update(batch, loss_fn(old, torch.tensor(ADV), float(mask.sum())))
+    updated = pol.param_digest()
+    stale = pol.generate(GEN_PROMPTS, sp, seed=5, lag=1)
+    after_lagged = pol.param_digest()
+    live = pol.generate(GEN_PROMPTS, sp, seed=5)
+    pol.save(ckpt)
+    entries = len(pol.lag.history)
+    pol.lag = None
+    pol.load_state(ckpt)
+    return {
+        "before": [g.texts for g in before],
+        "stale": [g.texts for g in stale],
+        "live": [g.texts for g in live],
+        "live weights kept": updated == after_lagged,
+        "entries": entries,
+        "entries reloaded": len(pol.lag.history),
+    }
+
+
 def run(model: str, out: str, dtype: str, ckpt: str, lora: str = "") -> dict:
-    """``lora``: "" (full fine-tuning), "lora" (adapters) or "lora_reference_first" (:func:`reference_first`:
-    bf16 compute, the plain head, no gradient checkpointing)."""
+    """``lora``: "" (full fine-tuning), "lora" (adapters), "lora_reference_first" (:func:`reference_first`:
+    bf16 compute, the plain head, no gradient checkpointing) or "lag" / "lora_lag" (:func:`lagged`)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     first = lora == "lora_reference_first"
@@ -92,9 +119,16 @@ def run(model: str, out: str, dtype: str, ckpt: str, lora: str = "") -> dict:
             world_size=2,
             gradient_checkpointing=not first,
             fused_logprobs=not first,
-            lora=LORA if lora else None,
+            lora=LORA if lora.startswith("lora") else None,
         )
     )
+    if lora.endswith("lag"):
+        result = lagged(pol, ckpt)
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+        dist.destroy_process_group()
+        return result
     if first:
         result = reference_first(pol)
         if dist.get_rank() == 0:

@@ -137,3 +137,19 @@ def test_lora_ranks_in_bf16_train_when_the_kl_reference_runs_first(tiny_pair, tm
     )
     assert out["stats"]["skipped"] == 0 and out["stats"]["grad_norm"] > 0
     assert out["adapters_before"] != out["adapters_after"]  # the adapters trained
+
+
+@pytest.mark.parametrize("mode", ["lag", "lora_lag"])
+def test_two_fsdp_ranks_sample_the_lagged_weights_and_keep_the_live_ones(tiny_pair, tmp_path, mode):
+    """``rollout.lag: 1`` over two ranks (full weights and LoRA): after an update a lagged generation
+    samples exactly what the weights before it sampled, the live shards are back bit for bit, a
+    generation without lag samples the updated weights, and each rank's history is checkpointed."""
+    ckpt = tmp_path / "ckpt"
+    port = 29631 if mode == "lag" else 29632
+    res = _torchrun(tiny_pair[0], tmp_path / "out.json", "float32", ckpt, port, mode)
+    assert res["stale"] == res["before"]
+    if mode == "lag":  # one LoRA step from B = 0 at lr 1e-3 moves no sample of these tiny models
+        assert res["live"] != res["before"]
+    assert res["live weights kept"]
+    assert res["entries"] == 2 and res["entries reloaded"] == 2
+    assert (ckpt / "rollout_lag.rank0.safetensors").is_file() and (ckpt / "rollout_lag.rank1.safetensors").is_file()

@@ -223,6 +223,8 @@ class PolicyPlan:
     wave_seconds: float = 0.0  # one generation wave's floor: max_new_tokens decode steps reading c N each
     lora_alternative: PolicyPlan | None = None  # full fine-tuning: the same policy with lora r=16, all-linear
     quantized: bool = False  # a quantised engine (vllm_kwargs.quantization): it sleeps at level 1 throughout
+    lag: int = 0  # rollout.lag: pushes the engine lags by
+    lag_host: float = 0.0  # host bytes per rank of the lag history: lag + 1 copies of the trainable fp32 params
 
     def generate_peak(self, gpu_bytes: float) -> float:
         """Tensors during generation: master weights + Adam (gradients are freed after each update),
@@ -314,6 +316,8 @@ def plan_policy(pc: PolicyConfig, cfg: TrainConfig) -> PolicyPlan:
         saved,
         cfg.max_new_tokens * c * N / DECODE_BYTES_PER_S if pc.backend == "vllm" else 0.0,
         quantized=pc.backend == "vllm" and bool(pc.vllm_kwargs.get("quantization")),
+        lag=cfg.rollout.lag,
+        lag_host=(cfg.rollout.lag + 1) * 4 * (A if pc.lora is not None else N) / W if cfg.rollout.lag else 0.0,
     )
 
 
@@ -395,6 +399,12 @@ def _host_lines(plans: list[PolicyPlan]) -> list[str]:
     of the weights, released at the first level-2 sleep, but kept for the run by a quantised engine."""
     lines = []
     for p in plans:
+        if p.lag:
+            what = "adapters" if p.lora_params else "parameters"
+            lines.append(
+                f"{p.name}: host RAM per rank for rollout.lag {p.lag}: {p.lag + 1} float32 copies of its trainable "
+                f"{what}, ~{p.lag_host / GiB:.2f} GiB (each checkpoint holds them too, ~{p.lag_host * p.world_size / GiB:.2f} GiB)."
+            )
         if not (p.vllm_share and p.sleep):
             continue
         weights = p.vllm_weights / GiB

@@ -649,7 +649,7 @@ SAME_MODULE_GAP = 1e-6
 def _engine_gap(lines: list[dict], cfg: TrainConfig) -> tuple[str, str]:
     """``(status, detail)`` of the toy run's first step: each policy's engine-trainer gap (``mismatch_*``).
     The rule: a non-finite gap fails; so does one above :data:`SAME_MODULE_GAP` where the engine is the
-    trainer's own module in float32 (hf backend, no lag): sampler and scorer then compute different
+    trainer's own module in float32 (hf backend, ``rollout.lag: 0``): sampler and scorer then compute different
     distributions, a bug. Elsewhere (vLLM, bf16) the gap is reported, with a word when it is large."""
     from graft_rl.methods.corrections import LARGE_GAP_KL
 
@@ -663,7 +663,7 @@ def _engine_gap(lines: list[dict], cfg: TrainConfig) -> tuple[str, str]:
             out.append(f"{ln['policy']}: no own token trained (every own group replaced)")
             continue
         _check(math.isfinite(kl), f"{ln['policy']}: mismatch_kl is {kl}")
-        exact = pc.backend == "hf" and pc.dtype == "float32" and pc.world_size == 1
+        exact = pc.backend == "hf" and pc.dtype == "float32" and pc.world_size == 1 and cfg.rollout.lag == 0
         if exact:
             _check(
                 kl <= SAME_MODULE_GAP,

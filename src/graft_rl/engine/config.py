@@ -28,6 +28,7 @@ __all__ = [
     "DataConfig",
     "MethodConfig",
     "PeerRecords",
+    "RolloutConfig",
     "TrackingConfig",
     "TrainConfig",
     "ValidationConfig",
@@ -163,6 +164,15 @@ class PeerRecords:
 
 
 @dataclass
+class RolloutConfig:
+    """How training rollouts relate to the trainer (docs/design.md, "Engine and trainer")."""
+
+    # pushes the engine lags the trainer by: it samples from the weights the policy had `lag` steps
+    # (pushes) earlier, as an asynchronous trainer's engine would; 0: the current weights (the paper)
+    lag: int = 0
+
+
+@dataclass
 class TrainConfig:
     run_dir: str = "runs/graft"  # where the run writes: config, metrics, records, checkpoints, best/
     seed: int = 0  # every random draw of the run derives from it (resume reproduces the run)
@@ -173,6 +183,7 @@ class TrainConfig:
     n: int = 8  # rollouts per prompt per model
     temperature: float = 1.0  # rollout sampling temperature; log-probs are computed at it too
     top_p: float = 1.0  # rollout nucleus sampling
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout.lag: staleness of the sampling weights
     max_new_tokens: int = 4096  # new tokens per rollout response (clamped to each model's context)
     checkpoint_every: int = 50  # steps; a checkpoint is also written at the end and on Ctrl-C
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk
@@ -253,6 +264,8 @@ class TrainConfig:
             raise ConfigError(f"temperature must be a finite number > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.rollout.lag, int) or isinstance(self.rollout.lag, bool) or self.rollout.lag < 0:
+            raise ConfigError(f"rollout.lag must be an integer >= 0 (pushes of staleness), got {self.rollout.lag!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1 (or null for all cores), got {self.torch_threads}")
         if self.nonfinite_loss not in ("skip", "stop"):

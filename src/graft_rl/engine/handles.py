@@ -47,9 +47,10 @@ class WorkerHandle:
         return Pending(self, self._start(call.__name__, *args))
 
     # ------------------------------------------------------------------ the worker's calls, typed
-    def generate(self, prompts, sampling, seed: int) -> Pending:
-        """``(groups, seconds)``: the policy's rollouts of ``prompts`` (:meth:`PolicyWorker.generate_timed`)."""
-        return self._submit(PolicyWorker.generate_timed, prompts, sampling, seed)
+    def generate(self, prompts, sampling, seed: int, lag: int = 0) -> Pending:
+        """``(groups, seconds)``: the policy's rollouts of ``prompts`` (:meth:`PolicyWorker.generate_timed`);
+        ``lag``: from the weights of ``lag`` pushes earlier (``rollout.lag``, training generations only)."""
+        return self._submit(PolicyWorker.generate_timed, prompts, sampling, seed, lag)
 
     def train(
         self,

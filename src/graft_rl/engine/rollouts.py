@@ -91,7 +91,7 @@ class Rollouts:
     def start(self, name: str, step: int) -> Pending:
         """Start policy ``name``'s generation for ``step`` on its worker: ``(groups, seconds)``."""
         return self.workers[name].generate(
-            self.prompts_for_step(step), self.samplings[name], self.generation_seed(name, step)
+            self.prompts_for_step(step), self.samplings[name], self.generation_seed(name, step), self.cfg.rollout.lag
         )
 
     def prefetch(self, names: Iterable[str], step: int) -> None:
@@ -209,7 +209,9 @@ class Rollouts:
             take, pool = pool[:size], pool[size:]
             more_prompts = self.rows.draw(take, step)
             seed = derive_seed(self.cfg.seed, Purpose.REFILL_GENERATE, step, self.names.index(name), batches - 1)
-            more, gen_s = self.workers[name].generate(more_prompts, self.samplings[name], seed).get()
+            more, gen_s = (
+                self.workers[name].generate(more_prompts, self.samplings[name], seed, self.cfg.rollout.lag).get()
+            )
             timer.add("generate", gen_s)
             extra_rollouts += len(more) * self.cfg.n
             with timer("reward"):

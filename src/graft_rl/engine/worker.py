@@ -83,12 +83,13 @@ class PolicyWorker:
     def generate(self, prompts, sampling: SamplingParams, seed: int):
         return self.policy.generate(prompts, sampling, seed=seed)
 
-    def generate_timed(self, prompts, sampling: SamplingParams, seed: int):
+    def generate_timed(self, prompts, sampling: SamplingParams, seed: int, lag: int = 0):
         """``(groups, seconds)``: the generation and its wall time measured here, where it runs (so a
-        policy's time under Ray is its own, not the time until the driver got to its result)."""
+        policy's time under Ray is its own, not the time until the driver got to its result). ``lag``: a
+        training generation's ``rollout.lag`` (the weights of ``lag`` pushes earlier)."""
         timer = PhaseTimer()
         with timer("generate"):
-            groups = self.policy.generate(prompts, sampling, seed=seed)
+            groups = self.policy.generate(prompts, sampling, seed=seed, lag=lag)
         return groups, timer.seconds["generate"]
 
     def save(self, path: str) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from graft_rl.policy.lag import LAG_FILE
 from graft_rl.policy.loading import load_model, resolve_model
 from graft_rl.policy.logprobs import length_micro_batches
 from graft_rl.policy.lora import save_adapter
@@ -212,12 +213,13 @@ class ShardedPolicy(Policy):
         merged = self.rollout_state()
         yield from digesting(((name, merged[name].detach()) for name in merged), dtypes, digests)
 
-    def sync_rollout_weights(self) -> None:
+    def sync_rollout_weights(self, target=None) -> None:
         """Collective: every rank pushes, or none (a level-2 sleep discards every rank's engine weights
         alike, since every rank's engine sleeps after each generation call: :meth:`generate`)."""
         if getattr(self, "_pushed_for_call", False):  # Policy.generate inside this class's generate: done
             return
-        stale = self._synced_version != self.weights_version or getattr(self.backend, "needs_push", False)
+        target = self.weights_version if target is None else target
+        stale = self._synced_version != target or getattr(self.backend, "needs_push", False)
         if not self._max_over_ranks(int(stale)):  # one decision for the group: the push is a collective
             return
         if self.config.backend == "hf":
@@ -229,12 +231,16 @@ class ShardedPolicy(Policy):
                         copy_sd[name].copy_(full)
         else:
             self.backend.sync_weights()  # each rank's engine, fed by rollout_weights()
-        self._synced_version = self.weights_version
+        self._synced_version = target
 
-    def generate(self, prompts, sampling, seed: int = 0):
+    def generate(self, prompts, sampling, seed: int = 0, lag: int = 0):
         """Every rank samples its share (``rank, rank + W, ...``) seeded :func:`rank_seed`; all ranks
-        return the whole batch in prompt order (``rollout_on_rank0``: rank 0 samples it all)."""
-        self.sync_rollout_weights()  # collective: every rank takes part, sampling or not
+        return the whole batch in prompt order (``rollout_on_rank0``: rank 0 samples it all). ``lag``:
+        from the weights of ``lag`` pushes earlier, each rank's shards swapped in (:mod:`graft_rl.policy.lag`)."""
+        with self.sampling_weights(lag):  # collective: every rank takes part, sampling or not
+            return self._generate_shares(prompts, sampling, seed)
+
+    def _generate_shares(self, prompts, sampling, seed: int):
         self._pushed_for_call = True  # the per-rank Policy.generate below must not start another collective
         try:
             if self.config.rollout_on_rank0:
@@ -264,7 +270,7 @@ class ShardedPolicy(Policy):
             parts = [self._whole_rows(merged[n], dtypes[n], row_digest) for n in names]
         else:
             state = self.model.state_dict()
-            parts = [self._shard_rows(state[n], dtypes[n], row_digest) for n in names]
+            parts = [_shard_rows(state[n], dtypes[n], row_digest, self.rank) for n in names]
         flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
         flat = flat.to(self._comm_device())
         dist.all_reduce(flat)
@@ -273,27 +279,6 @@ class ShardedPolicy(Policy):
     def _whole_rows(self, t: torch.Tensor, dtype: torch.dtype, row_digest) -> torch.Tensor:
         """A whole tensor's row digest on rank 0, zeros elsewhere (summed over ranks by the caller)."""
         return row_digest(t, dtype) if self.rank == 0 else torch.zeros(t.shape[0] if t.dim() else 1, dtype=torch.int64)
-
-    def _shard_rows(self, t: torch.Tensor, dtype: torch.dtype, row_digest) -> torch.Tensor:
-        """This rank's rows of ``t``'s full row digest, zeros elsewhere (a replicated tensor: rank 0's)."""
-        rows = t.shape[0] if t.dim() else 1
-        out = torch.zeros(rows, dtype=torch.int64)
-        if not hasattr(t, "to_local"):
-            if self.rank == 0:
-                out[:] = row_digest(t, dtype)
-            return out
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        local = t.to_local()
-        sharded = any(isinstance(p, Shard) and p.dim == 0 for p in t.placements)
-        if sharded:
-            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-            if local.numel():
-                out[offset[0] : offset[0] + local.shape[0]] = row_digest(local, dtype)
-        elif self.rank == 0:
-            out[:] = row_digest(local, dtype)
-        return out
 
     def param_digest(self) -> list[float]:
         sums = torch.tensor(
@@ -347,6 +332,7 @@ class ShardedPolicy(Policy):
         tmp = out / f"policy_state.rank{self.rank}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, out / f"policy_state.rank{self.rank}.pt")
+        self.save_lag(out / _rank_file(LAG_FILE, self.rank))  # this rank's shards of the lagged weights
         dist.barrier()
         return out
 
@@ -367,6 +353,35 @@ class ShardedPolicy(Policy):
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     self.optimizer.state[p][k] = _like(p, v)
         torch.set_rng_state(state["torch_rng"])
+        self.load_lag(Path(ckpt_dir) / _rank_file(LAG_FILE, self.rank))
+
+
+def _rank_file(name: str, rank: int) -> str:
+    """``rollout_lag.safetensors`` -> ``rollout_lag.rank{rank}.safetensors``."""
+    stem, _, ext = name.partition(".")
+    return f"{stem}.rank{rank}.{ext}"
+
+
+def _shard_rows(t: torch.Tensor, dtype: torch.dtype, row_digest, rank: int) -> torch.Tensor:
+    """This rank's rows of ``t``'s full row digest, zeros elsewhere (a replicated tensor: rank 0's)."""
+    rows = t.shape[0] if t.dim() else 1
+    out = torch.zeros(rows, dtype=torch.int64)
+    if not hasattr(t, "to_local"):
+        if rank == 0:
+            out[:] = row_digest(t, dtype)
+        return out
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    sharded = any(isinstance(p, Shard) and p.dim == 0 for p in t.placements)
+    if sharded:
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if local.numel():
+            out[offset[0] : offset[0] + local.shape[0]] = row_digest(local, dtype)
+    elif rank == 0:
+        out[:] = row_digest(local, dtype)
+    return out
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -219,9 +219,10 @@ class Policy(PolicyLogprobs, PolicyTraining):
 
     # ------------------------------------------------------------------ rollouts
     def generate(
-        self, prompts: Sequence[tuple[str, str]], sampling: SamplingParams, seed: int = 0
+        self, prompts: Sequence[tuple[str, str]], sampling: SamplingParams, seed: int = 0, lag: int = 0
     ) -> list[RolloutGroup]:
-        """Sample ``sampling.n`` responses for each ``(prompt_id, problem)``."""
+        """Sample ``sampling.n`` responses for each ``(prompt_id, problem)``; ``lag``: a training
+        generation under ``rollout.lag``, from the weights of ``lag`` pushes earlier (:meth:`sampling_weights`)."""
         ids = [self.prompt_token_ids(p, pid) for pid, p in prompts]
         ctx = self.context_length()
         if ctx is not None and ids and max(map(len, ids)) + sampling.max_new_tokens > ctx:
@@ -234,8 +235,8 @@ class Policy(PolicyLogprobs, PolicyTraining):
                     f"over the model's {ctx}-token context"
                 )
             sampling = replace(sampling, max_new_tokens=left)
-        self.sync_rollout_weights()  # one weight push per step, not one per minibatch update
-        samples = self.backend.generate(ids, sampling, seed)
+        with self.sampling_weights(lag):  # one weight push per step, not one per minibatch update
+            samples = self.backend.generate(ids, sampling, seed)
         groups = []
         for (pid, problem), group in zip(prompts, samples, strict=True):
             groups.append(

@@ -5,6 +5,7 @@ engine; ``save_pretrained`` checkpoints with optimiser and RNG state."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from graft_rl.policy.lag import LAG_FILE
 from graft_rl.policy.types import PolicyError, SamplingParams, TokenBatch
 
 __all__ = ["POLICY_SETTINGS", "PolicyTraining", "StateFileError", "load_state_file"]
@@ -50,6 +52,7 @@ class PolicyTraining:
 
     lora: Any = None  # a LoRA policy's peft model around `model` (policy.lora)
     base: dict | None = None  # a LoRA policy's frozen base: {model, gguf_file, digest}
+    lag: Any = None  # the pushed weights a lagged rollout samples from (policy.lag.RolloutLag), rollout.lag > 0
 
     # ------------------------------------------------------------------ optimisation
     def update(
@@ -117,12 +120,48 @@ class PolicyTraining:
         params = [p for p in self.model.parameters() if p.grad is not None]
         return float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)) if params else 0.0
 
-    def sync_rollout_weights(self) -> None:
+    def sync_rollout_weights(self, target=None) -> None:
         """Push the current weights to the rollout engine, once per step and only if they changed (or
-        the engine discarded its copy in a level-2 sleep: :attr:`VLLMBackend.needs_push`)."""
-        if self._synced_version != self.weights_version or getattr(self.backend, "needs_push", False):
+        the engine discarded its copy in a level-2 sleep: :attr:`VLLMBackend.needs_push`). ``target``:
+        what the live parameters hold when it is not ``weights_version`` (a lagged snapshot's tag)."""
+        target = self.weights_version if target is None else target
+        if self._synced_version != target or getattr(self.backend, "needs_push", False):
             self.backend.sync_weights()
-            self._synced_version = self.weights_version
+            self._synced_version = target
+
+    @contextlib.contextmanager
+    def sampling_weights(self, lag: int = 0):
+        """Within the block the rollout engine holds the weights a generation samples from: the current
+        ones, or with ``lag`` (a training generation under ``rollout.lag``) those of ``lag`` pushes earlier,
+        swapped into the live parameters for the block (:mod:`graft_rl.policy.lag`)."""
+        from graft_rl.policy.lag import RolloutLag
+
+        if lag > 0 and (self.lag is None or self.lag.k != lag):
+            self.lag = RolloutLag(lag) if self.lag is None else self.lag.resized(lag)
+        if lag <= 0:
+            self.sync_rollout_weights()
+            yield
+            return
+        assert self.lag is not None
+        params = self._lag_params()
+        self.lag.observe(params, self.weights_version)
+        index = self.lag.chosen()
+        if index is None:
+            self.sync_rollout_weights()
+            yield
+            return
+        with self.lag.swapped(params, index) as tag:
+            self.sync_rollout_weights(tag)
+            yield
+
+    def _lag_params(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors a lagged snapshot holds and is swapped into: the trainable parameters (an FSDP2
+        rank's shards: resharded first, as a forward without backward leaves the root unsharded)."""
+        from graft_rl.policy.lag import trainable
+
+        if callable(getattr(self.model, "reshard", None)):
+            self.model.reshard()
+        return trainable(self.model)
 
     def close(self) -> None:
         """Shut the rollout engine down (a vLLM engine frees its GPU memory; another may then start in
@@ -221,7 +260,24 @@ class PolicyTraining:
         tmp = out / "policy_state.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, out / "policy_state.pt")
+        self.save_lag(out / LAG_FILE)
         return out
+
+    def save_lag(self, path: Path) -> None:
+        """The pushed weights a lagged rollout will sample from after a resume (``rollout.lag``)."""
+        if self.lag is not None and self.lag.history:
+            self.lag.save(path, self.weights_version)
+
+    def load_lag(self, path: Path) -> None:
+        from graft_rl.policy.lag import RolloutLag
+
+        if path.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                k = int(f.metadata()["k"])
+            self.lag = RolloutLag(k)
+            self.lag.load(path, self.weights_version)
 
     def save_settings(self, out: Path) -> None:
         """Write ``graft_policy.json``: this policy's config (prompt format, template, suffix, lengths,
@@ -244,3 +300,4 @@ class PolicyTraining:
         state = load_state_file(Path(ckpt_dir) / "policy_state.pt")
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
+        self.load_lag(Path(ckpt_dir) / LAG_FILE)
