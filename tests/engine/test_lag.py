@@ -111,3 +111,26 @@ def test_rollout_lag_is_checked(make_cfg, lag):
 
     with pytest.raises(ConfigError, match="rollout.lag"):
         make_cfg(rollout={"lag": lag})
+
+
+@pytest.mark.slow
+def test_the_lookup_pair_at_lag_0_and_1(tmp_path):
+    """Issue 51's check on the lookup pair (configs/lookup/graft.yaml), hf backend, float32, 3 steps:
+    mismatch_kl below 1e-6 at lag 0, above it from the second step on at lag 1."""
+    from pathlib import Path
+
+    from graft_rl.engine.config import load_config
+    from graft_rl.engine.trainer import Trainer
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "lookup" / "graft.yaml"
+    gaps = {}
+    for lag in (0, 1):
+        run_dir = tmp_path / f"lag{lag}"
+        keys = [f"run_dir={run_dir}", "steps=3", "validation.data=[]", f"rollout.lag={lag}"]
+        tr = Trainer(load_config(config, keys), show_progress=False)
+        tr.run()
+        tr.close()
+        gaps[lag] = [(ln["step"], ln["mismatch_kl"]) for ln in _lines(run_dir) if ln["mismatch_kl"] is not None]
+    assert len(gaps[0]) == len(gaps[1]) == 3  # B's own rows every step (A's groups are all replaced)
+    assert all(g < 1e-6 for _, g in gaps[0])
+    assert [g > 1e-6 for _, g in gaps[1]] == [False, True, True]

@@ -49,3 +49,26 @@ def test_a_correction_trains_and_reports_its_weight_and_masked_fraction(make_cfg
         assert ln["correction_weight"] == pytest.approx(1.0, abs=1e-3)  # no gap: weight 1
         assert ln["correction_masked"] == 0.0
         assert ln["loss"] is not None
+
+
+def test_analyze_plots_and_reports_the_gap_and_the_summary_names_a_large_one(make_cfg, fake_rewards, capsys):
+    from graft_rl.commands.cli import main
+    from graft_rl.commands.report import large_gap_line
+    from graft_rl.engine.trainer import Trainer
+
+    tr = Trainer(
+        make_cfg({"name": "grpo", "correction": "icepop"}, steps=2, run="an", rollout={"lag": 1}), show_progress=False
+    )
+    tr.run()
+    tr.close()
+    assert main(["analyze", str(tr.run_dir)]) == 0
+    out = tr.run_dir / "analysis"
+    assert (out / "mismatch.png").is_file()
+    report = (out / "report.md").read_text()
+    section = report.split("## Engine and trainer", 1)[1].split("\n## ", 1)[0]
+    assert "| A |" in section and "| B |" in section
+    # the summary's one line: only for a gap above LARGE_GAP_KL
+    rows = [{"policy": "A", "mismatch_kl": 2e-3, "mismatch_max": 1.5}, {"policy": "B", "mismatch_kl": 1e-5}]
+    line = large_gap_line(rows)
+    assert line is not None and "\n" not in line and "A mismatch_kl 2.0e-03" in line and "B " not in line
+    assert large_gap_line([{"policy": "A", "mismatch_kl": 1e-5}, {"policy": "B", "mismatch_kl": None}]) is None

@@ -159,3 +159,24 @@ def test_vllm_a_push_missing_a_decoder_layer_or_zeroing_a_tensor_is_refused_then
     finally:
         backend._generate = real
         backend.weights_fn = stream
+
+
+def test_the_worker_measures_the_engine_gap_of_vllm_samples(vllm_policy):
+    """The gap as a run reports it (``mismatch_*``, docs/design.md "Engine and trainer"): vLLM's CPU
+    engine in float32 against the trainer's pi_old on the same weights is float rounding; with top-p the
+    engine's log-probs are of another distribution, and nothing is measured."""
+    from graft_rl.engine.worker import PolicyWorker
+    from graft_rl.methods import MethodConfig
+    from graft_rl.methods.batch import ReceiverBatch, rows_of
+
+    cfg = MethodConfig(name="grpo", correction="tis")
+    cfg.validate()
+    worker = PolicyWorker(vllm_policy, cfg, minibatch=2)
+    groups = vllm_policy.generate([("p1", "What is 2+3?"), ("p2", "6*7?")], SamplingParams(n=4, max_new_tokens=16), 3)
+    rows = [r for gi, g in enumerate(groups) for r in rows_of(g, gi, False, [1.0, -1.0, 0.5, -0.5])]
+    batch = ReceiverBatch("A", rows, [False, False])
+    stats = worker.train(batch, step=1, seed=0).stats
+    assert 0.0 <= stats["mismatch_kl"] < 1e-6 and stats["mismatch_max"] < 1e-3
+    assert stats["correction_weight"] == pytest.approx(1.0, abs=1e-3) and stats["correction_masked"] == 0.0
+    stats = worker.train(batch, step=2, seed=0, engine_logprobs=False).stats
+    assert stats["mismatch_kl"] is None

@@ -14,7 +14,15 @@ import re
 import textwrap
 from types import SimpleNamespace
 
-from graft_rl.engine.config import DataConfig, PeerRecords, RayConfig, TrackingConfig, TrainConfig, ValidationConfig
+from graft_rl.engine.config import (
+    DataConfig,
+    PeerRecords,
+    RayConfig,
+    RolloutConfig,
+    TrackingConfig,
+    TrainConfig,
+    ValidationConfig,
+)
 from graft_rl.errors import ConfigError
 from graft_rl.methods import MethodConfig, method_class, method_names
 from graft_rl.methods.config import method_params, preset_part
@@ -28,6 +36,7 @@ SECTIONS: dict[str, tuple[str, type]] = {
     "run": ("", TrainConfig),
     "data": ("data", DataConfig),
     "validation": ("validation", ValidationConfig),
+    "rollout": ("rollout", RolloutConfig),
     "ray": ("ray", RayConfig),
     "tracking": ("tracking", TrackingConfig),
     "method": ("method", MethodConfig),
@@ -70,7 +79,7 @@ def describe(cls: type, keys: list[str] | None = None) -> list[tuple[str, str, s
     for f in dataclasses.fields(cls):
         if f.name.startswith("_") or f.name == "params" or (keys is not None and f.name not in keys):
             continue
-        if f.name in ("data", "validation", "ray", "tracking", "method", "policies", "peers"):
+        if f.name in ("data", "validation", "rollout", "ray", "tracking", "method", "policies", "peers"):
             continue  # a section of its own (field types are strings here: name them)
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)

@@ -167,8 +167,7 @@ class PeerRecords:
 class RolloutConfig:
     """How training rollouts relate to the trainer (docs/design.md, "Engine and trainer")."""
 
-    # pushes the engine lags the trainer by: it samples from the weights the policy had `lag` steps
-    # (pushes) earlier, as an asynchronous trainer's engine would; 0: the current weights (the paper)
+    # rollouts sample the weights of `lag` pushes (steps) earlier, as an async trainer's; 0: the current
     lag: int = 0
 
 
