@@ -173,7 +173,9 @@ def test_the_worker_measures_the_engine_gap_of_vllm_samples(vllm_policy):
     cfg.validate()
     worker = PolicyWorker(vllm_policy, cfg, minibatch=2)
     groups = vllm_policy.generate([("p1", "What is 2+3?"), ("p2", "6*7?")], SamplingParams(n=4, max_new_tokens=16), 3)
-    rows = [r for gi, g in enumerate(groups) for r in rows_of(g, gi, False, [1.0, -1.0, 0.5, -0.5])]
+    for g in groups:  # verified rewards (a mixed group), as the trainer sets them
+        g.rewards = [1.0, 0.0, 1.0, 0.0]
+    rows = [r for gi, g in enumerate(groups) for r in rows_of(g, gi, False, [1.0, -1.0, 1.0, -1.0])]
     batch = ReceiverBatch("A", rows, [False, False])
     stats = worker.train(batch, step=1, seed=0).stats
     assert 0.0 <= stats["mismatch_kl"] < 1e-6 and stats["mismatch_max"] < 1e-3
