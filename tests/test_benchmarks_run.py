@@ -162,3 +162,16 @@ def test_engine_gap_runs_at_toy_size():
     if importlib.util.find_spec("vllm") is not None:
         row = next(ln for ln in out.splitlines() if ln.startswith("| testbed A | vllm | float32 |"))
         assert float(row.split("|")[5]) < 1e-6
+
+
+@pytest.mark.slow
+def test_methods_comparison_runs_at_toy_size(tmp_path):
+    """Every method under one protocol (docs/benchmarks.md, "Every way to share, one protocol"): each runs
+    on each work, F-TIS is refused on a pair of two vocabularies and runs on the swarm of one."""
+    out = _run("methods.py", "--toy", "--out", str(tmp_path), timeout=1200)
+    for work in ("### transfer", "### lookup", "### swarm"):
+        assert work in out
+    assert "| ftis | refused: needs one vocabulary" in out
+    swarm = out.split("### swarm")[1]
+    assert "| ftis | refused" not in swarm and "| sapo |" in swarm and "| xgrpo |" in swarm
+    assert (tmp_path / "methods.png").is_file()

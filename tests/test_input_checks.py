@@ -109,7 +109,7 @@ def test_method_values_out_of_range_are_refused(override, match):
 @pytest.mark.parametrize(
     "method, key, value, users",
     [
-        ("grpo", "delta", 0.5, "graft, sgt, luffy, hacpo"),
+        ("grpo", "delta", 0.5, "graft, sgt, luffy, hacpo, sapo, prp, xgrpo, ftis"),
         ("sgt", "luffy_gamma", 0.3, "luffy"),
         ("graft", "sgt_coef", 0.5, "sgt"),
         ("graft", "dynamic_sampling", True, "grpo, dr_grpo"),

@@ -20,6 +20,8 @@ def test_the_purposes_keep_the_values_runs_were_made_with():
         "UPDATE": 5,
         "EXCHANGE": 6,
         "VALIDATION": 7,
+        "PROMPT_STREAM": 8,
+        "SWARM": 9,
     }
     assert derive_seed(0, Purpose.UPDATE, 3, 1) == derive_seed(0, 5, 3, 1)  # the same seeds as before the names
 

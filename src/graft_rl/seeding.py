@@ -20,6 +20,8 @@ class Purpose(IntEnum):
     UPDATE = 5  # a receiver's update: random admission, uniform peer position (graft probe reproduces it)
     EXCHANGE = 6  # the exchange's draws: count-matched random prompts, SGT's target (graft probe too)
     VALIDATION = 7  # a policy's validation samples
+    PROMPT_STREAM = 8  # rollout.prompts own: the order of one policy's training prompts in an epoch
+    SWARM = 9  # an unpaired exchange's draws (SAPO: which external data points a receiver takes)
 
 
 def derive_seed(*parts: int) -> int:

@@ -41,6 +41,7 @@ from graft_rl.algo.core import (
     per_char_compatibility_score,
     policy_loss,
 )
+from graft_rl.algo.sharing import ftis_token_weights, sapo_draw, truncated_sequence_ratio
 
 __all__ = [
     "MAX_LOG_RATIO",
@@ -52,12 +53,15 @@ __all__ = [
     "count_matched_random_prompts",
     "dr_grpo_advantages",
     "dynamic_sampling_mask",
+    "ftis_token_weights",
     "gspo_policy_loss",
     "grpo_advantages",
     "hacpo_advantages",
     "hacpo_capability_ratio",
     "hacpo_peer_clip_lower",
     "hacpo_policy_loss",
+    "sapo_draw",
+    "truncated_sequence_ratio",
     "luffy_policy_loss",
     "luffy_shaping",
     "mean_token_logprob",

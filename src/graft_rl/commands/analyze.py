@@ -228,7 +228,8 @@ def compute(run_dir: str | Path, compare: list[str] | None = None, cases: int = 
             raise AnalysisError(str(exc)) from None
     metrics, val = curves[0][1], curves[0][2]
     policies = list(dict.fromkeys(m["policy"] for m in metrics))
-    ex = store.read_exchange()
+    # peer responses (a reward that only shaped a baseline, XGRPO's, is not one)
+    ex = [r for r in store.read_exchange() if r.get("moved") in (None, "response")]
     dirs: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in ex:
         if not r["auxiliary"]:

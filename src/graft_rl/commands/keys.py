@@ -112,8 +112,14 @@ def show(what: str | None = None, plugins: list[str] | tuple[str, ...] = ()) -> 
         return _show_config(what)
     if what is None:
         parts = [show(name) for name in SECTIONS]
+        listing = "\n".join(
+            textwrap.fill(f"{n}: {method_class(n).source}", 98, initial_indent="  ", subsequent_indent="    ")
+            for n in method_names()
+        )
         return (
-            "\n\n".join(parts) + "\n\nmethods: " + ", ".join(method_names()) + " (graft config show NAME: its own keys)"
+            "\n\n".join(parts)
+            + "\n\nmethods (graft config show NAME: its parts and own keys), and their sources:\n"
+            + listing
         )
     if what in SECTIONS:
         prefix, cls = SECTIONS[what]
@@ -145,6 +151,7 @@ def show(what: str | None = None, plugins: list[str] | tuple[str, ...] = ()) -> 
             98,
             subsequent_indent="    ",
         )
+        parts += "\n" + textwrap.fill(f"source: {cls.source}", 98, initial_indent="  ", subsequent_indent="    ")
         params = method_params(what)
         if not params:
             return f"{head}\n  {parts}\n  no keys of its own; {peers}"

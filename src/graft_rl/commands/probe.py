@@ -37,7 +37,7 @@ from graft_rl import algo
 from graft_rl.commands.analyze import compatibility_stats, complementarity, plot_compatibility
 from graft_rl.engine.config import TrainConfig
 from graft_rl.engine.rundir import write_text_atomic
-from graft_rl.methods import MethodConfig, build_exchange
+from graft_rl.methods import MethodConfig, build_exchange, build_method
 from graft_rl.seeding import Purpose, derive_seed
 
 __all__ = ["probe", "format_probe", "plot_probe", "ProbeError"]
@@ -79,6 +79,9 @@ def _probe_config(cfg: TrainConfig, limit: int) -> tuple[TrainConfig, MethodConf
         validation=val,
         method=method,
         tensorboard=False,
+        # GRAFT's exchange pairs groups by prompt: every policy answers the same ones (a swarm method's
+        # own streams would draw others; what it moves is counted on these groups)
+        rollout=dataclasses.replace(cfg.rollout, prompts="shared"),
     )
     pcfg.validate(saved=True)
     return pcfg, method
@@ -109,6 +112,8 @@ def probe(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     names = list(tr.policies)
+    own = build_method(dataclasses.replace(cfg.method, kl_coef=0.0))  # the config's method: what it would move
+    moves: dict[str, list[dict]] = defaultdict(list)  # receiver -> per step: groups, responses, tokens, rewards
     scored: dict[tuple[str, str], list[dict]] = defaultdict(list)  # grafted peer rows, per (source, receiver)
     cand_rows: dict[tuple[str, str], list[dict]] = defaultdict(list)  # every candidate's peer rows
     per_step: list[dict] = []
@@ -125,6 +130,7 @@ def probe(
             for name, gs in groups.items():
                 groups_all[name] += gs
             batches = tr.exchange(step, groups, lines)
+            _method_moves(own, step, groups, tr, moves)
             pending, pending_c = {}, {}
             for recv in names:
                 seed = derive_seed(
@@ -158,11 +164,45 @@ def probe(
         tr.close()
         shutil.rmtree(tmp, ignore_errors=True)
     res = _summarise(cfg, pcfg, method, limit, names, groups_all, scored, cand_rows, per_step, comp, family)
+    res["moves"] = _per_step(moves, cfg.prompt_batch / pcfg.prompt_batch)
     res["reward"], res["success_threshold"] = tr.reward.name, cfg.data.success_threshold
     write_text_atomic(out / "probe.json", json.dumps(res, indent=1))
     plot_probe(res, scored, cand_rows, out / "probe.png")
     res["written"] = [str(out / "probe.json"), str(out / "probe.png")]
     return res
+
+
+def _method_moves(method, step: int, groups: dict, tr, moves: dict) -> None:
+    """What the config's own method would move into each receiver at this probed step (its exchange on
+    the probed groups, with the draws training step ``step`` makes): appended to ``moves[receiver]``."""
+    method.observe(groups)
+    for recv in tr.policies:
+        i = tr.names.index(recv)
+        gen, swarm = (
+            torch.Generator().manual_seed(derive_seed(tr.cfg.seed, p, step, i))
+            for p in (Purpose.EXCHANGE, Purpose.SWARM)
+        )
+        moves[recv].append(moved(method.build(recv, groups, tr.live, tr.cfg.n, gen, swarm)))
+
+
+def _per_step(moves: dict, scale: float) -> dict:
+    """Each receiver's mean of what its method moves per probed batch, scaled to the config's batch."""
+    return {
+        recv: {k: statistics.fmean(m[k] for m in per) * scale for k in per[0]} for recv, per in moves.items() if per
+    }
+
+
+def moved(batch) -> dict:
+    """What a receiver's batch takes from its peers: ``groups`` (peer groups, by source and prompt),
+    ``responses`` (peer responses, an auxiliary target included), ``tokens`` (their sampled tokens) and
+    ``rewards`` (peer rewards that only shaped a baseline, XGRPO's)."""
+    peer = [r for r in batch.rows if r.is_peer]
+    return {
+        "groups": float(len({(r.source, r.prompt_id) for r in peer})),
+        "responses": float(len(peer)),
+        "tokens": float(sum(len(r.token_ids or ()) for r in peer)),
+        "rewards": float(len(batch.moved)),
+    }
 
 
 def _group_stats(gs) -> dict:
@@ -313,6 +353,12 @@ def format_probe(res: dict) -> str:
     out += [""]
     for v in res["verdict"]:
         out += textwrap.wrap(v, 80, subsequent_indent="  ")
+    for recv, m in (res.get("moves") or {}).items():
+        line = (
+            f"{res['method']} would move ~{m['groups']:.1f} groups, {m['responses']:.0f} responses, "
+            f"{m['tokens']:.0f} tokens per step into {recv}"
+        )
+        out += textwrap.wrap(line + (f" (and {m['rewards']:.0f} peer rewards)" if m["rewards"] else ""), 80)
     return "\n".join(ln if len(ln) <= 80 else "\n".join(textwrap.wrap(ln, 80, subsequent_indent="  ")) for ln in out)
 
 

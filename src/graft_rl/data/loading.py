@@ -129,7 +129,8 @@ def _read_rows(f, path: Path, limit: int | None, columns: Mapping[str, str] | No
 def load_dataset(
     name_or_path: str, limit: int | None = None, columns: Mapping[str, str] | None = None
 ) -> list[Problem]:
-    """A built-in dataset by name, ``reasoning_gym:NAME[:SIZE[:SEED]]``, ``hf:ORG/NAME[:CONFIG][:SPLIT]``,
+    """A built-in dataset by name, ``reasoning_gym:NAME[:SIZE[:SEED]]`` (``NAME``: a task, or tasks joined by
+    ``+``, SIZE of each, each its own family), ``hf:ORG/NAME[:CONFIG][:SPLIT]``,
     or a JSONL / parquet / CSV / JSON file or ``save_to_disk`` folder by path; ``limit``: its first N
     problems (>= 1; None for all); ``columns``: our field (``id``, ``problem``, ``answer``, ...) -> the
     data's column, for data whose columns are named otherwise."""
@@ -199,7 +200,15 @@ def _reasoning_gym(spec: str) -> list[Problem]:
         seed = int(parts[3]) if len(parts) > 3 else 0
     except ValueError:
         raise DatasetError(f"{spec}: expected reasoning_gym:NAME[:SIZE[:SEED]] with whole numbers") from None
-    return ReasoningGymTask(parts[1], size=size, seed=seed).problems()
+    names = parts[1].split("+")
+    if len(names) == 1:
+        return ReasoningGymTask(names[0], size=size, seed=seed).problems()
+    # a mixture (SAPO's nine specialties): SIZE problems of each task, each task its family (``subject``)
+    return [
+        dataclasses.replace(p, subject=name)
+        for name in names
+        for p in ReasoningGymTask(name, size=size, seed=seed).problems()
+    ]
 
 
 class ReasoningGymTask:

@@ -169,6 +169,10 @@ class RolloutConfig:
 
     # rollouts sample the weights of `lag` pushes (steps) earlier, as an async trainer's; 0: the current
     lag: int = 0
+    # which prompts each policy answers: shared (every policy the same batch: an exchange pairs groups by
+    # prompt) | own (each policy its own stream from the training set, seeded per policy: SAPO's swarm) |
+    # auto (own for an unpaired exchange such as SAPO's, else shared)
+    prompts: str = "auto"
 
 
 @dataclass
@@ -227,6 +231,7 @@ class TrainConfig:
         self.method.check_policies(len(names), stored_peers=bool(self.peers))
         self._validate_sizes()
         self._validate_correction()
+        self._validate_prompts()
         self._validate_tracking()
         self._validate_data_and_validation()
         self._validate_execution()
@@ -240,6 +245,14 @@ class TrainConfig:
                 "truncated distribution, the trainer of the full one, so their ratio would carry -log(kept mass) "
                 "on every token; set top_p: 1 or method.correction: none"
             )
+
+    def _validate_prompts(self) -> None:
+        """``rollout.prompts``, resolved once (the saved config says which ran), and what the method asks of
+        the rollouts (:meth:`MethodConfig.check_rollout`)."""
+        r = self.rollout
+        if r.prompts not in ("auto", "shared", "own"):
+            raise ConfigError(f"rollout.prompts: {r.prompts!r} is not one of auto, shared, own")
+        r.prompts = self.method.check_rollout(r.prompts, self.top_p, stored_peers=bool(self.peers))
 
     def _validate_sizes(self) -> None:
         for key in (

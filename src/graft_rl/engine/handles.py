@@ -82,6 +82,10 @@ class WorkerHandle:
     def prompt_bound(self) -> Pending:
         return self._submit(PolicyWorker.prompt_bound)
 
+    def vocab_digest(self) -> Pending:
+        """The digest of the policy's vocabulary (:meth:`PolicyWorker.vocab_digest`)."""
+        return self._submit(PolicyWorker.vocab_digest)
+
     def prompt_budget(self, problems, max_new_tokens: int) -> Pending:
         return self._submit(PolicyWorker.prompt_budget, problems, max_new_tokens)
 

@@ -76,10 +76,16 @@ class Rollouts:
         self._prefetched: dict[tuple[str, int], Pending] = {}
 
     # ------------------------------------------------------------------ data order
-    def prompts_for_step(self, step: int) -> list[tuple[str, str]]:
-        """The prompt batch of a step: epoch-wise shuffles seeded by (seed, epoch)."""
+    def prompts_for_step(self, step: int, name: str | None = None) -> list[tuple[str, str]]:
+        """The prompt batch of a step: epoch-wise shuffles seeded by (seed, epoch), the same for every
+        policy; with ``rollout.prompts: own``, policy ``name``'s own shuffle, seeded by (seed, epoch,
+        policy) (SAPO: each node draws its own questions from one dataset)."""
         epoch, pos = divmod(step - 1, self.steps_per_epoch)
-        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, Purpose.EPOCH_ORDER, epoch))
+        if name is not None and self.cfg.rollout.prompts == "own":
+            seed = derive_seed(self.cfg.seed, Purpose.PROMPT_STREAM, epoch, self.names.index(name))
+        else:
+            seed = derive_seed(self.cfg.seed, Purpose.EPOCH_ORDER, epoch)
+        g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(len(self.data), generator=g)
         idx = perm[pos * self.cfg.prompt_batch : (pos + 1) * self.cfg.prompt_batch].tolist()
         return self.rows.draw(idx, step)  # the rows a reward gets for them are kept for the step
@@ -91,7 +97,10 @@ class Rollouts:
     def start(self, name: str, step: int) -> Pending:
         """Start policy ``name``'s generation for ``step`` on its worker: ``(groups, seconds)``."""
         return self.workers[name].generate(
-            self.prompts_for_step(step), self.samplings[name], self.generation_seed(name, step), self.cfg.rollout.lag
+            self.prompts_for_step(step, name),
+            self.samplings[name],
+            self.generation_seed(name, step),
+            self.cfg.rollout.lag,
         )
 
     def prefetch(self, names: Iterable[str], step: int) -> None:
@@ -140,7 +149,6 @@ class Rollouts:
         """Wait for each policy's generation and verify it (dynamic sampling applied), replay the stored
         peers' groups (rewards verified again, not trusted from the records), and start each policy's
         metric line. time_generate is measured in the worker, where the generation ran (Table 5)."""
-        prompts = self.prompts_for_step(step)
         groups: Groups = {}
         lines: dict[str, dict] = {name: {"step": step, "policy": name} for name in pending}
         for name, handle in pending.items():
@@ -153,13 +161,14 @@ class Rollouts:
             rfilter = self.method.rollout_filter()
             if rfilter is not None:
                 gs, extra, lines[name]["gen_batches"] = self._dynamic_sampling(
-                    name, prompts, gs, step, vst, timer, rfilter
+                    name, self.prompts_for_step(step, name), gs, step, vst, timer, rfilter
                 )
                 rollouts += extra
             lines[name].update(timer.metrics())
             lines[name].update(vst)
             lines[name]["rollouts"] = rollouts
             groups[name] = gs
+        prompts = self.prompts_for_step(step)  # shared: a replayed peer answers every policy's prompts
         for name, (store, peer_policy) in self.peers.items():
             groups[name] = [
                 RolloutGroup(g.prompt_id, g.prompt, name, g.texts, g.token_ids, g.gen_logprobs, g.finish_reasons)

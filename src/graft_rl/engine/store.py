@@ -50,6 +50,9 @@ EXCHANGE_SCHEMA = pa.schema(
         ("compat_char", pa.float32()),
         ("included", pa.bool_()),
         ("auxiliary", pa.bool_()),
+        # what moved: "response" (a peer response in the receiver's batch), "reward" (a peer's reward that
+        # only shaped the receiver's baseline: XGRPO); null in records written before it
+        ("moved", pa.string()),
     ]
 )
 

@@ -59,6 +59,30 @@ from graft_rl.seeding import Purpose, derive_seed
 __all__ = ["Trainer", "RunInterrupted", "CheckpointError", "DynamicSamplingError", "derive_seed"]
 
 
+def _draws(seed: int, step: int, index: int) -> tuple[torch.Generator, torch.Generator]:
+    """A receiver's exchange draws at a step: the exchange's (``Purpose.EXCHANGE``) and an unpaired
+    composition's (``Purpose.SWARM``), each ``derive_seed(seed, purpose, step, receiver index)``."""
+    gens = (torch.Generator().manual_seed(derive_seed(seed, p, step, index)) for p in (Purpose.EXCHANGE, Purpose.SWARM))
+    return next(gens), next(gens)
+
+
+def _check_vocabulary(cfg: TrainConfig, workers: dict[str, WorkerHandle]) -> None:
+    """A loss with ``peer_tokens`` (F-TIS) trains a peer's sampled token ids as the receiver's: every
+    policy must have one vocabulary, else one line naming the two that differ."""
+    if not cfg.method.reads_peer_tokens() or len(workers) < 2:
+        return
+    loss = cfg.method.part_name("loss")
+    digests = {name: h.vocab_digest().get() for name, h in workers.items()}
+    first, *rest = digests
+    for name in rest:
+        if digests[name] != digests[first]:
+            raise ConfigError(
+                f"method.loss {loss!r} trains a peer's sampled token ids and weighs them by its per-token "
+                f"log-probs, which needs one shared vocabulary, but policies {first!r} and {name!r} have different "
+                "tokenizers (its setting is a swarm of one model family); choose another method for this pair"
+            )
+
+
 def _renamed_argument(reward_groups, scorer):
     """``Trainer(scorer=)``, the old name of ``reward_groups=``: accepted for one version, with a warning."""
     if scorer is None:
@@ -181,6 +205,7 @@ class Trainer:
         # and a response never runs past it: a policy whose context cannot hold the longest prompt plus
         # max_new_tokens samples at most what it leaves, and says so (a learned-position model would crash).
         # Only prompts whose size could reach a limit are tokenised (engine/prompts.py); validation clamps per call
+        _check_vocabulary(cfg, self.workers)  # a loss that reads peers' token ids: one vocabulary
         budgets = check_prompts(self.workers, self.data, list(val_sets.values()), cfg.max_new_tokens)
         self.samplings = {}
         for name, (budget, note) in budgets.items():
@@ -233,10 +258,8 @@ class Trainer:
         self.method.observe(groups)
         batches: dict[str, ReceiverBatch] = {}
         for name in self.policies:
-            gen = torch.Generator().manual_seed(
-                derive_seed(self.cfg.seed, Purpose.EXCHANGE, step, self.names.index(name))
-            )
-            batches[name] = self.method.build(name, groups, self.live, self.cfg.n, gen)
+            gen, swarm = _draws(self.cfg.seed, step, self.names.index(name))
+            batches[name] = self.method.build(name, groups, self.live, self.cfg.n, gen, swarm)
             lines[name].update(_group_stats(groups[name]))
         return batches
 
@@ -274,7 +297,7 @@ class Trainer:
         upd = handle.get()
         for r, w, inc in zip(batch.rows, upd.weights, upd.included, strict=True):
             r.weight, r.include = w, inc
-        self.store.write_exchange(step, name, upd.exchange_rows)
+        self.store.write_exchange(step, name, upd.exchange_rows + batch.moved)
         if self.trackers.wants_completions(step):
             rows = completion_rows(
                 step, name, batch.rows, upd.weights, upd.exchange_rows, self.cfg.tracking.completions_rows

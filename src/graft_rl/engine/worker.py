@@ -19,7 +19,7 @@ from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.methods.receiver import Receiver
 from graft_rl.methods.reporting import exchange_stats
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, TokenBatch
-from graft_rl.policy.tokens import PromptTooLongError
+from graft_rl.policy.tokens import PromptTooLongError, vocab_digest
 
 __all__ = ["PolicyWorker", "ReceiverUpdate", "prompt_budget"]
 
@@ -140,6 +140,11 @@ class PolicyWorker:
 
         return prompt_bound(self.policy)
 
+    def vocab_digest(self) -> str:
+        """A digest of the tokenizer's vocabulary (token -> id, special tokens included): policies whose
+        digests are equal read each other's token ids alike (a loss with ``peer_tokens`` needs that)."""
+        return vocab_digest(self.policy.tokenizer)
+
     def state_digest(self) -> list[float]:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
         return self.policy.param_digest()
@@ -150,7 +155,9 @@ class PolicyWorker:
         (``TokenBatch.cut``: the batch rows that were)."""
         pol = self.policy
         prompt_ids, response_ids = [], []
-        foreign = [(i, r) for i, r in enumerate(batch.rows) if r.source != pol.name]
+        # a loss with peer_tokens (one vocabulary, F-TIS) trains peer responses in their sampled ids
+        keep_ids = self.receiver is not None and self.receiver.keeps_peer_tokens
+        foreign = [(i, r) for i, r in enumerate(batch.rows) if r.source != pol.name and not keep_ids]
         retok = pol.encode_texts(
             [r.prompt for _, r in foreign],
             [r.text for _, r in foreign],
@@ -159,18 +166,22 @@ class PolicyWorker:
         )
         foreign_idx = {i: j for j, (i, _) in enumerate(foreign)}
         cache: dict[str, list[int]] = {}
+        cut = [foreign[j][0] for j in retok.cut]
         for i, r in enumerate(batch.rows):
             if i in foreign_idx:
                 j = foreign_idx[i]
                 prompt_ids.append(retok.prompt_ids[j])
                 response_ids.append(retok.response_ids[j])
-            else:  # own response: the generated ids, no re-tokenisation
-                assert r.token_ids is not None, "an own row carries its generated token ids"
+            else:  # own response (or a peer's kept in its ids): the generated ids, no re-tokenisation
+                assert r.token_ids is not None, "a sampled row carries its generated token ids"
                 if r.prompt not in cache:
                     cache[r.prompt] = pol.prompt_token_ids(r.prompt, r.prompt_id)
                 prompt_ids.append(cache[r.prompt])
-                response_ids.append(r.token_ids)
-        return TokenBatch(prompt_ids, response_ids, [foreign[j][0] for j in retok.cut])
+                ids = r.token_ids
+                if r.source != pol.name and max_new_tokens is not None and len(ids) > max_new_tokens:
+                    ids, cut = ids[:max_new_tokens], [*cut, i]  # longer than this policy's budget
+                response_ids.append(ids)
+        return TokenBatch(prompt_ids, response_ids, sorted(cut))
 
     def _old_logprobs(self, tb: TokenBatch, rows: list[int], old: torch.Tensor) -> None:
         """Fill ``old[rows]`` with this policy's current log-probs of those rows (no gradient)."""
@@ -307,7 +318,25 @@ def _update_stats(upd: list[dict], with_kl: bool) -> dict:
     out["skipped_updates"] = len(upd) - len(good)
     out["minibatches"] = len(upd)
     out.update(_gap_stats(upd))
+    out.update(_loss_totals(upd))
     return out
+
+
+def _loss_totals(upd: list[dict]) -> dict:
+    """A loss's own counts over the step: ``X_total`` summed over its passes and updates as ``X``,
+    ``X_peak`` the largest as ``X`` (e.g. F-TIS's ``ftis_filtered``); the gap's are :func:`_gap_stats`'."""
+    mine = sorted({k for u in upd for k in u if k.endswith(("_total", "_peak")) and not k.startswith(_GAP_KEYS)})
+    out: dict = {}
+    for k in mine:
+        vals = [u[k] for u in upd if k in u]
+        if k.endswith("_total"):
+            out[k.removesuffix("_total")] = sum(vals)
+        else:
+            out[k.removesuffix("_peak")] = max(vals)
+    return out
+
+
+_GAP_KEYS = ("mismatch_", "correction_")
 
 
 def _gap_stats(upd: list[dict]) -> dict:

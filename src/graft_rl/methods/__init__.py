@@ -13,8 +13,9 @@ compositions, weightings, losses, auxiliary losses and corrections, and methods 
   both put in the metric lines;
 - :mod:`~graft_rl.methods.base`: :class:`Method` (a preset of parts plus its state) and its registry.
 
-Importing this package registers the shipped parts and methods: ``grpo``, ``dr_grpo``, ``graft``,
-``sgt``, ``luffy``, ``hacpo``.
+Importing this package registers the shipped parts and methods: the paper's ``grpo``, ``dr_grpo``,
+``graft``, ``sgt``, ``luffy``, ``hacpo``, and those published after it: ``sapo``, ``prp``, ``xgrpo``,
+``ftis`` (docs/fidelity.md, "Methods after the paper").
 """
 
 from graft_rl.methods import advantages, corrections, losses, weighting  # noqa: F401  (register the shipped parts)
@@ -32,6 +33,7 @@ from graft_rl.methods.corrections import register_correction
 from graft_rl.methods.exchange import (
     ComposeContext,
     Selection,
+    SwarmContext,
     register_composition,
     register_selection,
 )
@@ -42,6 +44,7 @@ from graft_rl.methods.weighting import register_weighting
 # the shipped methods register on import, in this order (the paper's; error messages list them so)
 # isort: off
 from graft_rl.methods import grpo, graft, sgt, luffy, hacpo, dr_grpo  # noqa: E402,F401
+from graft_rl.methods import sapo, mutual, ftis  # noqa: E402,F401  (after the paper)
 # isort: on
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "MethodConfig",
     "RolloutFilter",
     "Selection",
+    "SwarmContext",
     "build_exchange",
     "build_method",
     "build_objective",

@@ -83,6 +83,8 @@ class Method:
     }
     #: per-step state the method keeps for its parts (HACPO: ``capability``, each policy's success rate)
     keeps: ClassVar[tuple[str, ...]] = ()
+    #: where the method comes from and what of it could be read (``graft config show`` lists it)
+    source: ClassVar[str] = "a method of your own"
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
@@ -137,9 +139,10 @@ class Method:
         """Adjust the config when a peer is replayed from records (one direction only)."""
 
     # ------------------------------------------------------------------ driver side
-    def build(self, receiver: str, groups: dict, live: set[str], n: int, gen) -> ReceiverBatch:
-        """A receiver's batch for this step (after :meth:`observe`)."""
-        return self.exchange.build(receiver, groups, live, n, gen, self.capability(), self.state())
+    def build(self, receiver: str, groups: dict, live: set[str], n: int, gen, swarm_gen=None) -> ReceiverBatch:
+        """A receiver's batch for this step (after :meth:`observe`); ``swarm_gen``: the draws of an unpaired
+        composition (SAPO's external data points), seeded apart from the exchange's ``gen``."""
+        return self.exchange.build(receiver, groups, live, n, gen, self.capability(), self.state(), swarm_gen)
 
     def capability(self) -> dict[str, float]:
         """Each policy's capability, for a method that keeps it (else empty)."""

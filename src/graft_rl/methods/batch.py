@@ -26,7 +26,7 @@ class Row:
     source: str  # the policy that generated it
     is_peer: bool
     text: str
-    token_ids: list[int] | None  # the source's ids: used only when source == receiver
+    token_ids: list[int] | None  # the source's ids: used when source == receiver, or by a peer_tokens loss
     finished: bool
     reward: float
     advantage: float
@@ -39,8 +39,9 @@ class Row:
     weight: float = 1.0  # compatibility weight, set by the weighting from the compatibility s
     # per-row numbers a method's objective reads (e.g. HACPO's capability ratio "kappa"), by name
     extras: dict[str, float] = field(default_factory=dict)
-    # an own row's per-token engine log-probs (log mu of token_ids; the gap to pi_old and its
-    # correction: graft_rl.methods.corrections); None for a peer's row (re-tokenised: no per-token mu)
+    # the source's per-token engine log-probs (log mu of token_ids): of an own row, the gap to pi_old and
+    # its correction (graft_rl.methods.corrections); of a peer's row, read only by a loss with
+    # peer_tokens (one vocabulary, F-TIS), since a re-tokenised response has no per-token mu
     gen_logprobs: list[float] | None = None
 
 
@@ -50,6 +51,8 @@ class ReceiverBatch:
     rows: list[Row]
     group_is_peer: list[bool]  # per planned group: contains grafted/peer responses
     stats: dict[str, float] = field(default_factory=dict)
+    # exchange records of what moved without a row (XGRPO: the peer rewards in a receiver's baselines)
+    moved: list[dict] = field(default_factory=list)
 
     def group_rows(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.group_is_peer]
@@ -93,7 +96,7 @@ def rows_of(group: RolloutGroup, gi: int, is_peer: bool, adv: list[float]) -> li
                 src_mean_logprob=s / len(lps) if lps else math.nan,
                 index=i,
                 success=ok[i] > 0,
-                gen_logprobs=None if is_peer else list(lps),
+                gen_logprobs=list(lps),
             )
         )
     return rows

@@ -177,6 +177,45 @@ class MethodConfig:
         if stored_peers:
             cls.with_stored_peers(self)
 
+    def check_rollout(self, prompts: str, top_p: float, stored_peers: bool = False) -> str:
+        """The rollouts suit the method's parts; returns ``rollout.prompts`` resolved (``auto``: ``own`` for
+        an unpaired composition such as SAPO's, else ``shared``). An exchange that pairs groups by prompt
+        needs every policy to answer the same prompts, and so does a peer replayed from records; a loss
+        reading peers' sampled tokens needs their log-probs of the untruncated distribution."""
+        cls = METHODS.get(self.name, "method.name")
+        composition = self.part_name("composition")
+        unpaired = PART_KEYS["composition"].get(composition).unpaired and cls.uses_peers
+        if prompts == "auto":
+            prompts = "own" if unpaired else "shared"
+        if prompts == "own" and cls.uses_peers and not unpaired:
+            raise ConfigError(
+                f"rollout.prompts own: method {self.name!r} exchanges groups of the same prompt (composition "
+                f"{composition!r}), so every policy must answer the same prompts; set rollout.prompts: shared "
+                "(own streams are for an unpaired exchange such as sapo's)"
+            )
+        if prompts == "own" and stored_peers:
+            raise ConfigError(
+                "rollout.prompts own with peers from records: a replayed peer's groups are looked up by the "
+                "receiver's prompts; set rollout.prompts: shared"
+            )
+        loss = self.part_name("loss")
+        if self.reads_peer_tokens():
+            if top_p < 1:
+                raise ConfigError(
+                    f"method.loss {loss!r} weighs peer tokens by the source's per-token log-probs, which are of the "
+                    f"top-p truncated distribution at top_p {top_p}; set top_p: 1"
+                )
+            if stored_peers:
+                raise ConfigError(
+                    f"method.loss {loss!r} reads peers' token ids, and a peer replayed from records has no "
+                    "tokenizer to check against; use live policies"
+                )
+        return prompts
+
+    def reads_peer_tokens(self) -> bool:
+        """The loss trains peers' sampled token ids (``peer_tokens``, F-TIS): the policies need one vocabulary."""
+        return bool(PART_KEYS["loss"].get(self.part_name("loss")).peer_tokens)
+
     def _check_unused(self, cls) -> None:
         """A key the chosen method and parts never read is an error (it would be silently ignored)."""
         if self._foreign:

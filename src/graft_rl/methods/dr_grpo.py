@@ -23,6 +23,7 @@ class DrGRPO(GRPO):
     """GRPO with Dr. GRPO's unnormalised advantages (every GRPO key, dynamic sampling included, applies)."""
 
     preset = {**GRPO.preset, "advantage": "dr_grpo"}
+    source = "Dr. GRPO (Liu et al., 2025, Eq. 3): paper text"
 
 
 __getattr__ = removed_names(

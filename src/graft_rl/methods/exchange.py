@@ -28,7 +28,7 @@ order of policies in the config. With two policies this is the paper's rule.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,7 +38,7 @@ from graft_rl.methods.advantages import AdvantageContext
 from graft_rl.methods.batch import ReceiverBatch, Row, group_rewards, rows_of, success_counts, successes
 from graft_rl.methods.config import MethodConfig
 from graft_rl.methods.registry import ADVANTAGES, COMPOSITIONS, SELECTIONS
-from graft_rl.methods.reporting import selection_stats
+from graft_rl.methods.reporting import selection_stats, swarm_stats
 from graft_rl.policy import RolloutGroup
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "ReceiverBatch",
     "Row",
     "Selection",
+    "SwarmContext",
     "group_rewards",
     "register_composition",
     "register_selection",
@@ -145,17 +146,58 @@ class ComposeContext:
     advantage: Callable
     capability: dict[str, float]
     state: dict
+    #: every peer's group of prompt ``q`` (config order), for a composition that uses them all (PRP, XGRPO)
+    peers: dict[str, RolloutGroup] = field(default_factory=dict)
+    #: exchange records of what moved without a row (:meth:`moved_rewards`), shared by the batch's prompts
+    moved: list[dict] = field(default_factory=list)
+
+    def moved_rewards(self, group: RolloutGroup) -> None:
+        """Record that ``group``'s rewards shaped this prompt's baseline (its responses did not move)."""
+        for i, r in enumerate(group.rewards):
+            self.moved.append(
+                {"prompt_id": group.prompt_id, "source": group.policy, "group_index": i, "reward": float(r)}
+                | dict.fromkeys(("advantage", "weight", "compat_token", "compat_char"))
+                | {"included": False, "auxiliary": False, "moved": "reward"}
+            )
 
     def own_advantages(self, group: RolloutGroup) -> list[float]:
         return self.adv[group.policy][self.q].tolist()
 
     def pooled_advantages(self, own: RolloutGroup, peer: RolloutGroup) -> tuple[list[float], list[float]]:
         """The advantage part over ``own || peer`` (own columns first): ``(own advantages, peer advantages)``."""
-        rewards = torch.tensor([list(own.rewards) + list(peer.rewards)], dtype=torch.float64)
-        sources = [own.policy] * own.n + [peer.policy] * peer.n
+        a_own, (a_peer,) = self.pool_advantages(own, [peer])
+        return a_own, a_peer
+
+    def pool_advantages(self, own: RolloutGroup, peers: list[RolloutGroup]) -> tuple[list[float], list[list[float]]]:
+        """The advantage part over ``own || peers[0] || ...``: ``(own advantages, [each peer's advantages])``."""
+        groups = [own, *peers]
+        rewards = torch.tensor([[float(r) for g in groups for r in g.rewards]], dtype=torch.float64)
+        sources = [g.policy for g in groups for _ in range(g.n)]
         ctx = AdvantageContext(own.policy, self.cfg, sources, self.capability, self.state)
-        adv = self.advantage(rewards, ctx)[0]
-        return adv[: own.n].tolist(), adv[own.n :].tolist()
+        adv = self.advantage(rewards, ctx)[0].tolist()
+        out, at = [], 0
+        for g in groups:
+            out.append(adv[at : at + g.n])
+            at += g.n
+        return out[0], out[1:]
+
+
+@dataclass
+class SwarmContext:
+    """What an unpaired composition reads (``unpaired=True``, SAPO): the receiver, ``gen`` (its draws,
+    seeded by ``Purpose.SWARM``), ``adv`` (each policy's advantages on its own groups, the receiver's
+    advantage part on each group's rewards), and the config."""
+
+    receiver: str
+    cfg: MethodConfig
+    gen: torch.Generator
+    adv: dict[str, torch.Tensor]
+    #: what the composition reports: ``candidates_in``, the external groups it could have taken
+    found: dict = field(default_factory=dict)
+
+    def rows(self, group: RolloutGroup, q: int, gi: int, is_peer: bool) -> list[Row]:
+        """The rows of ``group`` (its source's ``q``-th group) as the ``gi``-th group of the batch."""
+        return rows_of(group, gi, is_peer, self.adv[group.policy][q].tolist())
 
 
 def register_composition(name: str, **attrs) -> Callable:
@@ -164,7 +206,9 @@ def register_composition(name: str, **attrs) -> Callable:
     ``pools`` (its groups mix own and peer responses: pooled advantages apply), ``aux`` (it adds
     auxiliary targets: an ``aux_loss`` is needed), ``every_prompt`` (it receives a peer group on every
     prompt, ``ctx.selected`` telling the selected ones), ``keeps_cut`` (a peer response longer than
-    the receiver's budget stays in the loss, cut, instead of leaving it)."""
+    the receiver's budget stays in the loss, cut, instead of leaving it), ``unpaired`` (it is not paired
+    by prompt: ``fn(own, external, ctx: SwarmContext)`` with ``own`` the receiver's groups and ``external``
+    ``[(source, q, group)]``, every other policy's groups of its own prompts; it builds the whole batch)."""
     return COMPOSITIONS.register(name, **attrs)
 
 
@@ -221,14 +265,18 @@ class Exchange:
         gen: torch.Generator,
         capability: dict[str, float] | None = None,
         state: dict | None = None,
+        swarm_gen: torch.Generator | None = None,
     ) -> ReceiverBatch:
-        """``capability``/``state``: the method's per-step state (:meth:`Method.observe`)."""
+        """``capability``/``state``: the method's per-step state (:meth:`Method.observe`); ``swarm_gen``: the
+        draws of an unpaired composition (``Purpose.SWARM``; ``gen`` without one)."""
         if not self.uses_peers:
             groups = {receiver: groups[receiver]}
         capability, state = capability or {}, state or {}
         own = groups[receiver]
         k = {name: success_counts(gs) for name, gs in groups.items()}
         adv = {name: self.advantages(name, group_rewards(gs), capability, state) for name, gs in groups.items()}
+        if self.composition.unpaired:
+            return self._build_unpaired(receiver, groups, adv, swarm_gen if swarm_gen is not None else gen)
         group_n = {name: (gs[0].n if gs else n) for name, gs in groups.items()}
         chosen = self.selection.select(receiver, k, group_n, live, gen) if len(groups) > 1 else {}
         from_peer = {}  # prompt index -> peer
@@ -242,15 +290,40 @@ class Exchange:
                 pooled_with.update({q: peer for q in torch.nonzero(mask).flatten().tolist()})
         rows: list[Row] = []
         group_is_peer: list[bool] = []
+        moved: list[dict] = []
         for q, g in enumerate(own):
             peer = from_peer.get(q, pooled_with.get(q))
+            peers = {p: gs[q] for p, gs in groups.items() if p != receiver and q < len(gs)}
             ctx = ComposeContext(
-                q, len(group_is_peer), self.cfg, gen, q in from_peer, adv, self.advantage, capability, state
+                q,
+                len(group_is_peer),
+                self.cfg,
+                gen,
+                q in from_peer,
+                adv,
+                self.advantage,
+                capability,
+                state,
+                peers,
+                moved,
             )
             for part_rows, is_peer in self.composition(g, groups[peer][q] if peer else None, ctx):
                 rows.extend(part_rows)
                 group_is_peer.append(is_peer)
         stats = selection_stats(receiver, k, group_n, chosen, from_peer)
+        return ReceiverBatch(receiver, rows, group_is_peer, stats, moved)
+
+    def _build_unpaired(self, receiver: str, groups: dict, adv: dict, gen: torch.Generator) -> ReceiverBatch:
+        """An unpaired composition's batch: the receiver's own groups and every other policy's groups (of
+        their own prompts), in config order, handed to the composition whole."""
+        external = [(src, q, g) for src, gs in groups.items() if src != receiver for q, g in enumerate(gs)]
+        ctx = SwarmContext(receiver, self.cfg, gen, adv)
+        rows: list[Row] = []
+        group_is_peer: list[bool] = []
+        for part_rows, is_peer in self.composition(groups[receiver], external, ctx):
+            rows.extend(part_rows)
+            group_is_peer.append(is_peer)
+        stats = swarm_stats(receiver, groups, rows, ctx.found)
         return ReceiverBatch(receiver, rows, group_is_peer, stats)
 
 

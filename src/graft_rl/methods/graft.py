@@ -22,6 +22,7 @@ class GRAFT(Method):
     """Gated replacement of answer-failed groups with peer trajectories: the base preset as it is."""
 
     preset = Method.preset
+    source = "the GRAFT paper (Sections 4.1-4.2, Table 2, Appendix G): paper text"
 
     @classmethod
     def with_stored_peers(cls, cfg: MethodConfig) -> None:

@@ -38,6 +38,7 @@ class GRPO(Method):
         refill_factor: int = 3
 
     uses_peers = False
+    source = "GRPO as the GRAFT paper runs it (Section 3); DAPO's dynamic sampling from its code (recipe/dapo)"
 
     @classmethod
     def check(cls, cfg) -> None:

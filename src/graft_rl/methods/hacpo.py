@@ -155,6 +155,7 @@ class HACPO(Method):
         "loss": "hacpo",
     }
     keeps = ("capability",)
+    source = "HACPO: the GRAFT paper (Appendix B) and its recipe's code (zzx-peter/HACRL-code, recipe/hacpo)"
 
     @classmethod
     def check(cls, cfg) -> None:

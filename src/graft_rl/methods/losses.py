@@ -23,6 +23,9 @@ source's mean log-prob, method numbers such as HACPO's ``kappa``, the update ind
 - ``corrects`` (default False): it applies ``ctx.correction`` (a ``method.correction``'s weight of each
   own token, :mod:`graft_rl.methods.corrections`) to its per-token terms, or ``ctx.response_correction``
   to its per-response ones; a loss that does not is refused with a correction other than ``none``.
+- ``peer_tokens`` (default False): it reads peer responses as their source sampled them, in its token
+  ids with its per-token log-probs (``ctx.mu``), instead of re-tokenised text (F-TIS); the run checks
+  that every policy has one vocabulary.
 
 An auxiliary loss is ``fn(lp, aux_mask, cfg) -> loss``: the token mean over auxiliary targets' tokens
 (SGT's NLL), added with the minibatch's token-mean weighting. The equations are in :mod:`graft_rl.algo`.
@@ -58,6 +61,9 @@ class LossContext:
     update_index: int = 0
     # the correction's weight of each token [m, T] (1 on peer tokens), or None: method.correction none
     correction: torch.Tensor | None = None
+    # a loss with peer_tokens: each row's sampler log-probs of its tokens [m, T] (log mu; own rows and peer
+    # rows kept in their source's token ids), 0 where unknown; None for any other loss
+    mu: torch.Tensor | None = None
 
     def rows(self, keep: torch.Tensor) -> LossContext:
         """The same context for the rows ``keep`` selects (``[m]`` bool or indices)."""
@@ -69,6 +75,7 @@ class LossContext:
             src_mean=self.src_mean[keep],
             extras={k: v[keep] for k, v in self.extras.items()},
             correction=None if self.correction is None else self.correction[keep],
+            mu=None if self.mu is None else self.mu[keep],
         )
 
     def token_weight(self) -> torch.Tensor:
@@ -96,11 +103,13 @@ def register_loss(
     check=None,
     clips: bool = True,
     corrects: bool = False,
+    peer_tokens: bool = False,
 ) -> Callable:
     """Decorator: make ``fn(lp, old, mask, ctx) -> (loss, stats)`` available as ``method.loss: NAME``.
     ``weighted``: it applies ``ctx.weight`` (the compatibility weighting); a loss that does not must be
     used with ``method.weighting: none``. ``clips``: it clips, and says what in ``stats["clipped"]``.
-    ``corrects``: it applies ``ctx.correction`` (see the module docstring)."""
+    ``corrects``: it applies ``ctx.correction`` (see the module docstring). ``peer_tokens``: peer rows keep
+    their source's token ids and carry its per-token log-probs in ``ctx.mu`` (one shared vocabulary)."""
     return LOSSES.register(
         name,
         aggregation=aggregation,
@@ -111,6 +120,7 @@ def register_loss(
         check=check,
         clips=clips,
         corrects=corrects,
+        peer_tokens=peer_tokens,
     )
 
 

@@ -46,6 +46,7 @@ def luffy(lp, old, mask, ctx: LossContext):
 @register_method("luffy")
 class LUFFY(Method):
     preset = {**Method.preset, "weighting": "none", "loss": "luffy"}
+    source = "LUFFY-style guidance as the GRAFT paper specifies it (Appendix B)"
 
 
 __getattr__ = removed_names(

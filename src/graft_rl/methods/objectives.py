@@ -78,8 +78,9 @@ class RowTensors:
         return torch.where(current[:, None], lp.detach(), old) if bool(current.any()) else old
 
     def mu_mask(self, rows) -> torch.Tensor:
-        """Own tokens of the policy-gradient term with an engine log-prob (where the gap is measured)."""
-        return self.rl_mask(rows) * self.has_mu[rows].float()[:, None]
+        """Own tokens of the policy-gradient term with an engine log-prob (where the gap is measured; a
+        peer row's log-probs, kept for a loss with ``peer_tokens``, are another policy's)."""
+        return self.rl_mask(rows) * (self.has_mu & ~self.is_peer)[rows].float()[:, None]
 
     def rl_mask(self, rows) -> torch.Tensor:
         """Tokens of the policy-gradient term: included rows that are not auxiliary targets."""
@@ -126,8 +127,11 @@ class Objective:
             float(t.aux_mask(mb_rows).sum()),
         )
 
-    def context(self, mb: Minibatch, rows: torch.Tensor, device, correction: torch.Tensor | None = None) -> LossContext:
-        """The loss's per-row inputs for ``rows``; ``correction``: the correction's token weights, if any."""
+    def context(
+        self, mb: Minibatch, rows: torch.Tensor, device, correction: torch.Tensor | None = None, T: int | None = None
+    ) -> LossContext:
+        """The loss's per-row inputs for ``rows``; ``correction``: the correction's token weights, if any;
+        ``T``: the micro-batch's token width (the sampler's log-probs are cut to it)."""
         t = mb.t
         return LossContext(
             self.cfg,
@@ -139,7 +143,16 @@ class Objective:
             mb.step,
             mb.update_index,
             correction,
+            self._mu(t, rows, device, T) if self.loss.peer_tokens else None,
         )
+
+    @staticmethod
+    def _mu(t: RowTensors, rows: torch.Tensor, device, T: int | None) -> torch.Tensor | None:
+        """The sampler's log-probs of these rows' tokens ``[m, T]`` (0 where a row has none)."""
+        if t.mu is None:
+            return None
+        mu = t.mu[rows] * t.has_mu[rows].float()[:, None]
+        return (mu if T is None else mu[:, :T]).to(device)
 
     def engine_gap(self, mb: Minibatch, rows: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
         """The gap between the engine's log-probs of these rows' own tokens and ``old`` (pi_old, from this
@@ -164,7 +177,7 @@ class Objective:
         rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
         old = t.old_for(rows, lp)
         correction, gap_totals = self.engine_gap(mb, rows, old)
-        ctx = self.context(mb, rows, lp.device, None if correction is None else correction.to(lp.device))
+        ctx = self.context(mb, rows, lp.device, None if correction is None else correction.to(lp.device), T)
         if self.loss.aggregation == "response_mean":
             valid = rl_mask.sum(dim=1) > 0
             if not bool(valid.any()):

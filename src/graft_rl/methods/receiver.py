@@ -47,6 +47,12 @@ class Receiver:
         self.weighting = WEIGHTINGS.get(cfg.part_name("weighting"))
         self.objective = Objective(cfg)
 
+    @property
+    def keeps_peer_tokens(self) -> bool:
+        """Peer rows stay in their source's token ids, with its per-token log-probs (the loss's
+        ``peer_tokens``: one shared vocabulary, F-TIS); otherwise their text is re-tokenised."""
+        return self.objective.loss.peer_tokens
+
     def weigh(
         self,
         batch: ReceiverBatch,
@@ -81,7 +87,13 @@ class Receiver:
             chars = torch.tensor([max(len(batch.rows[i].text), 1) for i in rows], dtype=torch.float32)
             src_sum = torch.tensor([batch.rows[i].src_logprob_sum for i in rows])
             s_chr = algo.per_char_compatibility_score(recv_sum[rows], src_sum, chars)
-            w = self.weighting(s_tok if self.cfg.compatibility == "token_mean" else s_chr, self.cfg, gen)
+            if self.weighting.score == "sequence_ratio":  # an importance weight of the whole text (PRP)
+                score = torch.exp(
+                    (recv_sum[rows].double() - src_sum.double()).clamp(-algo.MAX_LOG_RATIO, algo.MAX_LOG_RATIO)
+                )
+            else:
+                score = s_tok if self.cfg.compatibility == "token_mean" else s_chr
+            w = self.weighting(score, self.cfg, gen)
             for i, wi, st, sc in zip(rows, w.tolist(), s_tok.tolist(), s_chr.tolist(), strict=True):
                 weights[i] = wi
                 compat[i] = (st, sc)
@@ -101,6 +113,7 @@ class Receiver:
                 "compat_char": w.compat.get(i, (None, None))[1],
                 "included": w.included[i],
                 "auxiliary": r.is_aux,
+                "moved": "response",
             }
             for i, r in enumerate(batch.rows)
             if r.is_peer
@@ -143,16 +156,20 @@ class Receiver:
         mu, has_mu = None, None
         if engine_logprobs:
             mu, has_mu = torch.zeros(w.mask.shape), torch.zeros(len(rows), dtype=torch.bool)
+            peer_tokens = self.keeps_peer_tokens
             for i, r in enumerate(rows):
-                if r.is_peer or r.gen_logprobs is None:
+                if (r.is_peer and not peer_tokens) or r.gen_logprobs is None:
                     continue
                 n = len(r.gen_logprobs)
-                if response_ids is not None and n != len(response_ids[i]):
+                tokens = n if response_ids is None else len(response_ids[i])
+                # an own response: one log-prob per sampled token; a peer's may be cut at this receiver's budget
+                if n != tokens and not (r.is_peer and n > tokens):
                     raise ValueError(
                         f"row {i} ({r.source}, prompt {r.prompt_id!r}): {n} engine log-probs for "
-                        f"{len(response_ids[i])} tokens; an own response's log-probs are one per sampled token"
+                        f"{tokens} tokens; a sampled response's log-probs are one per sampled token"
                     )
-                mu[i, :n] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
+                n = min(tokens, mu.shape[1])
+                mu[i, :n] = torch.tensor(r.gen_logprobs[:n], dtype=torch.float32)
                 has_mu[i] = True
         return RowTensors(
             w.old,

@@ -47,6 +47,7 @@ __all__ = [
     "PART_KEYS",
     "SELECTIONS",
     "WEIGHTINGS",
+    "WeightingPart",
     "Registry",
     "import_plugin",
     "load_plugins",
@@ -85,12 +86,17 @@ class AdvantagePart(Part):
 class CompositionPart(Part):
     """``pools``: its groups mix own and peer responses; ``aux``: it adds auxiliary targets (an
     ``aux_loss`` is needed); ``every_prompt``: it receives a peer group on every prompt; ``keeps_cut``: a
-    peer response longer than the receiver's budget stays in the loss, cut."""
+    peer response longer than the receiver's budget stays in the loss, cut; ``unpaired``: the contract
+    of an exchange that does not pair groups by prompt (below)."""
 
     pools: bool = False
     aux: bool = False
     every_prompt: bool = False
     keeps_cut: bool = False
+    #: it is not paired by prompt: ``fn(own groups, external groups, SwarmContext) -> [(rows, is_peer_group)]``
+    #: builds the receiver's whole batch from its own groups and the other policies' groups of *their*
+    #: prompts (SAPO); each policy may then draw its own prompts (``rollout.prompts: own``)
+    unpaired: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,8 @@ class LossPart(Part):
     ``own_response_mean``; ``weighted``: it applies the compatibility weight; ``loss_mask``: edits the
     tokens it trains (HACPO's final EOS); ``clips``: it clips, and says what (:mod:`~graft_rl.methods.losses`);
     ``corrects``: it applies a correction's per-token weights (``LossContext.correction``), so it can be
-    combined with a ``method.correction`` other than ``none``."""
+    combined with a ``method.correction`` other than ``none``; ``peer_tokens``: it trains peer responses
+    in their source's token ids against the source's per-token log-probs (one shared vocabulary)."""
 
     aggregation: Literal["token_mean", "response_mean"] = "token_mean"
     kl: Literal["token_mean", "own_response_mean"] = "token_mean"
@@ -107,6 +114,9 @@ class LossPart(Part):
     loss_mask: Callable[..., None] | None = None
     clips: bool = True
     corrects: bool = False
+    #: it reads a peer response as its source sampled it: the source's token ids and per-token log-probs
+    #: (``LossContext.mu``), not re-tokenised text; only for policies of one vocabulary (F-TIS)
+    peer_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.aggregation not in ("token_mean", "response_mean") or self.kl not in (
@@ -132,6 +142,20 @@ class CorrectionPart(Part):
     def __post_init__(self) -> None:
         if self.level not in ("token", "sequence"):
             raise ValueError(f"correction {self.name!r}: level token|sequence")
+
+
+@dataclass(frozen=True)
+class WeightingPart(Part):
+    """A weighting: ``fn(score [M], cfg, gen) -> weight [M]`` of each peer response. ``score``: what it
+    is given, ``compatibility`` (GRAFT's s, Section 4.2: per token or per character as
+    ``method.compatibility`` says) or ``sequence_ratio`` (the density ratio of the whole response,
+    ``exp(sum log pi_old - sum log mu_source)``: an importance weight, PRP's)."""
+
+    score: Literal["compatibility", "sequence_ratio"] = "compatibility"
+
+    def __post_init__(self) -> None:
+        if self.score not in ("compatibility", "sequence_ratio"):
+            raise ValueError(f"weighting {self.name!r}: score compatibility|sequence_ratio")
 
 
 T = TypeVar("T")
@@ -249,7 +273,7 @@ METHODS: Registry[Any] = Registry("name", part=None)  # the method classes (graf
 ADVANTAGES: Registry[AdvantagePart] = Registry("advantage", AdvantagePart)
 SELECTIONS: Registry[Part] = Registry("selection")
 COMPOSITIONS: Registry[CompositionPart] = Registry("composition", CompositionPart)
-WEIGHTINGS: Registry[Part] = Registry("weighting")
+WEIGHTINGS: Registry[WeightingPart] = Registry("weighting", WeightingPart)
 LOSSES: Registry[LossPart] = Registry("loss", LossPart)
 AUX_LOSSES: Registry[Part] = Registry("aux_loss")
 CORRECTIONS: Registry[CorrectionPart] = Registry("correction", CorrectionPart)

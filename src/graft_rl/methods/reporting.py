@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from graft_rl.methods.batch import ReceiverBatch
     from graft_rl.methods.receiver import Weighed
 
-__all__ = ["exchange_stats", "family_stats", "selection_stats"]
+__all__ = ["exchange_stats", "family_stats", "selection_stats", "swarm_stats"]
 
 
 def selection_stats(
@@ -44,6 +44,18 @@ def selection_stats(
     stats = {"candidates_in": float(candidates), "exchanged_in": float(len(from_peer))}
     for peer in chosen:
         stats[f"exchanged_from/{peer}"] = float(sum(1 for p in from_peer.values() if p == peer))
+    return stats
+
+
+def swarm_stats(receiver: str, groups: Mapping[str, list[RolloutGroup]], batch_rows: list, found: dict) -> dict:
+    """An unpaired exchange's counts (SAPO): ``candidates_in``, the external groups it could take (as the
+    composition reports them in ``found``), ``exchanged_in``, the external groups in the batch, and
+    ``exchanged_from/<peer>``; each external group counted once, by its source and prompt."""
+    taken = {(r.source, r.prompt_id) for r in batch_rows if r.is_peer}
+    stats = {"candidates_in": float(found.get("candidates_in", 0)), "exchanged_in": float(len(taken))}
+    for peer in groups:
+        if peer != receiver:
+            stats[f"exchanged_from/{peer}"] = float(sum(1 for src, _ in taken if src == peer))
     return stats
 
 

@@ -67,6 +67,7 @@ def sgt_nll(lp, aux_mask, cfg):
 @register_method("sgt")
 class SGT(Method):
     preset = {**Method.preset, "selection": "sgt", "composition": "aux_target", "aux_loss": "sgt_nll"}
+    source = "SGT as the GRAFT paper specifies it (Appendix B); Mutual RL's third probe (arXiv 2605.07244)"
 
 
 __getattr__ = removed_names(

@@ -18,10 +18,12 @@ from graft_rl.methods.registry import WEIGHTINGS
 __all__ = ["gate", "no_weighting", "register_weighting"]
 
 
-def register_weighting(name: str) -> Callable:
+def register_weighting(name: str, **attrs) -> Callable:
     """Decorator: make ``fn(compatibility [M], cfg, gen) -> weight [M]`` (compatibility scores of one source's peer
-    responses -> their weights; own responses keep 1) available as ``method.weighting: NAME``."""
-    return WEIGHTINGS.register(name)
+    responses -> their weights; own responses keep 1) available as ``method.weighting: NAME``. Declared:
+    ``score="sequence_ratio"``: it is given each response's sequence density ratio instead
+    (:class:`~graft_rl.methods.registry.WeightingPart`)."""
+    return WEIGHTINGS.register(name, **attrs)
 
 
 @register_weighting("gate")

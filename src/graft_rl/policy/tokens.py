@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from graft_rl.policy.types import PolicyError
 
-__all__ = ["PromptTooLongError", "token_factor", "prompt_bound"]
+__all__ = ["PromptTooLongError", "token_factor", "prompt_bound", "vocab_digest"]
 
 
 class PromptTooLongError(PolicyError):
@@ -66,3 +66,14 @@ def prompt_bound(policy) -> dict:
         "context": policy.context_length(),
         "max_prompt_tokens": policy.config.max_prompt_tokens,
     }
+
+
+def vocab_digest(tokenizer) -> str:
+    """SHA-256 of a tokenizer's vocabulary (every token and its id, added tokens included): two
+    tokenizers with one digest map text pieces to the same ids, so a token id sampled by one policy
+    means the same to the other (what a loss reading peers' token ids requires)."""
+    import hashlib
+    import json
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
