@@ -67,7 +67,10 @@ def fingerprint(config: Path, steps: int, work: Path) -> dict:
     gap = [{k: v for k, v in ln.items() if k.startswith(GAP_PREFIXES)} for ln in lines]
     exchange = []
     for f in sorted((run_dir / "exchange").rglob("*.parquet")):
-        exchange.append([f.parent.name, f.name, pq.read_table(f).to_pylist()])
+        # `moved` (0.3.0: what moved, "response" for every peer row before XGRPO) is left out of the digest,
+        # so that records from before the column compare equal on everything else
+        rows = [{k: v for k, v in r.items() if k != "moved"} for r in pq.read_table(f).to_pylist()]
+        exchange.append([f.parent.name, f.name, rows])
     weights = {}
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     for pol in sorted(p for p in last.iterdir() if p.is_dir()):
@@ -77,8 +80,9 @@ def fingerprint(config: Path, steps: int, work: Path) -> dict:
                 h.update(name.encode())
                 h.update(t.to(torch.float32).contiguous().numpy().tobytes())
         weights[pol.name] = h.hexdigest()[:12]
-    b_last = next(ln for ln in reversed(lines) if ln["policy"] == "B")
-    grafted = sum(ln.get("exchanged_in", 0) or 0 for ln in lines if ln["policy"] == "A")
+    first, second = list(dict.fromkeys(ln["policy"] for ln in lines))[:2]  # the pair's A and B (a swarm's first two)
+    b_last = next(ln for ln in reversed(lines) if ln["policy"] == second)
+    grafted = sum(ln.get("exchanged_in", 0) or 0 for ln in lines if ln["policy"] == first)
     clip = [[ln["step"], ln["policy"], ln.get("clip_frac_self"), ln.get("clip_frac_peer")] for ln in lines]
     return {
         "metrics": _digest(metrics),
