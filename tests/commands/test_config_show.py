@@ -63,3 +63,10 @@ def test_config_init_writes_a_commented_starter_that_loads(tmp_path, capsys, tin
     cfg = load_config(path)
     assert (cfg.data.train, cfg.data.reward) == ("d.parquet", "r.py:f")
     assert [p.model for p in cfg.policies] == [str(tiny_pair[0]), str(tiny_pair[1])]
+
+
+def test_every_method_is_listed_with_its_source():
+    text = show(None)
+    for name in method_names():
+        assert f"\n  {name}: " in text, name
+    assert "from the description" in show("ftis") and "paper text" in show("sapo")

@@ -25,6 +25,7 @@ def test_probe_predicts_the_first_training_steps_exchange_and_admission(make_cfg
         assert d["grafted"] == lines[recv]["exchanged_in"]
         assert d["grafted_per_step"] == lines[recv]["exchanged_in"]  # one batch of the config's size
         assert d["candidates"] == lines[recv]["candidates_in"]
+        assert res["moves"][recv]["groups"] == lines[recv]["exchanged_in"]  # what the config's method moves
         got = d["grafted_compat"]
         if lines[recv]["exchanged_in"]:
             assert got["admitted"] == pytest.approx(lines[recv]["admitted_frac"])
@@ -83,3 +84,17 @@ def test_probe_families_cover_every_step_s_prompts(make_cfg, fake_rewards, tmp_p
     res = probe(cfg, limit=8, out_dir=tmp_path / "p", show=False)  # 4 batches of 2
     fams = {f for d in res["directions"].values() for f in d.get("by_family", {})}
     assert fams == {"a", "b"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["xgrpo", "prp"])
+def test_probe_says_what_the_configs_own_method_would_move(make_cfg, fake_rewards, tmp_path, method):
+    res = probe(make_cfg({"name": method}, steps=1, run="pm"), out_dir=tmp_path / "p", show=False)
+    text = format_probe(res)
+    for recv in ("A", "B"):
+        m = res["moves"][recv]
+        if method == "xgrpo":  # rewards only: every peer answer of every prompt shapes a baseline
+            assert m["responses"] == 0 and m["rewards"] == 8 * 4
+        else:  # every peer group of every prompt, its responses and their tokens
+            assert m["groups"] == 8 and m["responses"] == 32 and m["tokens"] > 0
+        assert f"{method} would move ~" in text and f"into {recv}" in text

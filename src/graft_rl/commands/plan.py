@@ -134,11 +134,13 @@ class ModelShape:
 
 
 #: Published ``config.json`` shapes of the paper's models (Hugging Face model cards), so that a
-#: plan needs no download. Parameter counts they give: 3.08 B, 1.72 B, 3.21 B.
+#: plan needs no download. Parameter counts they give: 3.08 B, 1.72 B, 3.21 B; SAPO's 0.49 B.
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "HuggingFaceTB/SmolLM3-3B-Base": ModelShape(2048, 36, 11008, 128256, 16, 4, 128, True),
     "Qwen/Qwen3-1.7B-Base": ModelShape(2048, 28, 6144, 151936, 16, 8, 128, True),
     "OctoThinker/OctoThinker-3B-Hybrid-Base": ModelShape(3072, 28, 8192, 128256, 24, 8, 128, True),
+    # SAPO's swarm model (configs/sapo/): 0.49 B (its attention biases, 0.2 M, not counted)
+    "Qwen/Qwen2.5-0.5B": ModelShape(896, 24, 4864, 151936, 14, 2, 64, True),
     # the PyPI-shipped GGUF models of graft_rl.policy.zoo: 134.5 M and 268 M parameters
     "zoo:smollm2-135m-instruct": ModelShape(576, 30, 1536, 49152, 9, 3, 64, True),
     "zoo:gemma3-270m": ModelShape(640, 18, 2048, 262144, 4, 1, 256, True),

@@ -69,6 +69,7 @@ ARCHITECTURES = {
     "HuggingFaceTB/SmolLM3-3B-Base": "smollm3",
     "Qwen/Qwen3-1.7B-Base": "qwen3",
     "OctoThinker/OctoThinker-3B-Hybrid-Base": "llama",
+    "Qwen/Qwen2.5-0.5B": "qwen2",  # SAPO's swarm (configs/sapo/)
     "zoo:smollm2-135m-instruct": "llama",
     "zoo:gemma3-270m": "gemma3_text",
 }

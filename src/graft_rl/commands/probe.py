@@ -164,7 +164,7 @@ def probe(
         tr.close()
         shutil.rmtree(tmp, ignore_errors=True)
     res = _summarise(cfg, pcfg, method, limit, names, groups_all, scored, cand_rows, per_step, comp, family)
-    res["moves"] = _per_step(moves, cfg.prompt_batch / pcfg.prompt_batch)
+    res["moves"] = _per_step(moves, cfg.prompt_batch / pcfg.prompt_batch) if own.uses_peers else {}
     res["reward"], res["success_threshold"] = tr.reward.name, cfg.data.success_threshold
     write_text_atomic(out / "probe.json", json.dumps(res, indent=1))
     plot_probe(res, scored, cand_rows, out / "probe.png")
