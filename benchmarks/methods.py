@@ -23,7 +23,7 @@ std over seeds) and ``OUT/methods.png``; every run under ``OUT/runs``, cached by
 (delete ``OUT/runs`` after changing the code or the settings).
 
 Reproduce (one at a time on 2 cores; docs/benchmarks.md has the command's timing):
-    python benchmarks/methods.py [--work transfer lookup swarm] [--seeds 0 1 2] [--out docs/methods]
+    python benchmarks/methods.py [--work transfer lookup swarm] [--seeds 0 1 2] [--out runs/methods]
     python benchmarks/methods.py --toy     # 2 steps, 1 seed: the code path only (tests/test_benchmarks_run.py)
 """
 
@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 PAIR_METHODS = ("grpo", "graft", "sgt", "luffy", "hacpo", "sapo", "prp", "xgrpo", "ftis")
 SWARM_METHODS = ("grpo", "graft", "sapo", "prp", "xgrpo", "ftis")
@@ -169,43 +170,44 @@ def _ms(xs, scale: float = 100.0, fmt: str = ".1f") -> str:
     return f"{scale * statistics.fmean(xs):{fmt}} ± {scale * sd:{fmt}}"
 
 
+def _weakest_families(runs_of: dict, pols: list[str]) -> dict[str, str]:
+    """Per policy, the held-out family it does worst on under GRPO: the one sharing is meant to lift
+    (the pairs' missing families; without a GRPO run, the worst under the first method)."""
+    base = runs_of.get("grpo") or next(iter(runs_of.values()))
+    ok = [r for r in base if "policies" in r]
+    weak = {}
+    for p in pols:
+        fams = ok[0]["policies"][p]["families"] if ok else {}
+        if fams:
+            weak[p] = min(fams, key=lambda f: statistics.fmean(r["policies"][p]["families"][f] for r in ok))
+    return weak
+
+
 def summarize(results: dict, out: Path, header: str) -> str:
     lines = [header, ""]
     for work in dict.fromkeys(w for w, _ in results):
         runs_of = {m: r for (w, m), r in results.items() if w == work}
         pols = next((list(r["policies"]) for rs in runs_of.values() for r in rs if "policies" in r), [])
-        fams = sorted(
-            {
-                f
-                for rs in runs_of.values()
-                for r in rs
-                if "policies" in r
-                for p in r["policies"].values()
-                for f in p["families"]
-            }
-        )
+        weak = _weakest_families(runs_of, pols)
         lines += [
             f"### {work}",
             "",
             "| method | "
             + " | ".join(f"{p} held-out %" for p in pols)
             + " | "
-            + " | ".join(f"{f} % (mean of policies)" for f in fams)
-            + " | groups in / run | responses in | tokens in | rewards in | s / run |",
-            "|---|" + "---:|" * (len(pols) + len(fams) + 5),
+            + " | ".join(f"{p}: {f} %" for p, f in weak.items())
+            + " | groups in / policy | responses in | tokens in | rewards in | s / run |",
+            "|---|" + "---:|" * (len(pols) + len(weak) + 5),
         ]
         for method, rs in runs_of.items():
             refused = next((r["refused"] for r in rs if "refused" in r), None)
             if refused:
                 why = "needs one vocabulary; the pair has two tokenizers" if "vocabulary" in refused else refused
-                lines.append(f"| {method} | refused: {why} |" + " - |" * (len(pols) + len(fams) + 4))
+                lines.append(f"| {method} | refused: {why} |" + " - |" * (len(pols) + len(weak) + 4))
                 continue
             ok = [r for r in rs if "policies" in r]
             cells = [_ms([r["policies"][p]["heldout"] for r in ok]) for p in pols]
-            for f in fams:
-                cells.append(
-                    _ms([statistics.fmean(r["policies"][p]["families"].get(f, 0.0) for p in pols) for r in ok])
-                )
+            cells += [_ms([r["policies"][p]["families"][f] for r in ok]) for p, f in weak.items()]
             for key in ("groups", "responses", "tokens", "rewards"):
                 per_run = [sum(r["policies"][p]["moved"].get(key, 0.0) for p in pols) / len(pols) for r in ok]
                 cells.append(f"{statistics.fmean(per_run):.0f}")
@@ -218,35 +220,52 @@ def summarize(results: dict, out: Path, header: str) -> str:
 
 
 def plot(results: dict, out: Path) -> None:
+    """Top row: each policy's held-out pass@1; bottom row: its weakest family under GRPO (what sharing
+    is meant to lift)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     works = list(dict.fromkeys(w for w, _ in results))
-    fig, axes = plt.subplots(1, len(works), figsize=(6.5 * len(works), 4.6), squeeze=False)
-    for ax, work in zip(axes[0], works, strict=True):
+    fig, axes = plt.subplots(2, len(works), figsize=(6.5 * len(works), 8.6), squeeze=False)
+    for col, work in enumerate(works):
         methods = [m for (w, m), rs in results.items() if w == work]
-        pols = next((list(r["policies"]) for m in methods for r in results[(work, m)] if "policies" in r), [])
-        width = 0.8 / max(len(pols), 1)
-        for j, p in enumerate(pols):
-            ys, es, xs = [], [], []
+        runs_of = {m: results[(work, m)] for m in methods}
+        pols = next((list(r["policies"]) for m in methods for r in runs_of[m] if "policies" in r), [])
+        weak = _weakest_families(runs_of, pols)
+        rows = [
+            ("held-out pass@1, %", lambda r, p: r["policies"][p]["heldout"], "all held-out", pols),
+            (
+                "its weakest family, %",
+                lambda r, p, weak=weak: r["policies"][p]["families"][weak[p]],
+                "each policy's weakest family under GRPO",
+                list(weak),
+            ),
+        ]
+        for row, (ylabel, value, what, shown) in enumerate(rows):
+            ax = axes[row][col]
+            width = 0.8 / max(len(shown), 1)
+            for j, p in enumerate(shown):
+                ys, es, xs = [], [], []
+                for i, m in enumerate(methods):
+                    vals = [value(r, p) for r in runs_of[m] if "policies" in r]
+                    if vals:
+                        xs.append(i + (j - (len(shown) - 1) / 2) * width)
+                        ys.append(100 * statistics.fmean(vals))
+                        es.append(100 * statistics.stdev(vals) if len(vals) > 1 else 0.0)
+                label = p if row == 0 else f"{p}: {weak[p]}"
+                ax.bar(xs, ys, width, yerr=es, capsize=2, color=f"C{j}", label=label)
             for i, m in enumerate(methods):
-                vals = [r["policies"][p]["heldout"] for r in results[(work, m)] if "policies" in r]
-                if vals:
-                    xs.append(i + (j - (len(pols) - 1) / 2) * width)
-                    ys.append(100 * statistics.fmean(vals))
-                    es.append(100 * statistics.stdev(vals) if len(vals) > 1 else 0.0)
-            ax.bar(xs, ys, width, yerr=es, capsize=2, color=f"C{j}", label=p)
-        for i, m in enumerate(methods):
-            if any("refused" in r for r in results[(work, m)]):
-                ax.text(i, 2, "refused:\ntwo\nvocabularies", ha="center", va="bottom", fontsize=7, color="0.4")
-        ax.set_xticks(range(len(methods)), methods, rotation=30)
-        ax.set_ylabel("held-out pass@1 after training, % (mean ± std over seeds)")
-        ax.set_title(f"{work}: every method, one budget")
-        ax.set_ylim(0, 100)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8, title="policy")
+                if any("refused" in r for r in runs_of[m]):
+                    ax.text(i, 2, "refused:\ntwo\nvocabularies", ha="center", va="bottom", fontsize=7, color="0.4")
+            ax.set_xticks(range(len(methods)), methods, rotation=30)
+            ax.set_ylabel(f"{ylabel} (mean ± std over seeds)")
+            ax.set_title(f"{work}: {what}, after training")
+            ax.set_ylim(0, 100)
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=8, title="policy", loc="upper right")
+    fig.suptitle("Every method, one budget (benchmarks/methods.py)")
     fig.tight_layout()
     fig.savefig(out / "methods.png", dpi=110)
     plt.close(fig)
@@ -257,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", nargs="+", default=list(WORK), choices=list(WORK))
     ap.add_argument("--methods", nargs="+", default=None, help="a subset of the methods")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--out", default=str(ROOT / "docs" / "methods"))
+    ap.add_argument(
+        "--out",
+        default=str(ROOT / "runs" / "methods"),
+        help="runs and results (copy results.md and methods.png to docs/methods/)",
+    )
     ap.add_argument("--toy", action="store_true", help="2 steps, 1 seed, tiny validation: the code path only")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -276,12 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     for work, method, seed in tqdm(todo, desc="benchmarks/methods", unit="run"):
         settings = TOY if args.toy else WORK[work]
         results.setdefault((work, method), []).append(run(work, method, seed, out, settings))
-    import platform
+    import torch
+    from build_testbed import cpu_model
 
     header = (
         f"Every method, one protocol: {', '.join(args.work)}; seeds {seeds}; "
-        f"{'toy settings' if args.toy else 'settings in benchmarks/methods.py WORK'}; {platform.processor() or platform.machine()}, "
-        f"torch threads {__import__('torch').get_num_threads()}."
+        f"{'toy settings' if args.toy else 'settings in benchmarks/methods.py WORK'}; "
+        f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}."
     )
     print(summarize(results, out, header))
     plot(results, out)
