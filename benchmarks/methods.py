@@ -179,8 +179,31 @@ def _weakest_families(runs_of: dict, pols: list[str]) -> dict[str, str]:
     for p in pols:
         fams = ok[0]["policies"][p]["families"] if ok else {}
         if fams:
-            weak[p] = min(fams, key=lambda f: statistics.fmean(r["policies"][p]["families"][f] for r in ok))
+            weak[p] = min(fams, key=lambda f: statistics.fmean(r["policies"][p]["families"].get(f, 1.0) for r in ok))
     return weak
+
+
+def _every_family(work: str, runs_of: dict, pols: list[str]) -> list[str]:
+    """The second table of a work: every policy's held-out pass@1 on every prompt family."""
+    ok_of = {m: [r for r in rs if "policies" in r] for m, rs in runs_of.items()}
+    cols = list(
+        dict.fromkeys(
+            (p, f) for rs in ok_of.values() for r in rs[:1] for p in pols for f in r["policies"][p]["families"]
+        )
+    )
+    if not cols:
+        return []
+    lines = [
+        f"{work}, every policy on every family (held-out pass@1 %, mean ± std over seeds):",
+        "",
+        "| method | " + " | ".join(f"{p}: {f}" for p, f in cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    for method, ok in ok_of.items():
+        if ok:
+            cells = [_ms([r["policies"][p]["families"].get(f) for r in ok]) for p, f in cols]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def summarize(results: dict, out: Path, header: str) -> str:
@@ -207,13 +230,13 @@ def summarize(results: dict, out: Path, header: str) -> str:
                 continue
             ok = [r for r in rs if "policies" in r]
             cells = [_ms([r["policies"][p]["heldout"] for r in ok]) for p in pols]
-            cells += [_ms([r["policies"][p]["families"][f] for r in ok]) for p, f in weak.items()]
+            cells += [_ms([r["policies"][p]["families"].get(f) for r in ok]) for p, f in weak.items()]
             for key in ("groups", "responses", "tokens", "rewards"):
                 per_run = [sum(r["policies"][p]["moved"].get(key, 0.0) for p in pols) / len(pols) for r in ok]
                 cells.append(f"{statistics.fmean(per_run):.0f}")
             cells.append(f"{statistics.fmean(r['seconds'] for r in ok):.0f}")
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += ["", *_every_family(work, runs_of, pols)]
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     return text
@@ -238,7 +261,7 @@ def plot(results: dict, out: Path) -> None:
             ("held-out pass@1, %", lambda r, p: r["policies"][p]["heldout"], "all held-out", pols),
             (
                 "its weakest family, %",
-                lambda r, p, weak=weak: r["policies"][p]["families"][weak[p]],
+                lambda r, p, weak=weak: r["policies"][p]["families"].get(weak[p]),
                 "each policy's weakest family under GRPO",
                 list(weak),
             ),
@@ -249,7 +272,7 @@ def plot(results: dict, out: Path) -> None:
             for j, p in enumerate(shown):
                 ys, es, xs = [], [], []
                 for i, m in enumerate(methods):
-                    vals = [value(r, p) for r in runs_of[m] if "policies" in r]
+                    vals = [v for r in runs_of[m] if "policies" in r and (v := value(r, p)) is not None]
                     if vals:
                         xs.append(i + (j - (len(shown) - 1) / 2) * width)
                         ys.append(100 * statistics.fmean(vals))
