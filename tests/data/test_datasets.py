@@ -108,6 +108,15 @@ def test_reasoning_gym_task_rows_and_scoring():
         ReasoningGymTask("no_such_task")
 
 
+def test_reasoning_gym_generators_print_nothing(capfd):
+    # reasoning-gym's bf compiler writes a dot per problem: SAPO's nine specialties filled a terminal
+    from graft_rl.rewards.checks import gym_score
+
+    rows = load_dataset("reasoning_gym:bf:3:0")
+    assert len(rows) == 3 and gym_score("bf", 3, 0, "{}", 1, rows[1].answer) == 1.0
+    assert capfd.readouterr().out == ""
+
+
 def test_score_responses_dispatch():
     assert score_responses([r"\boxed{2}"], ["2"], "gsm8k")[0] == [1.0]
     with pytest.raises(ValueError, match="unknown verifier"):

@@ -3,8 +3,10 @@ read by pyarrow (:mod:`graft_rl.data.sources`, :mod:`graft_rl.data.table`), reas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
+import io
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -229,16 +231,24 @@ class ReasoningGymTask:
         if name not in DATASETS:
             raise DatasetError(f"unknown reasoning_gym task {name!r}; available: {', '.join(sorted(DATASETS))}")
         self.name, self.size, self.seed, self.config = name, size, seed, config
-        self.dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
+        with _quiet():
+            self.dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
 
     @property
     def source(self) -> str:
         return f"reasoning_gym:{self.name}:{self.size}:{self.seed}:{json.dumps(self.config, sort_keys=True)}"
 
     def problems(self) -> list[Problem]:
+        with _quiet():
+            entries = list(self.dataset)
         return [
             Problem(
                 id=f"rg/{self.name}/{self.seed}/{i}", problem=e["question"], answer=str(e["answer"]), source=self.source
             )
-            for i, e in enumerate(self.dataset)
+            for i, e in enumerate(entries)
         ]
+
+
+def _quiet() -> contextlib.AbstractContextManager:
+    """Swallows what a task generator prints (reasoning-gym's ``bf`` writes a dot per problem)."""
+    return contextlib.redirect_stdout(io.StringIO())

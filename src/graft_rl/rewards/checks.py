@@ -6,6 +6,8 @@ pathological input; the pool bounds them with a hard wall-clock timeout.
 
 from __future__ import annotations
 
+import contextlib
+import io
 from functools import lru_cache
 
 __all__ = ["math_equal", "gym_score", "warm_up"]
@@ -41,10 +43,13 @@ def _gym_dataset(name: str, size: int, seed: int, config_json: str):
 
     import reasoning_gym
 
-    return reasoning_gym.create_dataset(name, size=size, seed=seed, **json.loads(config_json))
+    with contextlib.redirect_stdout(io.StringIO()):  # reasoning-gym's ``bf`` prints a dot per problem
+        return reasoning_gym.create_dataset(name, size=size, seed=seed, **json.loads(config_json))
 
 
 def gym_score(name: str, size: int, seed: int, config_json: str, index: int, answer: str) -> float:
     """reasoning-gym's own ``score_answer`` for entry ``index`` of a re-created dataset."""
     ds = _gym_dataset(name, size, seed, config_json)
-    return float(ds.score_answer(answer, ds[index]))
+    with contextlib.redirect_stdout(io.StringIO()):
+        entry = ds[index]
+    return float(ds.score_answer(answer, entry))
