@@ -352,14 +352,17 @@ def format_probe(res: dict) -> str:
         ]
     out += [""]
     for v in res["verdict"]:
-        out += textwrap.wrap(v, 80, subsequent_indent="  ")
+        out += textwrap.wrap(v, 80, subsequent_indent="  ", break_long_words=False)
     for recv, m in (res.get("moves") or {}).items():
         line = (
             f"{res['method']} would move ~{m['groups']:.1f} groups, {m['responses']:.0f} responses, "
             f"{m['tokens']:.0f} tokens per step into {recv}"
         )
         out += textwrap.wrap(line + (f" (and {m['rewards']:.0f} peer rewards)" if m["rewards"] else ""), 80)
-    return "\n".join(ln if len(ln) <= 80 else "\n".join(textwrap.wrap(ln, 80, subsequent_indent="  ")) for ln in out)
+    return "\n".join(
+        ln if len(ln) <= 80 else "\n".join(textwrap.wrap(ln, 80, subsequent_indent="  ", break_long_words=False))
+        for ln in out
+    )
 
 
 def plot_probe(res: dict, scored: dict, cand_rows: dict, path: Path) -> None:

@@ -335,7 +335,7 @@ class Trainer:
         stop = _GracefulStop()
         self._prefetch_until = end
         if self.validation.sets:
-            print(textwrap.fill(self.validation.announce(), 80, subsequent_indent="  "))
+            print(textwrap.fill(self.validation.announce(), 80, subsequent_indent="  ", break_long_words=False))
         try:
             if self.start_step == 1 and self.cfg.validation.at_start and self.validation.sets:
                 self.validation.run(0)
