@@ -92,6 +92,14 @@ def test_sapo_takes_min_J_informative_external_data_points_and_every_own_one(ks,
     assert [(r.source, r.prompt_id) for r in again.rows] == [(r.source, r.prompt_id) for r in b.rows]
 
 
+def test_sapo_discards_a_group_of_equal_partial_rewards_whose_advantages_round_off_zero():
+    # six answers all scored 0.1 (partial credit): their GRPO advantages are ~1e-11, not 0
+    groups = {"A": [_group("A", "A-q0", [1, 0, 0, 0, 0, 0])], "B": [_group("B", "B-q0", [0.1] * 6)]}
+    assert algo.grpo_advantages(torch.tensor([[0.1] * 6], dtype=torch.float64), 1e-6).abs().max() > 0
+    b = _sapo_batch(groups, "A", J=1)
+    assert not any(r.is_peer for r in b.rows) and b.stats["candidates_in"] == 0
+
+
 def test_sapo_top_reward_is_genrls_draw_the_highest_totals_and_none_at_zero():
     groups = _swarm({"A": [0], "B": [4, 1, 0], "C": [3, 2, 0]})
     b = _sapo_batch(groups, "A", J=3, draw="top_reward")
@@ -130,6 +138,8 @@ def test_prp_pools_every_peers_group_on_every_prompt_with_advantages_over_the_po
         pool = torch.tensor([[float(x) for p in "ABC" for x in groups[p][q].rewards]], dtype=torch.float64)
         assert [r.advantage for r in rows] == pytest.approx(algo.grpo_advantages(pool, 1e-6)[0].tolist())
     assert b.group_is_peer == [True, True]
+    # every peer's group entered both prompts: each is counted, not only the peer a prompt resolved to
+    assert b.stats["exchanged_in"] == 2 and b.stats["exchanged_from/B"] == b.stats["exchanged_from/C"] == 2
 
 
 @settings(max_examples=50, deadline=None)
@@ -182,6 +192,7 @@ def test_xgrpo_trains_its_own_responses_with_baselines_over_its_and_its_peers_re
     assert [r.advantage for r in b.rows] == pytest.approx(algo.grpo_advantages(pool, 1e-6)[0, :4].tolist())
     assert len(b.moved) == 4 * (len(ks) - 1)  # each peer reward that shaped the baseline is recorded
     assert {m["moved"] for m in b.moved} == {"reward"}
+    assert all(b.stats[f"exchanged_from/{p}"] == 1 for p in names[1:])  # each peer's rewards, counted
 
 
 # ---------------------------------------------------------------- F-TIS
@@ -228,6 +239,8 @@ def test_the_ftis_loss_weighs_peer_tokens_by_their_filtered_truncated_ratio_and_
     assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
     assert stats["ftis_filtered_total"] == 1.0 and stats["ftis_peer_responses_total"] == 2.0
     assert stats["mismatch_tokens_total"] == 3.0  # the gap is of the own row's tokens only
+    # the filtered response is not trained: its tokens are neither clipped nor counted in clip_frac_peer
+    assert stats["tokens_peer"] == 3.0 and stats["tokens_self"] == 3.0
 
 
 def test_ftis_is_refused_with_top_p_sampling_and_with_replayed_peers():

@@ -291,8 +291,10 @@ class Exchange:
         rows: list[Row] = []
         group_is_peer: list[bool] = []
         moved: list[dict] = []
+        entered: dict[str, int] = dict.fromkeys((p for p in groups if p != receiver), 0)
         for q, g in enumerate(own):
             peer = from_peer.get(q, pooled_with.get(q))
+            first_row, first_moved = len(rows), len(moved)
             peers = {p: gs[q] for p, gs in groups.items() if p != receiver and q < len(gs)}
             ctx = ComposeContext(
                 q,
@@ -310,7 +312,14 @@ class Exchange:
             for part_rows, is_peer in self.composition(g, groups[peer][q] if peer else None, ctx):
                 rows.extend(part_rows)
                 group_is_peer.append(is_peer)
+            sources = {r.source for r in rows[first_row:] if r.is_peer} | {m["source"] for m in moved[first_moved:]}
+            for src in sources & entered.keys():
+                entered[src] += 1
         stats = selection_stats(receiver, k, group_n, chosen, from_peer)
+        if self.composition.every_prompt and len(entered) > 1:
+            # every peer's group may enter one prompt (PRP, XGRPO, F-TIS): count each peer's, not the
+            # one peer the selection resolved the prompt to
+            stats.update({f"exchanged_from/{p}": float(c) for p, c in entered.items()})
         return ReceiverBatch(receiver, rows, group_is_peer, stats, moved)
 
     def _build_unpaired(self, receiver: str, groups: dict, adv: dict, gen: torch.Generator) -> ReceiverBatch:

@@ -63,6 +63,7 @@ def ftis_loss(lp, old, mask, ctx: LossContext):
     w = torch.ones_like(mask) if ctx.correction is None else ctx.correction[:, : mask.shape[1]].to(mask.dtype)
     peer = ctx.is_peer.bool()
     stats: dict = {}
+    trained = torch.ones_like(mask)  # a filtered peer response is not trained: neither clipped nor counted
     if bool(peer.any()):
         if ctx.mu is None:
             raise RuntimeError("loss 'ftis': peer rows without their sampler's log-probs (top_p < 1?)")
@@ -71,6 +72,7 @@ def ftis_loss(lp, old, mask, ctx: LossContext):
         )
         w = w.clone()
         w[peer] = pw.to(w.dtype)
+        trained[peer] = kept.to(mask.dtype)[:, None].expand_as(mask[peer])
         # summed (``_total``) and maxed (``_peak``) over the step's passes: ftis_filtered, ftis_peer_responses, ftis_kl_max
         stats["ftis_filtered_total"] = float((~kept).sum())
         stats["ftis_peer_responses_total"] = float(peer.sum())
@@ -78,6 +80,7 @@ def ftis_loss(lp, old, mask, ctx: LossContext):
     loss, st = algo.policy_loss(lp, old, ctx.adv, mask, w, c.eps_low, c.eps_high)
     st.update(stats)
     st["clipped"] = algo.clipped_token_mask(lp, old, ctx.adv, mask, w, c.eps_low, c.eps_high)
+    st["trained"] = trained
     return loss, st
 
 

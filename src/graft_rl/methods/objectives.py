@@ -202,9 +202,12 @@ class Objective:
         """The loss's stats as floats, with its self/peer clipped-token counts (paper Appendix H, Table 9)
         from what it says it clipped (``clipped``: ``[m, T]`` tokens or ``[m]`` responses), over the
         tokens it trains: ``mask``'s, of rows whose weight is non-zero where the loss applies the weight
-        (a gate-rejected peer response is not trained, so neither clipped nor counted). A loss declared ``clips=False`` clipped
-        nothing; one that clips and says nothing gets no counts. The worker sums them over updates."""
+        (a gate-rejected peer response is not trained, so neither clipped nor counted), and of tokens the
+        loss says it trains (``trained``: ``[m, T]``, optional; F-TIS leaves out the responses it filters).
+        A loss declared ``clips=False`` clipped nothing; one that clips and says nothing gets no counts.
+        The worker sums them over updates."""
         st = dict(st)
+        own_trained = st.pop("trained", None)
         clipped = st.pop("clipped", None)
         if clipped is None:
             clipped = st.pop("clipped_seq", None)  # deprecated name of a [m] mask
@@ -216,6 +219,8 @@ class Objective:
             trained = mask * (ctx.weight != 0).to(mask.dtype)[:, None]
         if ctx.correction is not None:  # nor does it train a token its correction masked out
             trained = trained * (ctx.correction[:, : trained.shape[1]] != 0).to(mask.dtype)
+        if own_trained is not None:
+            trained = trained * own_trained[:, : trained.shape[1]].to(mask.dtype)
         if clipped is None:
             hit = torch.zeros_like(trained)
         elif clipped.dim() == 1:

@@ -57,8 +57,11 @@ def sapo_swarm(own, external, ctx: SwarmContext):
     group-relative advantages. The external groups are mixed with the own ones in minibatch order
     (not placed last: SAPO "combines them with its own local rollouts")."""
     out = [(ctx.rows(g, q, q, False), False) for q, g in enumerate(own)]
+    # zero advantage: equal rewards (whose group-relative advantage may round to 1e-11, not 0) or an
+    # advantage part that gives the group none
     informative = torch.tensor(
-        [bool((ctx.adv[src][q] != 0).any()) for src, q, _ in external], dtype=torch.bool
+        [max(g.rewards) > min(g.rewards) and bool((ctx.adv[src][q] != 0).any()) for src, q, g in external],
+        dtype=torch.bool,
     ).reshape(-1)
     ctx.found["candidates_in"] = int(informative.sum())
     J = ctx.cfg.sapo_external
