@@ -25,6 +25,8 @@ std over seeds) and ``OUT/methods.png``; every run under ``OUT/runs``, cached by
 Reproduce (one at a time on 2 cores; docs/benchmarks.md has the command's timing):
     python benchmarks/methods.py [--work transfer lookup swarm] [--seeds 0 1 2] [--out runs/methods]
     python benchmarks/methods.py --toy     # 2 steps, 1 seed: the code path only (tests/test_benchmarks_run.py)
+    python benchmarks/methods.py --work swarm --methods ftis --set method.composition=pool_all \
+        --out runs/methods_ftis_pooled    # an ablation: config keys set on every run (docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _policies(work: str) -> list[dict]:
     return [{"name": n, "model": f"zoo:{work}-{n.lower()}", **common} for n in ("A", "B")]
 
 
-def config(work: str, method: str, run_dir: Path, seed: int, s: dict):
+def config(work: str, method: str, run_dir: Path, seed: int, s: dict, sets: tuple[str, ...] = ()):
+    """The run's config: the work's base, the protocol's keys, then ``sets`` (``KEY=VALUE``, ``--set``)."""
     from graft_rl.engine.config import load_config
 
     keys = {
@@ -87,14 +90,16 @@ def config(work: str, method: str, run_dir: Path, seed: int, s: dict):
     if work == "lookup":  # its config's exchange is one-directional (balance: false), a key GRPO does not read
         keys["method.name"] = method
         keys["method.balance"] = method == "grpo"
-        return load_config(ROOT / "configs" / "lookup" / "graft.yaml", [f"{k}={v}" for k, v in keys.items()])
+        return load_config(
+            ROOT / "configs" / "lookup" / "graft.yaml", [f"{k}={v}" for k, v in keys.items()] + list(sets)
+        )
     from graft_rl.testbed import shipped_testbed
 
     base = shipped_testbed("transfer").train_config(run_dir=str(run_dir))
     base["validation"].update(temperature=1.0, top_p=1.0)
     base["method"] = {"name": method}
     base["policies"] = _policies(work)
-    return load_config(base, [f"{k}={v}" for k, v in keys.items()])
+    return load_config(base, [f"{k}={v}" for k, v in keys.items()] + list(sets))
 
 
 def _moved(run_dir: Path) -> dict[str, dict[str, float]]:
@@ -126,7 +131,7 @@ def _moved(run_dir: Path) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
-def run(work: str, method: str, seed: int, out: Path, s: dict) -> dict:
+def run(work: str, method: str, seed: int, out: Path, s: dict, sets: tuple[str, ...] = ()) -> dict:
     """One run's figures (cached in its ``done.json``); ``{"refused": line}`` where the method cannot run."""
     import shutil
 
@@ -140,7 +145,7 @@ def run(work: str, method: str, seed: int, out: Path, s: dict) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
     try:
-        tr = Trainer(config(work, method, run_dir, seed, s), show_progress=False)
+        tr = Trainer(config(work, method, run_dir, seed, s, sets), show_progress=False)
     except ConfigError as exc:
         res = {"refused": str(exc)}
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -305,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         help="runs and results (copy results.md and methods.png to docs/methods/)",
     )
     ap.add_argument("--toy", action="store_true", help="2 steps, 1 seed, tiny validation: the code path only")
+    ap.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config keys set on every run, after the protocol's (an ablation: use its own --out)",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -321,13 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for work, method, seed in tqdm(todo, desc="benchmarks/methods", unit="run"):
         settings = TOY if args.toy else WORK[work]
-        results.setdefault((work, method), []).append(run(work, method, seed, out, settings))
+        results.setdefault((work, method), []).append(run(work, method, seed, out, settings, tuple(args.set)))
     import torch
     from build_testbed import cpu_model
 
     header = (
         f"Every method, one protocol: {', '.join(args.work)}; seeds {seeds}; "
         f"{'toy settings' if args.toy else 'settings in benchmarks/methods.py WORK'}; "
+        f"{'set: ' + ', '.join(args.set) + '; ' if args.set else ''}"
         f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}."
     )
     print(summarize(results, out, header))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,3 +176,20 @@ def test_methods_comparison_runs_at_toy_size(tmp_path):
     swarm = out.split("### swarm")[1]
     assert "| ftis | refused" not in swarm and "| sapo |" in swarm and "| xgrpo |" in swarm
     assert (tmp_path / "methods.png").is_file()
+    # an ablation: keys set on every run, named in the header
+    out = _run(
+        "methods.py",
+        "--toy",
+        "--work",
+        "swarm",
+        "--methods",
+        "ftis",
+        "--set",
+        "method.composition=pool_all",
+        "--out",
+        str(tmp_path / "ablation"),
+        timeout=600,
+    )
+    assert "set: method.composition=pool_all" in out and "| ftis |" in out
+    cfg = yaml.safe_load((tmp_path / "ablation" / "runs" / "swarm" / "ftis_s0" / "config.yaml").read_text())
+    assert cfg["method"]["composition"] == "pool_all"
