@@ -69,15 +69,15 @@ def measure(name: str, model: Path, backend: str, dtype: str, prompts, n: int, m
         cfg = MethodConfig(name="grpo", correction="tis")
         cfg.validate()
         w, tot = gap(old, mu, mask, CORRECTIONS.get("tis"), cfg)
-        tokens = tot["mismatch_tokens_total"]
+        tokens = tot.sums["mismatch_tokens"]
         _, ice = gap(old, mu, mask, CORRECTIONS.get("icepop"), MethodConfig(name="grpo", correction="icepop"))
         weights = w[mask.bool()]
         return {
             "tokens": int(tokens),
-            "mismatch_kl": tot["mismatch_kl_total"] / tokens,
-            "mismatch_abs": tot["mismatch_abs_total"] / tokens,
-            "mismatch_max": tot["mismatch_abs_peak"],
-            "outside": ice["mismatch_out_total"] / tokens,
+            "mismatch_kl": tot.ratio("mismatch_k3", "mismatch_tokens"),
+            "mismatch_abs": tot.ratio("mismatch_abs", "mismatch_tokens"),
+            "mismatch_max": tot.peaks.get("mismatch_abs", 0.0),
+            "outside": ice.ratio("mismatch_out", "mismatch_tokens"),
             "tis": (float(weights.min()), float(weights.max())),
             "engine start s": start,
         }

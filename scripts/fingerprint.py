@@ -92,6 +92,7 @@ def fingerprint(config: Path, steps: int, work: Path) -> dict:
         "exchange": _digest(exchange),
         "weights": _digest(weights),
         "loss_B": b_last.get("loss"),
+        "lines": metrics + gap,  # the values behind the digests (--json), to name what a change moved
         "grafted_A": grafted,
     }
 

@@ -183,7 +183,7 @@ def changed_fraction(pol: Policy, batch: TokenBatch, steps: int = 3) -> float:
     old, mask = pol.token_logprobs(batch)
     adv = torch.linspace(-1, 1, len(batch))
     pol.optimizer.zero_grad(set_to_none=True)
-    pol._accumulate(batch, loss_fn(old, adv, float(mask.sum())))
+    pol.accumulate(batch, loss_fn(old, adv, float(mask.sum())))
     touched = [
         (p.grad != 0) if p.grad is not None else torch.zeros_like(p, dtype=torch.bool) for p in pol.model.parameters()
     ]

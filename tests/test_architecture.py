@@ -16,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "graft_rl"
 
 #: docs/design.md's layers: 0 = errors ... 6 = the commands. A folder is a layer; ``errors``,
-#: ``locks`` and ``seeding`` are the modules at the package's top.
+#: ``locks``, ``seeding`` and ``stats`` are the modules at the package's top.
 LAYERS: dict[str, int] = {
     "errors": 0,
     "locks": 0,
     "seeding": 0,
+    "stats": 0,
     "algo": 1,
     "rewards": 2,
     "data": 2,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from passes import one_pass
 
 from graft_rl import algo
 from graft_rl.engine.config import MethodConfig
@@ -39,28 +40,10 @@ def test_old_from_the_current_pass_equals_pre_scored_old(name):
     for rows in (_rows(torch.zeros(3, 3), mask, [True] * 3), None):
         lp = (torch.randn(3, 3, generator=torch.Generator().manual_seed(1)) - 1).requires_grad_()
         rows = rows or _rows(lp.detach().clone(), mask)
-        loss, _ = objective.minibatch(rows, [0, 1, 2], step=1)(lp, mask, [0, 1, 2])
+        loss, _ = one_pass(objective, rows, [0, 1, 2], lp, step=1)
         loss.backward()
         out.append((loss.detach(), lp.grad))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
-
-
-def test_rows_flagged_current_ignore_stored_old():
-    mask = torch.ones(2, 2)
-    lp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
-    rows = RowTensors(
-        torch.full((2, 2), -9.0),
-        mask,
-        [1.0, 1.0],
-        [1.0, 1.0],
-        [False] * 2,
-        [True] * 2,
-        [False] * 2,
-        [0.0] * 2,
-        old_is_current=[True, False],
-    )
-    old = rows.old_for(torch.tensor([0, 1]), lp)
-    assert old[0].tolist() == lp[0].tolist() and old[1].tolist() == [-9.0, -9.0]
 
 
 def _spy_scoring(monkeypatch):

@@ -302,12 +302,13 @@ def test_nonfinite_loss_skips_the_update_and_is_logged(make_cfg, fake_rewards, m
     def poison(trainer):  # every receiver's objective returns a NaN loss
         for handle in trainer.workers.values():
             objective = handle.worker.receiver.objective
-            real = objective.micro
+            real = objective.contribution
 
-            def nan_micro(lp, mb, rows, _real=real):
-                return _real(lp, mb, rows)[0] * float("nan"), {}
+            def nan_contribution(*args, _real=real, **kw):
+                loss, stats = _real(*args, **kw)
+                return loss * float("nan"), stats
 
-            monkeypatch.setattr(objective, "micro", nan_micro)
+            monkeypatch.setattr(objective, "contribution", nan_contribution)
 
     tr = Trainer(make_cfg({"name": "graft"}, steps=1, run="nan"), show_progress=False)
     poison(tr)

@@ -8,6 +8,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given
+from passes import one_pass
 
 from graft_rl.errors import ConfigError
 from graft_rl.methods import MethodConfig, register_loss
@@ -36,8 +37,8 @@ def log_probs(draw):
 
 def _weight(name, old, mu, mask, **keys):
     cfg = _cfg(name, **keys)
-    w, totals = gap(old, mu, mask, CORRECTIONS.get(name), cfg)
-    return w, totals, cfg
+    w, sums = gap(old, mu, mask, CORRECTIONS.get(name), cfg)
+    return w, {**sums.sums, **{f"{k}_peak": v for k, v in sums.peaks.items()}}, cfg
 
 
 @given(log_probs())
@@ -67,9 +68,9 @@ def test_prop_icepop_keeps_the_ratio_inside_its_band_and_masks_the_rest(x):
     inside = (rho >= cfg.icepop_low) & (rho <= cfg.icepop_high)
     assert torch.allclose(w.double()[mask & inside], rho[mask & inside], rtol=1e-5)
     assert bool((w[mask & ~inside] == 0).all())
-    assert totals["correction_masked_total"] == float((mask & ~inside).sum())
+    assert totals["correction_masked"] == float((mask & ~inside).sum())
     # icepop's bounds are what mismatch_out counts against
-    assert totals["mismatch_out_total"] == float((mask & ~inside).sum())
+    assert totals["mismatch_out"] == float((mask & ~inside).sum())
 
 
 @given(log_probs())
@@ -91,14 +92,14 @@ def test_prop_mask_sequence_masks_a_response_whose_product_exceeds_the_cap(x):
 def test_prop_the_gap_is_k3_abs_and_max_over_the_masked_tokens(x):
     old, mu, mask = x
     w, totals, _ = _weight("none", old, mu, mask)
-    assert w is None and "correction_weight_total" not in totals
+    assert w is None and "correction_weight" not in totals
     lr = (old - mu)[mask]
-    assert totals["mismatch_tokens_total"] == float(mask.sum())
+    assert totals["mismatch_tokens"] == float(mask.sum())
     k3 = torch.exp(lr) - 1 - lr
-    assert totals["mismatch_kl_total"] == pytest.approx(float(k3.sum()), rel=1e-9, abs=1e-12)
-    assert totals["mismatch_kl_total"] >= 0.0  # k3 >= 0 on every token
-    assert totals["mismatch_abs_total"] == pytest.approx(float(lr.abs().sum()), rel=1e-9, abs=1e-12)
-    assert totals["mismatch_abs_peak"] == pytest.approx(float(lr.abs().max()) if len(lr) else 0.0)
+    assert totals["mismatch_k3"] == pytest.approx(float(k3.sum()), rel=1e-9, abs=1e-12)
+    assert totals["mismatch_k3"] >= 0.0  # k3 >= 0 on every token
+    assert totals["mismatch_abs"] == pytest.approx(float(lr.abs().sum()), rel=1e-9, abs=1e-12)
+    assert totals.get("mismatch_abs_peak", 0.0) == pytest.approx(float(lr.abs().max()) if len(lr) else 0.0)
 
 
 def test_no_gap_no_correction_weight_one():
@@ -107,8 +108,8 @@ def test_no_gap_no_correction_weight_one():
     for name in ("tis", "tis_sequence", "icepop", "mask_sequence"):
         w, totals, _ = _weight(name, lp, lp, mask)
         assert bool((w == 1).all()), name
-        assert totals["mismatch_kl_total"] == 0.0 and totals["mismatch_out_total"] == 0.0
-        assert totals["correction_masked_total"] == 0.0
+        assert totals["mismatch_k3"] == 0.0 and totals["mismatch_out"] == 0.0
+        assert totals["correction_masked"] == 0.0
 
 
 def test_a_tiny_gap_is_measured_in_float64():
@@ -116,7 +117,7 @@ def test_a_tiny_gap_is_measured_in_float64():
     mu = torch.full((1, 4), -1.0)
     old = mu + 1e-7
     _, totals, _ = _weight("none", old, mu, torch.ones(1, 4, dtype=torch.bool))
-    assert totals["mismatch_kl_total"] / 4 == pytest.approx(0.5e-14, rel=0.2)
+    assert totals["mismatch_k3"] / 4 == pytest.approx(0.5e-14, rel=0.2)
 
 
 # --------------------------------------------------------------------------- losses take the weights
@@ -150,7 +151,9 @@ def test_token_mean_clip_weighs_each_own_token_by_the_correction():
 
 
 @pytest.mark.parametrize("loss_name", ["gspo", "hacpo"])
-def test_a_response_level_loss_weighs_each_response_by_its_mean_correction(loss_name):
+def test_a_response_level_loss_is_valued_at_each_responses_mean_correction(loss_name):
+    """The value of a per-token weighted response term: its mean weight times its term (the weight's
+    gradient rule is :func:`test_every_correcting_loss_gives_a_token_weighted_zero_no_gradient`)."""
     keys = {"gspo": {"loss": "gspo"}, "hacpo": {}}[loss_name]
     cfg = MethodConfig(name="hacpo" if loss_name == "hacpo" else "graft", correction="tis", **keys)
     cfg.validate()
@@ -168,6 +171,54 @@ def test_a_response_level_loss_weighs_each_response_by_its_mean_correction(loss_
         for i in range(2)
     ]
     assert float(half) == pytest.approx(float(0.5 * terms[0] + terms[1]) / 2, rel=1e-5)
+
+
+def _correcting_losses() -> list[str]:
+    return [n for n in LOSSES.names() if LOSSES.get(n).corrects and not n.startswith("_")]
+
+
+def test_every_shipped_correcting_loss_is_checked_below():
+    assert set(_correcting_losses()) >= {"token_mean_clip", "gspo", "luffy", "hacpo", "ftis"}
+
+
+@pytest.mark.parametrize("loss_name", _correcting_losses())
+def test_every_correcting_loss_gives_a_token_weighted_zero_no_gradient(loss_name):
+    """Each loss declaring ``corrects=True`` multiplies each token's term by that token's own weight (verl's
+    ``pg_losses * rollout_is_weights``): a token weighted 0 (IcePop outside its band, a masked sequence)
+    gets exactly zero gradient, and the others still get one. Before 0.3.1 GSPO and HACPO scaled each
+    response by its mean weight, which gave a masked token its response's gradient."""
+    method = {"hacpo": "hacpo", "ftis": "ftis", "luffy": "luffy"}.get(loss_name, "graft")
+    keys = {"loss": loss_name} if method == "graft" else {}
+    if method == "graft" and loss_name == "gspo":
+        keys["weighting"] = "none"
+    cfg = MethodConfig(name=method, correction="icepop", **keys)
+    cfg.validate()
+    obj = Objective(cfg)
+    g = torch.Generator().manual_seed(3)
+    T = 4
+    lp0 = -torch.rand(3, T, generator=g) - 0.5
+    old = lp0 + 1e-5 * torch.randn(3, T, generator=g)  # inside even GSPO's 3e-4 clip range
+    t = RowTensors(
+        old,
+        torch.ones(3, T),
+        [1.0, -0.7, 0.5],
+        [1.0] * 3,
+        [False, False, True],
+        [True] * 3,
+        [False] * 3,
+        [-1.0] * 3,
+        mu=old - 0.01,
+        has_mu=[True, True, True],
+    )
+    weights = torch.ones(3, T)
+    weights[0, 1] = 0.0  # an own token the correction masks out
+    weights[1, 2] = 0.0
+    lp = lp0.clone().requires_grad_()
+    norm = obj.normalisers(t, [0, 1, 2])
+    loss, _ = obj.contribution(lp, old, t, torch.tensor([0, 1, 2]), norm, weights, step=1, update_index=1)
+    loss.backward()
+    assert lp.grad[0, 1] == 0.0 and lp.grad[1, 2] == 0.0, lp.grad
+    assert bool((lp.grad[0, [0, 2, 3]] != 0).all()) and bool((lp.grad[1, [0, 1, 3]] != 0).all()), lp.grad
 
 
 def test_luffy_corrects_own_tokens_only():
@@ -242,20 +293,18 @@ def test_the_objective_measures_the_gap_on_own_tokens_from_the_pass_that_gives_p
         mu=mu,
         has_mu=[True, False, True],
     )
-    mb = obj.minibatch(t, [0, 1, 2], step=1)
     lp = torch.log(torch.tensor([[0.3, 0.7, 0.5], [0.2, 0.2, 0.2], [0.4, 0.5, 0.5]])).requires_grad_()
-    _, stats = mb.loss(lp, mask, [0, 1, 2])
+    _, stats = one_pass(obj, t, [0, 1, 2], lp)
     lr = torch.tensor([math.log(0.3) + 1.2, math.log(0.7) + 0.3, -0.7 + 0.5], dtype=torch.float64)
-    assert stats["mismatch_tokens_total"] == 3.0
-    assert stats["mismatch_abs_total"] == pytest.approx(float(lr.abs().sum()), rel=1e-5)
-    assert stats["mismatch_kl_total"] == pytest.approx(float((torch.exp(lr) - 1 - lr).sum()), rel=1e-4)
-    assert stats["correction_weight_total"] == pytest.approx(float(torch.exp(lr).clamp(max=2.0).sum()), rel=1e-5)
+    assert stats["mismatch_tokens"] == 3.0
+    assert stats["mismatch_abs"] == pytest.approx(float(lr.abs().sum()), rel=1e-5)
+    assert stats["mismatch_k3"] == pytest.approx(float((torch.exp(lr) - 1 - lr).sum()), rel=1e-4)
+    assert stats["correction_weight"] == pytest.approx(float(torch.exp(lr).clamp(max=2.0).sum()), rel=1e-5)
 
 
 def test_no_engine_log_probs_no_gap():
     """top-p sampling (``engine_logprobs=False``: no mu): nothing measured, nothing corrected."""
     cfg = _cfg("none")
     t = RowTensors(torch.zeros(1, 2), torch.ones(1, 2), [1.0], [1.0], [False], [True], [False], [-1.0])
-    mb = Objective(cfg).minibatch(t, [0], step=1)
-    _, stats = mb.loss(torch.full((1, 2), -0.5, requires_grad=True), torch.ones(1, 2), [0])
+    _, stats = one_pass(Objective(cfg), t, [0], torch.full((1, 2), -0.5, requires_grad=True))
     assert not any(k.startswith(("mismatch", "correction")) for k in stats)

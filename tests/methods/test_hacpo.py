@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from passes import one_pass
 from runs import checked_method as _method
 from runs import k_groups
 from runs import row_tensors as _rows
@@ -22,7 +23,7 @@ def test_hacpo_peer_rollouts_still_have_a_gradient_late_in_training():
     obj = build_objective(_method(name="hacpo"))
     t = _rows([True, True])
     lp = torch.full((2, 3), -1.15, requires_grad=True)  # ratio exp(-0.05) vs the source mean -1.1: inside [0.8, 1]
-    loss, _ = obj.minibatch(t, [0, 1], step=100, update_index=0)(lp, torch.ones(2, 3), [0, 1])
+    loss, _ = one_pass(obj, t, [0, 1], lp, step=100, update_index=0)
     loss.backward()
     assert lp.grad.abs().sum() > 0
 
@@ -32,13 +33,14 @@ def test_hacpo_update_index_restarts_every_step(make_cfg, fake_rewards, monkeypa
     from graft_rl.methods.objectives import Objective
 
     seen = []
-    real = Objective.minibatch
+    real = Objective.contribution
 
-    def spy(self, t, rows, step, update_index=0):
-        seen.append((step, update_index))
-        return real(self, t, rows, step, update_index)
+    def spy(self, lp, old, t, rows, norm, correction=None, step=0, update_index=0):
+        if not seen or seen[-1] != (step, update_index):  # one entry per update, however many passes
+            seen.append((step, update_index))
+        return real(self, lp, old, t, rows, norm, correction, step, update_index)
 
-    monkeypatch.setattr(Objective, "minibatch", spy)
+    monkeypatch.setattr(Objective, "contribution", spy)
     Trainer(make_cfg({"name": "hacpo"}, steps=2, run="hacpo_idx"), show_progress=False).run()
     for step in (1, 2):
         per_policy = [u for s, u in seen if s == step]
@@ -51,7 +53,7 @@ def test_hacpo_kl_covers_own_responses_only():
     t = _rows([False, True])
     lp = torch.full((2, 3), -1.0)
     lp[1] = -3.0  # the peer row is far from the reference, the own row equals it
-    _, stats = obj.minibatch(t, [0, 1], step=1, update_index=0)(lp.requires_grad_(), torch.ones(2, 3), [0, 1])
+    _, stats = one_pass(obj, t, [0, 1], lp.requires_grad_(), step=1, update_index=0)
     assert stats["kl_ref"] == pytest.approx(0.0, abs=1e-7)
 
 
@@ -59,7 +61,7 @@ def test_hacpo_logs_self_and_peer_clip_fractions():
     obj = build_objective(_method(name="hacpo"))
     t = _rows([False, True])
     lp = torch.full((2, 3), -0.5, requires_grad=True)  # own ratio e^0.5 (clipped), peer e^0.6 > 1 (clipped)
-    _, stats = obj.minibatch(t, [0, 1], step=1)(lp, torch.ones(2, 3), [0, 1])
+    _, stats = one_pass(obj, t, [0, 1], lp, step=1)
     assert stats["tokens_self"] == 3 and stats["tokens_peer"] == 3
     assert stats["clipped_tokens_self"] == 3 and stats["clipped_tokens_peer"] == 3
 
@@ -155,7 +157,7 @@ def test_hacpo_kl_is_seq_mean_token_mean_low_var_kl_clamped_to_10():
     coef = 0.5
     obj = build_objective(_method(name="hacpo", kl_coef=coef))
     lp = torch.zeros(M, T, requires_grad=True)
-    loss, st = obj.minibatch(t, [0, 1, 2], step=1, update_index=0)(lp, mask, [0, 1, 2])
+    loss, st = one_pass(obj, t, [0, 1, 2], lp, step=1, update_index=0)
     k3_row1 = float(torch.exp(torch.tensor(-1.0)) + 1 - 1)  # r = -1: e^-1 - (-1) - 1
     expected = coef * ((10.0 / 4) + k3_row1) / 3  # advantages are 0: the policy term is 0
     assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from passes import one_pass
 
 from graft_rl import algo
 from graft_rl.methods import MethodConfig, build_objective
@@ -77,7 +78,7 @@ def test_gspo_as_a_loss_part_trains_a_minibatch_and_weights_peer_responses():
         [-1.0] * M,
     )
     lp = torch.full((M, T), -1.0, requires_grad=True)
-    loss, stats = obj.minibatch(t, [0, 1, 2], step=1)(lp, torch.ones(M, T), [0, 1, 2])
+    loss, stats = one_pass(obj, t, [0, 1, 2], lp, step=1)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-(1.0 - 1.0 + 0.0) / 3)  # on-policy: s = 1; the gated peer counts 0
     assert lp.grad[2].abs().sum() == 0 and lp.grad[0].abs().sum() > 0  # weight 0: no gradient
@@ -119,7 +120,7 @@ def test_each_loss_reports_the_clipped_tokens_it_clipped(case):
         [half, half, half, most],
     )
     lp = torch.tensor([[most, half], [half, half], [most, most], [most, most]], requires_grad=True)
-    _, stats = obj.minibatch(t, [0, 1, 2, 3], step=1)(lp, torch.ones(4, 2), [0, 1, 2, 3])
+    _, stats = one_pass(obj, t, [0, 1, 2, 3], lp, step=1)
     got = tuple(stats[k] for k in ("clipped_tokens_self", "tokens_self", "clipped_tokens_peer", "tokens_peer"))
     assert got == (c_self, n_self, c_peer, n_peer)
 
@@ -143,5 +144,5 @@ def test_a_loss_that_clips_nothing_reports_zero_and_one_that_says_nothing_report
         (True, {}),
     ):
         loss = LossPart(name="plain", fn=plain, clips=clips)
-        _, stats = Objective(cfg, loss=loss).minibatch(t, [0, 1], step=1)(lp, torch.ones(2, 2), [0, 1])
+        _, stats = one_pass(Objective(cfg, loss=loss), t, [0, 1], lp, step=1)
         assert {k: v for k, v in stats.items() if k in want or k.startswith("clipped")} == want

@@ -4,6 +4,7 @@ leaves the loss: the cut target is trained neither by the policy-gradient term n
 from __future__ import annotations
 
 import torch
+from passes import one_pass
 
 from graft_rl.methods import MethodConfig, build_objective
 from graft_rl.methods.objectives import RowTensors
@@ -27,7 +28,7 @@ def _rows(aux_included: bool) -> RowTensors:
 def _loss(t: RowTensors, lp: torch.Tensor) -> torch.Tensor:
     cfg = MethodConfig(name="sgt", sgt_coef=0.5)
     cfg.validate()
-    loss, _ = build_objective(cfg).minibatch(t, [0, 1, 2], step=1)(lp, torch.ones(3, 4), [0, 1, 2])
+    loss, _ = one_pass(build_objective(cfg), t, [0, 1, 2], lp, step=1)
     return loss
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from passes import one_pass
 from runs import row_tensors
 
 from graft_rl import algo
@@ -169,12 +170,11 @@ def test_the_receiver_gives_prp_weighting_the_sequence_ratio_of_each_peer_respon
     b = method.build("A", groups, {"A", "B"}, 2, torch.Generator().manual_seed(0))
     mask = torch.ones(len(b.rows), 3)
     recv_lp = {2: -0.1, 3: -1.0}  # the receiver's per-token log-probs of B's two responses
-
-    def old_logprobs(rows, old):
-        for i in rows:
-            old[i] = recv_lp[i]
-
-    w = method.receiver().weigh(b, [[1, 2, 3]] * 4, mask, [], [], old_logprobs, torch.Generator())
+    old = torch.zeros(len(b.rows), 3)
+    receiver = method.receiver()
+    for i in receiver.peer_rows(b):
+        old[i] = recv_lp[i]
+    w = receiver.weigh(b, old, mask, [], torch.Generator())
     src_sum = 3 * -0.5
     assert w.weights[2] == pytest.approx(min(math.exp(3 * -0.1 - src_sum), 2.0))  # 2.0: truncated
     assert w.weights[3] == pytest.approx(math.exp(3 * -1.0 - src_sum))
@@ -227,9 +227,8 @@ def test_the_ftis_loss_weighs_peer_tokens_by_their_filtered_truncated_ratio_and_
     t.mu = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -0.5, -1.0], [-0.2, -0.2, -0.2]])
     t.has_mu = torch.tensor([True, True, True])
     t.adv = torch.tensor([1.0, 1.0, -1.0])
-    mb = obj.minibatch(t, [0, 1, 2], step=1)
     lp = torch.full((3, 3), -1.0, requires_grad=True)
-    loss, stats = obj.micro(lp, mb, torch.tensor([0, 1, 2]))
+    loss, stats = one_pass(obj, t, [0, 1, 2], lp)
     peer_w, _, kept = algo.ftis_token_weights(
         torch.full((2, 3), -1.0), t.mu[1:], torch.ones(2, 3), t.adv[1:], cfg.ftis_cap, cfg.ftis_kl_threshold
     )
@@ -237,8 +236,8 @@ def test_the_ftis_loss_weighs_peer_tokens_by_their_filtered_truncated_ratio_and_
     w = torch.cat([torch.ones(1, 3), peer_w])  # own row: mu == pi_old, TIS weight 1
     want, _ = algo.policy_loss(lp, torch.full((3, 3), -1.0), t.adv, torch.ones(3, 3), w, cfg.eps_low, cfg.eps_high)
     assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
-    assert stats["ftis_filtered_total"] == 1.0 and stats["ftis_peer_responses_total"] == 2.0
-    assert stats["mismatch_tokens_total"] == 3.0  # the gap is of the own row's tokens only
+    assert stats["ftis_filtered"] == 1.0 and stats["ftis_peer_responses"] == 2.0
+    assert stats["mismatch_tokens"] == 3.0  # the gap is of the own row's tokens only
     # the filtered response is not trained: its tokens are neither clipped nor counted in clip_frac_peer
     assert stats["tokens_peer"] == 3.0 and stats["tokens_self"] == 3.0
 

@@ -103,9 +103,49 @@ def lagged(pol, ckpt: str) -> dict:
     }
 
 
+def receiver_step(pol) -> dict:
+    """A receiver's update as a run takes it (:func:`graft_rl.engine.update.receiver_update`): own and peer
+    rows, pi_old from the first update's passes and scored beforehand, an engine that differs a little
+    (``mu``) under IcePop, the KL, two minibatches. Its step statistics: what no cut of the rows into
+    passes or ranks may change (SPEC §1.14)."""
+    from graft_rl.engine.update import receiver_update
+    from graft_rl.methods import MethodConfig, build_objective
+    from graft_rl.methods.objectives import RowTensors
+
+    pol.init_reference()
+    batch = pol.encode_texts(["Q"] * len(TEXTS), TEXTS, [True] * len(TEXTS))
+    old, mask = pol.token_logprobs(batch)
+    ref, _ = pol.reference_logprobs(batch)
+    g = torch.Generator().manual_seed(0)
+    mu = old + 0.6 * torch.randn(old.shape, generator=g)  # some tokens outside IcePop's band
+    is_peer = [False, False, True, False, True, False]
+    order = [[0, 1, 2], [3, 4, 5]]
+    stored = old.clone()
+    stored[3:] += 0.4  # rows of the second update (advantages < 0): a pi_old whose ratio 0.67 is clipped
+    m = len(TEXTS)
+    t = RowTensors(
+        stored,
+        mask,
+        ADV,
+        [1.0, 1.0, 0.9, 1.0, 0.0, 1.0],
+        is_peer,
+        [True] * m,
+        [False] * m,
+        [-1.0] * m,
+        ref=ref,
+        old_is_current=[i in order[0] and not is_peer[i] for i in range(m)],
+        mu=mu,
+        has_mu=[not p for p in is_peer],
+    )
+    objective = build_objective(MethodConfig(name="graft", correction="icepop", kl_coef=0.01))
+    stats = receiver_update(pol, objective, batch, t, order, step=1)
+    return {"sums": stats.sums, "peaks": stats.peaks}
+
+
 def run(model: str, out: str, dtype: str, ckpt: str, lora: str = "") -> dict:
     """``lora``: "" (full fine-tuning), "lora" (adapters), "lora_reference_first" (:func:`reference_first`:
-    bf16 compute, the plain head, no gradient checkpointing) or "lag" / "lora_lag" (:func:`lagged`)."""
+    bf16 compute, the plain head, no gradient checkpointing), "lag" / "lora_lag" (:func:`lagged`) or
+    "receiver" (:func:`receiver_step`)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     first = lora == "lora_reference_first"
@@ -122,6 +162,13 @@ def run(model: str, out: str, dtype: str, ckpt: str, lora: str = "") -> dict:
             lora=LORA if lora.startswith("lora") else None,
         )
     )
+    if lora == "receiver":
+        result = receiver_step(pol)
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+        dist.destroy_process_group()
+        return result
     if lora.endswith("lag"):
         result = lagged(pol, ckpt)
         if dist.get_rank() == 0:

@@ -18,7 +18,7 @@ from graft_rl.seeding import rank_seed
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from fsdp_ranks import GEN_PROMPTS, LORA, exercise  # noqa: E402
+from fsdp_ranks import GEN_PROMPTS, LORA, exercise, receiver_step  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray clusters, process groups, subprocesses: the full suite runs them
 
@@ -153,3 +153,40 @@ def test_two_fsdp_ranks_sample_the_lagged_weights_and_keep_the_live_ones(tiny_pa
     assert res["live weights kept"]
     assert res["entries"] == 2 and res["entries reloaded"] == 2
     assert (ckpt / "rollout_lag.rank0.safetensors").is_file() and (ckpt / "rollout_lag.rank1.safetensors").is_file()
+
+
+#: the step statistics that are counts: equal exactly however the rows are cut and dealt
+COUNTS = (
+    "clipped_tokens_self",
+    "tokens_self",
+    "clipped_tokens_peer",
+    "tokens_peer",
+    "mismatch_tokens",
+    "mismatch_out",
+    "correction_masked",
+    "kl_ref_count",
+    "updates",
+    "minibatches",
+)
+
+
+def test_step_statistics_are_the_same_on_one_process_any_micro_batch_and_two_ranks(tiny_pair, tmp_path):
+    """A receiver's step (SPEC §1.14): its counts equal exactly and its float sums to rounding, whether
+    its rows are cut into many small passes, one unlimited pass, or dealt over two FSDP2 ranks."""
+    model = tiny_pair[0]
+    runs = {
+        f"one process, micro_batch_tokens={mbt}": receiver_step(
+            Policy(PolicyConfig("A", str(model), lr=1e-3, micro_batch_tokens=mbt, gradient_checkpointing=True))
+        )
+        for mbt in (20, 60, None)
+    }
+    runs["two ranks"] = _torchrun(model, tmp_path / "out.json", "float32", tmp_path / "ckpt", 29533, "receiver")
+    first = next(iter(runs.values()))
+    assert first["sums"]["clipped_tokens_self"] > 0 and first["sums"]["mismatch_out"] > 0  # a case that clips and masks
+    for name, got in runs.items():
+        for k in COUNTS:
+            assert got["sums"].get(k) == first["sums"].get(k), (name, k)
+        assert got["sums"].keys() == first["sums"].keys(), name
+        for k, v in first["sums"].items():
+            assert got["sums"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), (name, k)
+        assert got["peaks"] == pytest.approx(first["peaks"], rel=1e-4), name

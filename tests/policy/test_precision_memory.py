@@ -39,7 +39,7 @@ def _grads(pol: Policy) -> torch.Tensor:
     pol.optimizer.zero_grad(set_to_none=True)
     if pol.config.gradient_checkpointing:
         pol.model.train()
-    pol._accumulate(batch, _loss_fn(old, ADV, float(mask.sum())))
+    pol.accumulate(batch, _loss_fn(old, ADV, float(mask.sum())))
     pol.model.eval()
     g = torch.cat([p.grad.detach().float().flatten() for p in pol.model.parameters() if p.grad is not None])
     pol.optimizer.zero_grad(set_to_none=True)
@@ -51,7 +51,7 @@ def _touched(pol: Policy) -> list[torch.Tensor]:
     _grads(pol)
     batch = pol.encode_texts(["Q"] * 4, TEXTS, [True] * 4)
     old, mask = pol.token_logprobs(batch)
-    pol._accumulate(batch, _loss_fn(old, ADV, float(mask.sum())))
+    pol.accumulate(batch, _loss_fn(old, ADV, float(mask.sum())))
     out = [p.grad != 0 if p.grad is not None else torch.zeros_like(p, dtype=torch.bool) for p in pol.model.parameters()]
     pol.optimizer.zero_grad(set_to_none=True)
     return out
@@ -179,9 +179,9 @@ def test_fused_logprobs_equal_the_naive_path_with_bounded_memory(big_vocab_model
     assert watch.largest > 4 * bound  # what the naive path builds
     torch.testing.assert_close(lp_f, lp_n, rtol=0, atol=2e-5)
 
-    naive._accumulate(batch, _loss_fn(lp_n, ADV, float(mask.sum())))
+    naive.accumulate(batch, _loss_fn(lp_n, ADV, float(mask.sum())))
     with _LargestTensor() as watch:  # forward and backward
-        fused._accumulate(batch, _loss_fn(lp_f, ADV, float(mask.sum())))
+        fused.accumulate(batch, _loss_fn(lp_f, ADV, float(mask.sum())))
     assert watch.largest <= bound
     for a, b in zip(fused.model.parameters(), naive.model.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7)

@@ -107,10 +107,15 @@ def gspo_policy_loss(
     (sequence-mean); its clip range is GSPO's (3e-4 / 4e-4), two orders of magnitude below PPO's.
     GRAFT's ``ratio: sequence`` ablation (:func:`~graft_rl.algo.policy_loss`) uses the same ratio
     but keeps the token mean over the minibatch and GRAFT's token clip range. Responses without
-    tokens in ``mask`` are left out of the mean. ``weights``: a per-response factor (GRAFT's gate).
+    tokens in ``mask`` are left out of the mean. ``weights``: a per-response factor (GRAFT's gate), or
+    per token ``[M, T]`` (the gate times a correction's weight of each token): then each response's term
+    is GSPO-token's (GSPO Eq. 10), the mean over its tokens of ``w_t`` times the surrogate of
+    :math:`s_{i,t} = \mathrm{sg}(s_i)\,\pi_\theta(y_t)/\mathrm{sg}(\pi_\theta(y_t))` (value :math:`s_i`, the
+    gradient of token t alone), as verl's ``compute_policy_loss_gspo`` multiplies its ``pg_losses`` by
+    ``rollout_is_weights`` before its ``seq-mean-token-mean``: a token weighted 0 gets no gradient.
 
     Args:
-        logprobs, old_logprobs, mask: ``[M, T]``; advantages: ``[M]``; weights: ``[M]`` or None.
+        logprobs, old_logprobs, mask: ``[M, T]``; advantages: ``[M]``; weights: ``[M]``, ``[M, T]`` or None.
 
     Returns:
         ``(loss, stats)``; stats: ``clip_frac`` (responses clipped), ``ratio_mean``, ``clipped_seq``
@@ -125,8 +130,8 @@ def gspo_policy_loss(
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
         raise ValueError("gspo_policy_loss: logprobs, old_logprobs and mask must all be [M, T]")
     M = logprobs.shape[0]
-    if advantages.shape != (M,) or (weights is not None and weights.shape != (M,)):
-        raise ValueError(f"gspo_policy_loss: advantages and weights must be [M]={M}")
+    if advantages.shape != (M,) or (weights is not None and weights.shape not in ((M,), logprobs.shape)):
+        raise ValueError(f"gspo_policy_loss: advantages must be [M]={M}, weights [M] or [M, T]")
     wd = _work_dtype(logprobs)
     m = mask.to(wd)
     tokens = m.sum(dim=1)
@@ -134,8 +139,13 @@ def gspo_policy_loss(
     log_ratio = ((logprobs.to(wd) - old_logprobs.detach().to(wd)) * m).sum(dim=1) / tokens.clamp_min(1.0)
     s = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     a = advantages.detach().to(wd)
-    per_seq = -torch.minimum(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a)
-    if weights is not None:
+    if weights is not None and weights.dim() == 2:  # GSPO-token: each token's term times its own weight
+        s_tok = _sequence_ratio_per_token(s, log_ratio, logprobs.to(wd))
+        per_tok = -torch.minimum(s_tok * a[:, None], s_tok.clamp(1 - eps_low, 1 + eps_high) * a[:, None])
+        per_seq = (per_tok * weights.detach().to(wd) * m).sum(dim=1) / tokens.clamp_min(1.0)
+    else:
+        per_seq = -torch.minimum(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a)
+    if weights is not None and weights.dim() == 1:
         per_seq = per_seq * weights.detach().to(wd)
     per_seq = torch.where(valid, per_seq, torch.zeros_like(per_seq))
     loss = per_seq.sum() / valid.sum().clamp_min(1)
@@ -148,6 +158,16 @@ def gspo_policy_loss(
             "clipped_seq": clipped,
         }
     return loss.to(logprobs.dtype), stats
+
+
+def _sequence_ratio_per_token(s: torch.Tensor, log_ratio: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    r"""``[M, T]``: a sequence ratio ``s`` ``[M]`` (``exp`` of the clamped ``log_ratio``, ``[M]``) as one factor per
+    token, :math:`\mathrm{sg}(s)\,e^{\ell_t - \mathrm{sg}(\ell_t)}` (GSPO-token, Eq. 10): its value is ``s`` on
+    every token, and each token carries the gradient of its own log-prob ``\ell_t`` times ``s / |o|`` once
+    averaged over the response, so a per-token weight can scale one token's gradient. A ratio clamped
+    at :data:`MAX_LOG_RATIO` carries no gradient, as its sequence form does."""
+    inside = (log_ratio.abs() < MAX_LOG_RATIO).to(logprobs.dtype)[:, None]
+    return s.detach()[:, None] * torch.exp((logprobs - logprobs.detach()) * inside)
 
 
 # --------------------------------------------------------------------------- pooled groups
@@ -489,7 +509,11 @@ def hacpo_policy_loss(
         logprobs, old_logprobs, mask: ``[M, T]``; src_mean_logprob, advantages, is_peer: ``[M]``;
         update_index: minibatch update within the step (:func:`hacpo_peer_clip_lower`);
         capability_ratio: scalar or ``[M]``;
-        weights: ``[M]`` factors of each response's term (a correction's weight of own responses), or None.
+        weights: ``[M]`` factors of each response's term, or ``[M, T]`` factors of each token's (a
+            correction's weight of own tokens, 1 on peer tokens): then each response's term is the mean over
+            its tokens of ``w_t`` times the term of its ratio as one factor per token (value ``r``, the gradient
+            of token t alone; as GSPO-token and verl's ``pg_losses * rollout_is_weights``), so a token
+            weighted 0 gets no gradient; or None.
 
     Stats: ``clip_frac`` (own responses clipped), the peer bound and clipped fractions, and
     ``clipped_seq`` (``[M]`` bool: the response's sequence ratio was clipped, own or peer) so the
@@ -506,15 +530,29 @@ def hacpo_policy_loss(
     old = mean_token_logprob(old_logprobs.detach().to(wd), mask)
     peer = is_peer.to(torch.bool)
     ref = torch.where(peer, src_mean_logprob.detach().to(wd), old)
-    r = torch.exp((cur - ref).clamp(-max_abs_log_ratio, max_abs_log_ratio))
+    log_r = cur - ref
+    r = torch.exp(log_r.clamp(-max_abs_log_ratio, max_abs_log_ratio))
     a = advantages.detach().to(wd)
-    own_obj = torch.minimum(r * a, r.clamp(1 - self_clip_low, 1 + self_clip_high) * a)
     lower = hacpo_peer_clip_lower(update_index, peer_clip_start, peer_clip_increment)
-    r_peer = r.clamp(lower, 1.0)
     kappa = torch.as_tensor(capability_ratio, dtype=wd, device=logprobs.device)
-    peer_obj = r_peer * r_peer.detach().pow(alpha) * kappa * a
-    objective = torch.where(peer, peer_obj, own_obj)
-    if weights is not None:
+
+    def terms(r: torch.Tensor, a: torch.Tensor, kappa: torch.Tensor, peer: torch.Tensor) -> torch.Tensor:
+        own_obj = torch.minimum(r * a, r.clamp(1 - self_clip_low, 1 + self_clip_high) * a)
+        r_peer = r.clamp(lower, 1.0)
+        return torch.where(peer, r_peer * r_peer.detach().pow(alpha) * kappa * a, own_obj)
+
+    if weights is not None and weights.dim() == 2:  # each token's term times its own weight
+        m = mask.to(wd)
+        some = torch.isfinite(log_r)  # an empty response has no ratio (and no token to weight)
+        inside = ((log_r.abs() < max_abs_log_ratio) & some).to(wd)[:, None]
+        lp = logprobs.to(wd)
+        r_tok = torch.where(some, r, torch.ones_like(r)).detach()[:, None] * torch.exp((lp - lp.detach()) * inside)
+        k = kappa[:, None] if kappa.dim() == 1 else kappa
+        per_tok = terms(r_tok, a[:, None], k, peer[:, None]) * weights.detach().to(wd)
+        objective = (per_tok * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+    else:
+        objective = terms(r, a, kappa, peer)
+    if weights is not None and weights.dim() == 1:
         objective = objective * weights.detach().to(wd)
     valid = torch.isfinite(cur)  # empty responses contribute nothing
     objective = torch.where(valid, objective, torch.zeros_like(objective))

@@ -8,12 +8,12 @@ source's generation log-probs); model weights never leave it. The same class run
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 import torch
 
 from graft_rl.engine.timing import PhaseTimer
+from graft_rl.engine.update import receiver_update, step_metrics
 from graft_rl.methods import MethodConfig, build_method, load_plugins
 from graft_rl.methods.exchange import ReceiverBatch
 from graft_rl.methods.receiver import Receiver
@@ -183,28 +183,23 @@ class PolicyWorker:
                 response_ids.append(ids)
         return TokenBatch(prompt_ids, response_ids, sorted(cut))
 
-    def _old_logprobs(self, tb: TokenBatch, rows: list[int], old: torch.Tensor) -> None:
-        """Fill ``old[rows]`` with this policy's current log-probs of those rows (no gradient)."""
+    def _pi_old(self, tb: TokenBatch, rows: list[int], old: torch.Tensor) -> None:
+        """pi_old: fill ``old[rows]`` with this policy's log-probs of those rows now, before the step's first
+        update (no gradient). The one place a receiver scores pi_old beforehand."""
         if rows:
             lp, _ = self.policy.token_logprobs(tb.select(rows))
             old[rows, : lp.shape[1]] = lp
 
     def _weigh(self, batch: ReceiverBatch, gen: torch.Generator, temperature: float, max_new_tokens: int | None):
-        """``(token batch, the method's view of it)``: the batch encoded in this policy's tokens, its peer
-        rows' pi_old computed and the rows weighted by the method's receiver (Section 4.2); the batch is not changed."""
-        pol = self.policy
+        """``(token batch, the method's view of it)``: the batch encoded in this policy's tokens, the loss's
+        mask, pi_old of its peer rows and their compatibility weights (Section 4.2); the batch is not changed."""
+        pol, recv = self.policy, self._receiver()
         pol.logprob_temperature = temperature
         tb = self._encode(batch, max_new_tokens)
-        weighed = self._receiver().weigh(
-            batch,
-            tb.response_ids,
-            tb.response_mask(),
-            tb.cut,
-            pol.eos_token_ids,
-            lambda rows, old: self._old_logprobs(tb, rows, old),
-            gen,
-        )
-        return tb, weighed
+        mask = recv.token_mask(tb.response_ids, tb.response_mask(), pol.eos_token_ids)
+        old = torch.zeros(mask.shape)
+        self._pi_old(tb, recv.peer_rows(batch), old)  # the compatibility of a peer response needs it now
+        return tb, recv.weigh(batch, old, mask, tb.cut, gen)
 
     def weigh_peers(
         self, batch: ReceiverBatch, seed: int, temperature: float = 1.0, max_new_tokens: int | None = None
@@ -235,14 +230,16 @@ class PolicyWorker:
         max_new_tokens: int | None = None,
         engine_logprobs: bool = True,
     ) -> ReceiverUpdate:
-        """Compute pi_old of the rows that need it, weight peer rows, run the step's minibatches in the method's order.
+        """The receiver's step (Section 4.2): encode, pi_old, weigh, order, update; read top to bottom.
 
-        pi_old (the receiver's log-probs before the step's first update) is computed beforehand
-        only where it differs from what the update's own forward pass gives: peer rows (their
-        compatibility score needs it before any update) and rows trained after the first update.
-        Rows of the first update take pi_old from that forward pass, detached (the same quantity,
-        so one forward pass fewer per row; with one update per step, as ``minibatch >= prompt_batch``
-        gives, own rows never need a pass of their own).
+        pi_old (the receiver's log-probs before the step's first update) is scored beforehand, by
+        :meth:`_pi_old`, only where the update's own forward pass cannot give it: peer rows, whose
+        compatibility is needed before the order is drawn (the gate's draws come first), then the rows
+        trained after the first update. Rows of the first update take pi_old from that forward pass,
+        detached (the same weights, so one forward pass fewer per row; with one update per step, as
+        ``minibatch >= prompt_batch`` gives, own rows never need a pass of their own). The minibatch and
+        micro-batch loop is :func:`~graft_rl.engine.update.receiver_update`; its sums become the metric
+        line once, in :func:`~graft_rl.engine.update.step_metrics`.
 
         ``temperature``: the rollout temperature; every log-prob here (old, new, reference; so the
         ratio and the compatibility score) comes from logits divided by it (as verl does).
@@ -251,32 +248,31 @@ class PolicyWorker:
         comes back in the :class:`ReceiverUpdate`.
 
         ``engine_logprobs``: the own rows' engine log-probs are of the distribution the trainer computes
-        (sampled without top-p / top-k truncation), so the gap to pi_old is measured in the forward pass
-        that computes pi_old (``mismatch_*``) and the method's correction applies to it.
+        (sampled without top-p / top-k truncation), so their gap to pi_old is measured (``mismatch_*``) and
+        the method's correction applies to it.
         """
         pol, recv, timer = self.policy, self._receiver(), PhaseTimer()
         gen = torch.Generator().manual_seed(seed)
-        with timer("logprobs"):  # the batch in this policy's tokens, its peer rows' pi_old and weights
+        with timer("logprobs"):  # the batch in this policy's tokens; pi_old of its peer rows, their weights
             tb, w = self._weigh(batch, gen, temperature, max_new_tokens)
             ref = pol.reference_logprobs(tb)[0] if self.with_reference else None
         records = recv.records(batch, w)
         order = recv.order(batch, self.minibatch, gen)  # peer-last minibatches of batch rows
-        first = set(order[0]) if order else set()
-        with timer("logprobs"):  # pi_old of the rows trained after the first update (the policy will have moved)
-            self._old_logprobs(tb, recv.later_rows(batch, w, first), w.old)
-        stats: dict = {}
-        upd: list[dict] = []
+        first = order[0] if order else []
+        with timer("logprobs"):  # pi_old of the rows trained after the first update, before the policy moves
+            self._pi_old(tb, recv.later_rows(batch, w, first), w.old)
         with timer("update"):
             tensors = recv.tensors(batch, w, ref, first, tb.response_ids, engine_logprobs)
-            for mb in recv.minibatches(tensors, order, step):
-                upd.append(pol.update(tb.select(mb.rows), mb.loss))
-                if upd[-1]["skipped"] and self.nonfinite_loss == "stop":
-                    stats["nonfinite_stop"] = True
-                    break
+            totals = receiver_update(
+                pol, recv.objective, tb, tensors, order, step, stop_on_nonfinite=self.nonfinite_loss == "stop"
+            )
+        stats: dict = {}
+        if totals.get("nonfinite_stop"):
+            stats["nonfinite_stop"] = True
         stats.update(batch.stats)
         stats["peer_cut"] = len(tb.cut)  # peer responses longer than the receiver's max_new_tokens here
         stats.update(exchange_stats(batch, w))
-        stats.update(_update_stats(upd, ref is not None))
+        stats.update(step_metrics(totals, ref is not None))
         stats.update(timer.metrics())  # time_logprobs, time_update
         return ReceiverUpdate(stats, w.weights, w.included, records)
 
@@ -297,68 +293,3 @@ class ReceiverUpdate:
     weights: list[float]
     included: list[bool]
     exchange_rows: list[dict]
-
-
-def _update_stats(upd: list[dict], with_kl: bool) -> dict:
-    """The step's updates summed up: self/peer clipped-token fractions (Table 9), KL, loss, grad norm."""
-
-    def ssum(key):
-        return sum(u.get(key, 0.0) for u in upd)
-
-    out: dict = {
-        "clip_frac_self": ssum("clipped_tokens_self") / max(ssum("tokens_self"), 1.0),
-        "clip_frac_peer": ssum("clipped_tokens_peer") / max(ssum("tokens_peer"), 1.0) if ssum("tokens_peer") else None,
-    }
-    if with_kl:
-        kls = [u["kl_ref"] for u in upd if "kl_ref" in u]  # none when every update was skipped
-        out["kl_ref"] = statistics.fmean(kls) if kls else None
-    good = [u for u in upd if not u["skipped"]]
-    out["loss"] = statistics.fmean(u["loss"] for u in good) if good else None
-    out["grad_norm"] = statistics.fmean(u["grad_norm"] for u in good) if good else None
-    out["skipped_updates"] = len(upd) - len(good)
-    out["minibatches"] = len(upd)
-    out.update(_gap_stats(upd))
-    out.update(_loss_totals(upd))
-    return out
-
-
-def _loss_totals(upd: list[dict]) -> dict:
-    """A loss's own counts over the step: ``X_total`` summed over its passes and updates as ``X``,
-    ``X_peak`` the largest as ``X`` (e.g. F-TIS's ``ftis_filtered``); the gap's are :func:`_gap_stats`'."""
-    mine = sorted({k for u in upd for k in u if k.endswith(("_total", "_peak")) and not k.startswith(_GAP_KEYS)})
-    out: dict = {}
-    for k in mine:
-        vals = [u[k] for u in upd if k in u]
-        if k.endswith("_total"):
-            out[k.removesuffix("_total")] = sum(vals)
-        else:
-            out[k.removesuffix("_peak")] = max(vals)
-    return out
-
-
-_GAP_KEYS = ("mismatch_", "correction_")
-
-
-def _gap_stats(upd: list[dict]) -> dict:
-    """The engine-trainer gap of the step's own tokens (:func:`graft_rl.methods.corrections.gap`), over
-    every update (a skipped one measured it too): ``mismatch_kl`` (k3, token mean), ``mismatch_abs``
-    (mean |log mu - log pi_old|), ``mismatch_max``, ``mismatch_out`` (fraction outside the correction's
-    bounds); with a correction, ``correction_weight`` (mean weight) and ``correction_masked`` (fraction
-    weighted 0). None where nothing was measured (no own token, or top-p sampling)."""
-    tokens = sum(u.get("mismatch_tokens_total", 0.0) for u in upd)
-    if tokens <= 0:
-        return {k: None for k in ("mismatch_kl", "mismatch_abs", "mismatch_max", "mismatch_out")}
-
-    def mean(key: str) -> float:
-        return sum(u.get(key, 0.0) for u in upd) / tokens
-
-    out = {
-        "mismatch_kl": mean("mismatch_kl_total"),
-        "mismatch_abs": mean("mismatch_abs_total"),
-        "mismatch_max": max(u.get("mismatch_abs_peak", 0.0) for u in upd),
-        "mismatch_out": mean("mismatch_out_total"),
-    }
-    if any("correction_weight_total" in u for u in upd):
-        out["correction_weight"] = mean("correction_weight_total")
-        out["correction_masked"] = mean("correction_masked_total")
-    return out

@@ -33,11 +33,13 @@ import torch
 
 from graft_rl.methods.config import check_range
 from graft_rl.methods.registry import CORRECTIONS, CorrectionPart
+from graft_rl.stats import StepStats
 
 __all__ = ["ICEPOP_BOUNDS", "LARGE_GAP_KL", "gap", "register_correction", "sequence_log_ratio"]
 
 #: IcePop's two-sided band [alpha, beta] (Ling Team, "Every Step Evolves", 2025: 0.5 and 5; verl's
-#: ``rollout_rs_threshold="0.5_5.0"`` form); also the band ``mismatch_out`` counts against with no correction
+#: ``rollout_is_threshold="0.5_5.0"`` form, not ``rollout_rs_threshold``, which is verl's rejection sampling
+#: and keeps ratios in [0.2, 2]); also the band ``mismatch_out`` counts against with no correction
 ICEPOP_BOUNDS = (0.5, 5.0)
 
 #: a run whose mean ``mismatch_kl`` is above this gets a line in its summary and report: a bf16 vLLM
@@ -76,7 +78,9 @@ def no_correction(log_ratio, mask, cfg):
 
 @dataclass
 class TISParams:
-    tis_cap: float = 2.0  # C of truncated importance sampling, min(rho, C) (Yao et al. 2025; verl's default 2.0)
+    # C of truncated importance sampling, min(rho, C): 2.0, verl's default (Yao et al. 2025); TRL's cap,
+    # ``vllm_importance_sampling_clip_max`` (formerly ``vllm_importance_sampling_cap``), defaults to 3.0
+    tis_cap: float = 2.0
 
 
 def _check_tis(cfg) -> None:
@@ -88,7 +92,8 @@ def tis(log_ratio, mask, cfg):
     """Token-level truncated importance sampling: weight ``min(rho_t, C)`` per own token (Yao et al.,
     "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", 2025; verl's
     ``rollout_is: token`` with ``rollout_is_threshold: 2.0``, OpenRLHF's ``--vllm_is_correction_type
-    tis``, TRL's ``token_truncate``). ``C``: ``method.tis_cap`` (2.0)."""
+    tis``, TRL's ``token_truncate``). ``C``: ``method.tis_cap`` (2.0, verl's default; TRL's
+    ``vllm_importance_sampling_clip_max`` defaults to 3.0: set ``method.tis_cap=3`` to match it)."""
     return torch.exp(log_ratio.clamp(-MAX_LOG, math.log(cfg.tis_cap)))
 
 
@@ -141,7 +146,7 @@ class MaskSequenceParams:
 )
 def mask_sequence(log_ratio, mask, cfg):
     """TRL's sequence mask (``GRPOConfig(vllm_importance_sampling_mode="sequence_mask")``, cap
-    ``vllm_importance_sampling_cap=3.0``): every token of a response weighted by ``rho = prod_t
+    ``vllm_importance_sampling_clip_max=3.0``, formerly ``vllm_importance_sampling_cap``): every token of a response weighted by ``rho = prod_t
     rho_t``, and a response with ``rho > C`` masked out whole. ``C``: ``method.mask_cap`` (3.0)."""
     seq = sequence_log_ratio(log_ratio, mask)
     rho = torch.exp(seq.clamp(-MAX_LOG, math.log(cfg.mask_cap) + 1.0))
@@ -152,18 +157,18 @@ def mask_sequence(log_ratio, mask, cfg):
 # --------------------------------------------------------------------------- measuring
 def gap(
     old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, part: CorrectionPart, cfg
-) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """``(weight, totals)`` of one micro-batch: the correction's weight ``[m, T]`` (float32, 1 off
-    ``mask``; None for no correction) and the sums the worker turns into the step's metrics:
+) -> tuple[torch.Tensor | None, StepStats]:
+    """``(weight, sums)`` of one micro-batch: the correction's weight ``[m, T]`` (float32, 1 off ``mask``;
+    None for no correction) and the sums and maxima the step's ``mismatch_*`` / ``correction_*`` metrics
+    are formed from (:mod:`graft_rl.stats`; docs/metrics.md):
 
-    - ``mismatch_tokens_total``: own tokens with an engine log-prob (``mask``);
-    - ``mismatch_kl_total``: sum of k3 = (rho - 1) - log rho, an unbiased estimate of KL(mu || pi_old)
-      per token under mu's samples (Schulman, "Approximating KL divergence", 2020);
-    - ``mismatch_abs_total`` / ``mismatch_abs_peak``: sum / largest |log rho|;
-    - ``mismatch_out_total``: tokens whose ratio (the token's, or its response's for a sequence-level
+    - ``mismatch_tokens``: own tokens with an engine log-prob (``mask``);
+    - ``mismatch_k3``: sum of k3 = (rho - 1) - log rho, an unbiased estimate of KL(mu || pi_old) per token
+      under mu's samples (Schulman, "Approximating KL divergence", 2020);
+    - ``mismatch_abs``: sum of |log rho|; maximum ``mismatch_abs`` (in ``peaks``): the largest;
+    - ``mismatch_out``: tokens whose ratio (the token's, or its response's for a sequence-level
       correction) lies outside the correction's bounds;
-    - ``correction_weight_total`` / ``correction_masked_total`` (a correction only): sum of the weights,
-      tokens weighted 0.
+    - ``correction_weight`` / ``correction_masked`` (a correction only): sum of the weights, tokens weighted 0.
 
     Computed in float64 (``expm1``: k3 of a 1e-7 gap is 5e-15, not float32 rounding).
     """
@@ -176,20 +181,20 @@ def gap(
         out = (seq < _log(lo)) | (seq > _log(hi))
     else:
         out = (log_ratio < _log(lo)) | (log_ratio > _log(hi))
-    totals = {
-        "mismatch_tokens_total": float(m.sum()),
-        "mismatch_kl_total": float((k3 * m).sum()),
-        "mismatch_abs_total": float((log_ratio.abs() * m).sum()),
-        "mismatch_abs_peak": float((log_ratio.abs() * m).max()) if m.numel() else 0.0,
-        "mismatch_out_total": float((out.to(torch.float64) * m).sum()),
-    }
+    sums = StepStats()
+    sums.add("mismatch_tokens", float(m.sum()))
+    sums.add("mismatch_k3", float((k3 * m).sum()))
+    sums.add("mismatch_abs", float((log_ratio.abs() * m).sum()))
+    sums.add("mismatch_out", float((out.to(torch.float64) * m).sum()))
+    if m.numel() and float(m.sum()) > 0:
+        sums.peak("mismatch_abs", float((log_ratio.abs() * m).max()))
     w = part(log_ratio, mask, cfg)
     if w is None:
-        return None, totals
+        return None, sums
     w = torch.where(mask.bool(), w.to(torch.float64), torch.ones_like(log_ratio))
-    totals["correction_weight_total"] = float((w * m).sum())
-    totals["correction_masked_total"] = float(((w == 0).to(torch.float64) * m).sum())
-    return w.to(torch.float32), totals
+    sums.add("correction_weight", float((w * m).sum()))
+    sums.add("correction_masked", float(((w == 0).to(torch.float64) * m).sum()))
+    return w.to(torch.float32), sums
 
 
 def _log(x: float) -> float:

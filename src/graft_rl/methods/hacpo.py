@@ -98,7 +98,7 @@ def hacpo_loss(lp, old, mask, ctx: LossContext):
         c.hacpo_self_clip_high,
         c.hacpo_peer_clip_start,
         c.hacpo_peer_clip_increment,
-        weights=ctx.response_correction(mask),  # a correction's weight of each own response (token mean)
+        weights=ctx.correction,  # a correction's weight of each own token [m, T], times that token's term
     )
     stats["clipped"] = stats.pop("clipped_seq")  # whole responses, by its own schedule of bounds
     return loss, stats

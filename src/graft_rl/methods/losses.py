@@ -1,6 +1,10 @@
 """Policy losses (``method.loss``) and auxiliary losses (``method.aux_loss``): one function each.
 
-A loss is ``fn(lp, old, mask, ctx) -> (loss, stats)`` over one micro-batch's rows: ``lp``/``old`` the
+A loss is ``fn(lp, old, mask, ctx) -> (loss, stats)`` over one forward pass's rows: ``loss`` its mean over
+the pass's ``mask`` tokens (or responses, ``response_mean``), which the objective turns into the pass's share
+of the minibatch's mean in one place (:meth:`~graft_rl.methods.objectives.Objective.contribution`); ``stats``
+its own sums ``X_total`` and maxima ``X_peak`` (a plain entry is a per-pass mean, which no step metric
+may average: it is not logged), plus ``clipped`` / ``trained`` (below). ``lp``/``old`` the
 current and pi_old log-probs ``[m, T]``, ``mask`` the policy-gradient tokens, ``ctx`` a
 :class:`LossContext` (per-row advantage, compatibility weight, whether the row is a peer's, the
 source's mean log-prob, method numbers such as HACPO's ``kappa``, the update index). It declares:
@@ -20,9 +24,11 @@ source's mean log-prob, method numbers such as HACPO's ``kappa``, the update ind
   A loss declared ``clips=False`` reports 0; one that clips but returns no ``clipped`` has no such
   diagnostics (none is computed on its behalf). ``clipped_seq`` is read as ``clipped`` ``[m]`` (its
   name before 0.x; deprecated).
-- ``corrects`` (default False): it applies ``ctx.correction`` (a ``method.correction``'s weight of each
-  own token, :mod:`graft_rl.methods.corrections`) to its per-token terms, or ``ctx.response_correction``
-  to its per-response ones; a loss that does not is refused with a correction other than ``none``.
+- ``corrects`` (default False): it multiplies each token's term by ``ctx.correction`` (a
+  ``method.correction``'s weight of each own token, :mod:`graft_rl.methods.corrections`), a per-response
+  loss too (its term written per token, as GSPO-token: verl's ``pg_losses * rollout_is_weights``), so a
+  token weighted 0 gets exactly no gradient; a loss that does not is refused with a correction other
+  than ``none``.
 - ``peer_tokens`` (default False): it reads peer responses as their source sampled them, in its token
   ids with its per-token log-probs (``ctx.mu``), instead of re-tokenised text (F-TIS); the run checks
   that every policy has one vocabulary.
@@ -83,8 +89,11 @@ class LossContext:
         return self.weight if self.correction is None else self.weight[:, None] * self.correction
 
     def response_correction(self, mask: torch.Tensor) -> torch.Tensor | None:
-        """``[m]``: each response's mean correction weight over its ``mask`` tokens (1 without tokens), for
-        a loss with one term per response (verl's sequence-mean of token-weighted terms); None without one."""
+        """``[m]``: each response's mean correction weight over its ``mask`` tokens (1 without tokens); None
+        without one. Not for a loss's gradient: scaling a response by its mean weight gives a token the
+        correction weights 0 the gradient of its response's other tokens; a per-response loss multiplies
+        each token's term by ``correction`` itself (``gspo``, ``hacpo``; verl's ``pg_losses *
+        rollout_is_weights``). Kept for plugins that log it."""
         if self.correction is None:
             return None
         m = mask.to(self.correction.dtype)
@@ -158,11 +167,12 @@ def _check_gspo(cfg) -> None:
 def gspo(lp, old, mask, ctx: LossContext):
     """GSPO (Zheng et al., 2025): length-normalised sequence ratio, one clip per response with its own
     range, mean over responses (:func:`graft_rl.algo.gspo_policy_loss`). The compatibility weight scales
-    each peer response's term, as in GRAFT's token loss; a correction's weight, each own response's by
-    its token mean (its one term is the token mean of a per-token term that is the same on every token)."""
+    each peer response's term, as in GRAFT's token loss. A correction's weight multiplies each own
+    token's term (GSPO-token's per-token form, whose value is the sequence ratio's), as verl's
+    ``compute_policy_loss_gspo`` multiplies ``pg_losses`` by ``rollout_is_weights``: a token the
+    correction weights 0 gets no gradient (docs/design.md, "Engine and trainer")."""
     c = ctx.cfg
-    corr = ctx.response_correction(mask)
-    w = ctx.weight if corr is None else ctx.weight * corr
+    w = ctx.token_weight()  # [m] without a correction, [m, T] with one
     loss, stats = algo.gspo_policy_loss(lp, old, ctx.adv, mask, w, c.gspo_clip_low, c.gspo_clip_high)
     stats["clipped"] = stats.pop("clipped_seq")  # whole responses
     return loss, stats

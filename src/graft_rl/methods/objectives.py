@@ -1,13 +1,13 @@
 """The minibatch objective of a receiver (Section 4.2): the method's loss part (``method.loss``,
 :mod:`graft_rl.methods.losses`) aggregated over the minibatch as it declares, plus ``kl_coef`` x the KL
-to the initial policy and the auxiliary loss part (``method.aux_loss``, SGT's NLL). Each micro-batch
-also measures the engine-trainer gap of its own tokens and applies the correction part
-(``method.correction``, :mod:`graft_rl.methods.corrections`).
+to the initial policy and the auxiliary loss part (``method.aux_loss``, SGT's NLL); the engine-trainer
+gap of own tokens and the correction part's weights of them (``method.correction``,
+:mod:`graft_rl.methods.corrections`).
 
-:meth:`Objective.minibatch` returns a closure that :meth:`Policy.update` calls once per forward pass
-(a micro-batch of the minibatch's rows); each call returns the micro-batch's *contribution* to the
-minibatch loss, so accumulating gradients over micro-batches reproduces the minibatch's token mean
-exactly.
+The receiver's update (:func:`graft_rl.engine.update.receiver_update`) calls, for each forward pass of a
+minibatch, :meth:`Objective.engine_gap` and then :meth:`Objective.contribution`: the pass's share of the
+minibatch loss (so accumulating gradients over passes gives the minibatch's mean exactly) and its
+:class:`~graft_rl.stats.StepStats` (sums and counts only).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from graft_rl.methods.config import MethodConfig
 from graft_rl.methods.corrections import gap
 from graft_rl.methods.losses import LossContext
 from graft_rl.methods.registry import AUX_LOSSES, CORRECTIONS, LOSSES, CorrectionPart, LossPart, Part
+from graft_rl.stats import StepStats
 
-__all__ = ["Minibatch", "Objective", "RowTensors"]
+__all__ = ["Normalisers", "Objective", "RowTensors"]
 
 
 class RowTensors:
@@ -31,7 +32,7 @@ class RowTensors:
     ``old``: the receiver's log-probs before the step's first update (pi_old of the ratio). Rows
     flagged in ``old_is_current`` had no pi_old computed beforehand: they are trained in the step's first
     update, where pi_old *is* the current policy, so their pi_old is the forward pass's own
-    log-probs, detached (ratio exactly 1, as verl and TRL do on-policy); see :meth:`old_for`.
+    log-probs, detached (ratio exactly 1, as verl and TRL do on-policy: TRL's ``old or logps.detach()``).
     ``src_mean``: the source's mean generation log-prob of each row; ``extras``: per-row numbers a
     method's objective reads, by name (``Row.extras``, e.g. HACPO's ``kappa``). ``mu``: the engine's
     log-prob of each own token (``[M, T]``), where ``has_mu`` (``[M]``) says a row has them; both None
@@ -71,12 +72,6 @@ class RowTensors:
         self.src_mean = torch.as_tensor(src_mean, dtype=torch.float32)
         self.extras = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in (extras or {}).items()}
 
-    def old_for(self, rows: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
-        """pi_old log-probs ``[m, T_m]`` of ``rows`` for a micro-batch whose current log-probs are ``lp``."""
-        old = self.old[rows, : lp.shape[1]].to(lp.device)
-        current = self.old_is_current[rows].to(lp.device)
-        return torch.where(current[:, None], lp.detach(), old) if bool(current.any()) else old
-
     def mu_mask(self, rows) -> torch.Tensor:
         """Own tokens of the policy-gradient term with an engine log-prob (where the gap is measured; a
         peer row's log-probs, kept for a loss with ``peer_tokens``, are another policy's)."""
@@ -94,9 +89,21 @@ class RowTensors:
         return self.mask[rows] * keep[:, None]
 
 
+@dataclass(frozen=True)
+class Normalisers:
+    """A minibatch's denominators, counted over the whole minibatch before its passes: ``rl_tokens`` (its
+    policy-gradient tokens: J's 1 / sum_j |o_j|, gated responses included, Section 4.2), ``responses`` (its
+    included, non-auxiliary responses: a ``response_mean`` loss's) and ``aux_tokens`` (its auxiliary
+    targets' tokens)."""
+
+    rl_tokens: float
+    responses: float
+    aux_tokens: float
+
+
 class Objective:
     """A receiver's minibatch loss from its parts: ``loss`` (a :func:`~graft_rl.methods.losses.register_loss`
-    entry; default ``cfg.loss``) and ``aux_loss`` (default ``cfg.aux_loss``)."""
+    entry; default ``cfg.loss``), ``aux_loss`` (default ``cfg.aux_loss``) and ``correction``."""
 
     def __init__(
         self,
@@ -112,27 +119,24 @@ class Objective:
             correction if correction is not None else CORRECTIONS.get(cfg.part_name("correction"))
         )
 
-    def minibatch(self, t: RowTensors, mb_rows: list[int], step: int, update_index: int = 0) -> Minibatch:
-        """The :class:`Minibatch` of batch rows ``mb_rows``, its minibatch-wide quantities computed once,
-        before its micro-batches; ``update_index``: its position among the step's updates (0, 1, ...)."""
+    @staticmethod
+    def normalisers(t: RowTensors, mb_rows: list[int]) -> Normalisers:
+        """The :class:`Normalisers` of the minibatch of batch rows ``mb_rows``."""
         responses = float(sum(1 for r in mb_rows if bool(t.include[r]) and not bool(t.is_aux[r])))
-        return Minibatch(
-            self,
-            t,
-            list(mb_rows),
-            step,
-            update_index,
-            float(t.rl_mask(mb_rows).sum()),
-            responses,
-            float(t.aux_mask(mb_rows).sum()),
-        )
+        return Normalisers(float(t.rl_mask(mb_rows).sum()), responses, float(t.aux_mask(mb_rows).sum()))
 
     def context(
-        self, mb: Minibatch, rows: torch.Tensor, device, correction: torch.Tensor | None = None, T: int | None = None
+        self,
+        t: RowTensors,
+        rows: torch.Tensor,
+        device,
+        correction: torch.Tensor | None = None,
+        T: int | None = None,
+        step: int = 0,
+        update_index: int = 0,
     ) -> LossContext:
         """The loss's per-row inputs for ``rows``; ``correction``: the correction's token weights, if any;
-        ``T``: the micro-batch's token width (the sampler's log-probs are cut to it)."""
-        t = mb.t
+        ``T``: the pass's token width (the sampler's log-probs are cut to it)."""
         return LossContext(
             self.cfg,
             t.adv[rows].to(device),
@@ -140,8 +144,8 @@ class Objective:
             t.is_peer[rows].to(device),
             t.src_mean[rows].to(device),
             {k: v[rows].to(device) for k, v in t.extras.items()},
-            mb.step,
-            mb.update_index,
+            step,
+            update_index,
             correction,
             self._mu(t, rows, device, T) if self.loss.peer_tokens else None,
         )
@@ -154,64 +158,99 @@ class Objective:
         mu = t.mu[rows] * t.has_mu[rows].float()[:, None]
         return (mu if T is None else mu[:, :T]).to(device)
 
-    def engine_gap(self, mb: Minibatch, rows: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
-        """The gap between the engine's log-probs of these rows' own tokens and ``old`` (pi_old, from this
-        very forward pass for rows of the first update), and the correction's weights of them
-        (:func:`~graft_rl.methods.corrections.gap`); nothing where mu is not comparable (top-p sampling)."""
-        t = mb.t
+    def engine_gap(self, t: RowTensors, rows: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor | None, StepStats]:
+        """The gap between the engine's log-probs of these rows' own tokens and ``old`` (pi_old), and the
+        correction's weights of them (:func:`~graft_rl.methods.corrections.gap`): the tokens of
+        :meth:`RowTensors.mu_mask`. Nothing where mu is not comparable (top-p sampling)."""
         if t.mu is None:
-            return None, {}
+            return None, StepStats()
         T = old.shape[1]
         mask = t.mu_mask(rows)[:, :T].to(old.device)
-        return gap(old, t.mu[rows, :T].to(old.device), mask, self.correction, self.cfg)
+        weight, sums = gap(old, t.mu[rows, :T].to(old.device), mask, self.correction, self.cfg)
+        return (None if weight is None else weight.to(old.device)), sums
 
-    def micro(self, lp: torch.Tensor, mb: Minibatch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """One micro-batch's ``(loss contribution, stats)``; ``lp``: its current log-probs ``[m, T]``.
+    def contribution(
+        self,
+        lp: torch.Tensor,
+        old: torch.Tensor,
+        t: RowTensors,
+        rows: torch.Tensor,
+        norm: Normalisers,
+        correction: torch.Tensor | None = None,
+        step: int = 0,
+        update_index: int = 0,
+    ) -> tuple[torch.Tensor, StepStats]:
+        """One pass's ``(share of the minibatch loss, stats)``; ``lp``: its current log-probs ``[m, T]``,
+        ``old``: their pi_old, ``correction``: the correction's token weights (:meth:`engine_gap`).
 
-        The loss is weighed by the micro-batch's share of the minibatch as it declares: a ``token_mean``
-        loss by its policy-gradient tokens, a ``response_mean`` one by its responses (rows without
-        tokens left out of it). Then the KL term and the auxiliary loss; the stats carry the loss's own
-        self/peer clipped-token counts (:meth:`clip_counts`)."""
-        t = mb.t
+        Each term is its mean over this pass (the loss part's over its tokens, or over its responses for a
+        ``response_mean`` loss, rows without tokens left out; the KL's; the auxiliary loss's) and enters
+        times this pass's share of the minibatch's count (:class:`Normalisers`): the one place the
+        minibatch normaliser is applied. The stats are sums and counts: the loss's self/peer clipped and
+        trained tokens (:meth:`clip_counts`), the KL's sum and count, the loss part's own sums."""
         T = lp.shape[1]
         rl_mask = t.rl_mask(rows)[:, :T].to(lp.device)
-        old = t.old_for(rows, lp)
-        correction, gap_totals = self.engine_gap(mb, rows, old)
-        ctx = self.context(mb, rows, lp.device, None if correction is None else correction.to(lp.device), T)
-        if self.loss.aggregation == "response_mean":
+        ctx = self.context(t, rows, lp.device, correction, T, step, update_index)
+        stats = StepStats()
+        own = ~ctx.is_peer
+        if self.loss.aggregation == "response_mean":  # a mean over responses: rows without tokens left out
             valid = rl_mask.sum(dim=1) > 0
-            if not bool(valid.any()):
-                return lp.sum() * 0.0, gap_totals
-            own = valid & ~ctx.is_peer
-            ctx = ctx.rows(valid)
-            loss, st = self.loss(lp[valid], old[valid], rl_mask[valid], ctx)
-            stats = {**self.clip_counts(st, rl_mask[valid], ctx), **gap_totals}
-            total = loss * (float(valid.sum()) / max(mb.responses, 1.0))
-            if self.loss.kl == "own_response_mean":
-                total = self._own_response_kl(lp, mb, rows, rl_mask, own, total, stats)
-            else:
-                total = self.with_kl(lp, mb, rows, rl_mask, total, stats)
-            return self.with_aux(lp, mb, rows, total), stats
-        loss, st = self.loss(lp, old, rl_mask, ctx)
-        stats = {**self.clip_counts(st, rl_mask, ctx), **gap_totals}
-        total = loss * (float(rl_mask.sum()) / mb.rl_tokens) if mb.rl_tokens > 0 else lp.sum() * 0.0
-        total = self.with_kl(lp, mb, rows, rl_mask, total, stats)
-        return self.with_aux(lp, mb, rows, total), stats
+            own = valid & own
+            lp_, old_, mask_, ctx_ = lp[valid], old[valid], rl_mask[valid], ctx.rows(valid)
+            n, of = float(valid.sum()), max(norm.responses, 1.0)
+        else:  # a mean over tokens
+            lp_, old_, mask_, ctx_ = lp, old, rl_mask, ctx
+            n, of = float(rl_mask.sum()), norm.rl_tokens
+        total = lp.sum() * 0.0
+        if n > 0:
+            mean, st = self.loss(lp_, old_, mask_, ctx_)
+            stats.merge(self.clip_counts(st, mask_, ctx_))
+            # the minibatch normaliser, here and nowhere else: this pass's mean times its share of the count
+            total = mean * (n / of)
+        total = self._with_kl(total, lp, t, rows, rl_mask, own, norm, stats)
+        aux_mask = t.aux_mask(rows)[:, :T].to(lp.device)
+        if norm.aux_tokens > 0 and aux_mask.sum() > 0:
+            aux = self.aux_loss(lp, aux_mask, self.cfg)
+            total = total if aux is None else total + aux * (float(aux_mask.sum()) / norm.aux_tokens)
+        return total, stats
 
-    def clip_counts(self, st: dict, mask: torch.Tensor, ctx: LossContext) -> dict:
-        """The loss's stats as floats, with its self/peer clipped-token counts (paper Appendix H, Table 9)
-        from what it says it clipped (``clipped``: ``[m, T]`` tokens or ``[m]`` responses), over the
-        tokens it trains: ``mask``'s, of rows whose weight is non-zero where the loss applies the weight
-        (a gate-rejected peer response is not trained, so neither clipped nor counted), and of tokens the
-        loss says it trains (``trained``: ``[m, T]``, optional; F-TIS leaves out the responses it filters).
-        A loss declared ``clips=False`` clipped nothing; one that clips and says nothing gets no counts.
-        The worker sums them over updates."""
+    def _with_kl(self, total, lp, t: RowTensors, rows, rl_mask, own, norm: Normalisers, stats: StepStats):
+        """``total`` plus ``kl_coef`` x the KL to the reference, as the loss declares: ``token_mean`` (k3 over the
+        minibatch's policy-gradient tokens; this pass's token share) or ``own_response_mean`` (HACPO's recipe:
+        ``low_var_kl`` per own response, summed and divided by the minibatch's responses, verl's
+        ``seq-mean-token-mean`` with ``global_batch_size``). Stats: ``kl_ref`` (sum) and ``kl_ref_count``."""
+        if self.cfg.kl_coef <= 0 or t.ref is None:
+            return total
+        ref = t.ref[rows, : lp.shape[1]].to(lp.device)
+        if self.loss.kl == "own_response_mean":
+            if not bool(own.any()):
+                return total
+            seq_kl = algo.sequence_reference_kl(lp[own], ref[own], rl_mask[own])
+            stats.add("kl_ref", float(seq_kl.detach().sum()))
+            stats.add("kl_ref_count", float(own.sum()))
+            return total + self.cfg.kl_coef * seq_kl.sum() / max(norm.responses, 1.0)
+        tokens = float(rl_mask.sum())
+        if norm.rl_tokens <= 0 or tokens == 0:
+            return total
+        kl = algo.reference_kl(lp, ref, rl_mask)
+        stats.add("kl_ref", float(kl.detach()) * tokens)
+        stats.add("kl_ref_count", tokens)
+        return total + self.cfg.kl_coef * kl * (tokens / norm.rl_tokens)
+
+    def clip_counts(self, st: dict, mask: torch.Tensor, ctx: LossContext) -> StepStats:
+        """The loss's own sums (its ``X_total`` / ``X_peak`` entries) and its self/peer clipped and trained
+        token counts (paper Appendix H, Table 9) from what it says it clipped (``clipped``: ``[m, T]`` tokens
+        or ``[m]`` responses), over the tokens it trains: ``mask``'s, of rows whose weight is non-zero where
+        the loss applies the weight (a gate-rejected peer response is not trained, so neither clipped nor
+        counted), of tokens its correction does not weight 0, and of tokens the loss says it trains
+        (``trained``: ``[m, T]``, optional; F-TIS leaves out the responses it filters). A loss declared
+        ``clips=False`` clipped nothing; one that clips and says nothing gets no counts."""
         st = dict(st)
         own_trained = st.pop("trained", None)
         clipped = st.pop("clipped", None)
         if clipped is None:
             clipped = st.pop("clipped_seq", None)  # deprecated name of a [m] mask
-        stats = {k: float(v) for k, v in st.items()}
+        stats = StepStats.from_loss_stats(st)
         if clipped is None and self.loss.clips:
             return stats
         trained = mask
@@ -229,66 +268,6 @@ class Objective:
             hit = trained * clipped[:, : trained.shape[1]].to(trained.dtype)
         peer = ctx.is_peer.to(trained.dtype)[:, None]
         for name, sel in (("self", 1.0 - peer), ("peer", peer)):
-            stats[f"clipped_tokens_{name}"] = float((hit * sel).sum())
-            stats[f"tokens_{name}"] = float((trained * sel).sum())
+            stats.add(f"clipped_tokens_{name}", float((hit * sel).sum()))
+            stats.add(f"tokens_{name}", float((trained * sel).sum()))
         return stats
-
-    def with_kl(self, lp, mb: Minibatch, rows, rl_mask, total, stats: dict):
-        """``total`` plus ``kl_coef`` x the token-mean k3 KL to the reference over the minibatch's
-        policy-gradient tokens (this micro-batch's share)."""
-        t = mb.t
-        if self.cfg.kl_coef <= 0 or t.ref is None or mb.rl_tokens <= 0 or float(rl_mask.sum()) == 0:
-            return total
-        ref = t.ref[rows, : lp.shape[1]].to(lp.device)
-        kl = algo.reference_kl(lp, ref, rl_mask)
-        stats["kl_ref"] = float(kl.detach())
-        return total + self.cfg.kl_coef * kl * (float(rl_mask.sum()) / mb.rl_tokens)
-
-    def _own_response_kl(self, lp, mb: Minibatch, rows, rl_mask, own, total, stats: dict):
-        """HACPO's recipe's KL: ``low_var_kl`` per own response (token mean), summed and divided by the
-        minibatch's responses (verl's ``seq-mean-token-mean`` with ``global_batch_size``)."""
-        t = mb.t
-        if self.cfg.kl_coef <= 0 or t.ref is None or not bool(own.any()):
-            return total
-        ref = t.ref[rows, : lp.shape[1]].to(lp.device)
-        seq_kl = algo.sequence_reference_kl(lp[own], ref[own], rl_mask[own])
-        stats["kl_ref"] = float(seq_kl.detach().mean())
-        return total + self.cfg.kl_coef * seq_kl.sum() / max(mb.responses, 1.0)
-
-    def with_aux(self, lp, mb: Minibatch, rows, total):
-        """``total`` plus the auxiliary loss over this micro-batch's auxiliary targets (its token share)."""
-        if mb.aux_tokens <= 0:
-            return total
-        aux_mask = mb.t.aux_mask(rows)[:, : lp.shape[1]].to(lp.device)
-        if aux_mask.sum() <= 0:
-            return total
-        aux = self.aux_loss(lp, aux_mask, self.cfg)
-        return total if aux is None else total + aux * (float(aux_mask.sum()) / mb.aux_tokens)
-
-
-@dataclass
-class Minibatch:
-    """One minibatch of a receiver's step: its ``rows`` (batch row indices, in the order the update gets
-    them), the step and update index, and the minibatch-wide normalisers: ``rl_tokens`` (its
-    policy-gradient tokens), ``responses`` (its included, non-auxiliary responses) and ``aux_tokens``
-    (its auxiliary targets' tokens). :meth:`loss` is the ``loss_fn`` of :meth:`Policy.update`."""
-
-    objective: Objective
-    t: RowTensors
-    rows: list[int]
-    step: int
-    update_index: int
-    rl_tokens: float
-    responses: float = 0.0
-    aux_tokens: float = 0.0
-
-    def batch_rows(self, micro: list[int]) -> torch.Tensor:
-        """The batch rows of a micro-batch; ``micro``: positions in this minibatch, as
-        :meth:`Policy.update` passes them (its passes are cut from ``batch.select(rows)``)."""
-        return torch.tensor([self.rows[i] for i in micro])
-
-    def loss(self, lp: torch.Tensor, mask: torch.Tensor, micro: list[int]) -> tuple[torch.Tensor, dict]:
-        """A micro-batch's contribution to this minibatch's loss, and its stats (:meth:`Objective.micro`)."""
-        return self.objective.micro(lp, self, self.batch_rows(micro))
-
-    __call__ = loss

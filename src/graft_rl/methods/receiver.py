@@ -2,14 +2,13 @@
 the compatibility score and weight of each peer response, the minibatch order, and the loss.
 
 The worker (``graft_rl.engine.worker``) encodes a :class:`~graft_rl.methods.exchange.ReceiverBatch` under
-its policy and computes rows' log-probs on request; everything a method decides is here, through its parts:
+its policy and scores pi_old of the rows that need it; everything a method decides is here, through its parts:
 the composition's ``keeps_cut``, the loss's ``loss_mask``, the weighting, the position of peer groups
 (``method.position``), and the :class:`~graft_rl.methods.objectives.Objective`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -18,7 +17,7 @@ import torch
 from graft_rl import algo
 from graft_rl.methods.batch import ReceiverBatch
 from graft_rl.methods.config import MethodConfig
-from graft_rl.methods.objectives import Minibatch, Objective, RowTensors
+from graft_rl.methods.objectives import Objective, RowTensors
 from graft_rl.methods.registry import COMPOSITIONS, WEIGHTINGS
 
 __all__ = ["Receiver", "Weighed"]
@@ -53,30 +52,27 @@ class Receiver:
         ``peer_tokens``: one shared vocabulary, F-TIS); otherwise their text is re-tokenised."""
         return self.objective.loss.peer_tokens
 
-    def weigh(
-        self,
-        batch: ReceiverBatch,
-        response_ids: list[list[int]],
-        mask: torch.Tensor,
-        cut: list[int],
-        eos_token_ids,
-        old_logprobs: Callable[[list[int], torch.Tensor], None],
-        gen: torch.Generator,
-    ) -> Weighed:
-        """Weight the batch's peer rows (Section 4.2): ``old_logprobs(rows, old)`` fills ``old[rows]`` with the
-        receiver's current log-probs; ``cut``: peer rows longer than the receiver's budget, which leave
-        the loss unless the composition keeps them; the loss's ``loss_mask`` edits ``mask`` in place."""
+    def token_mask(self, response_ids: list[list[int]], mask: torch.Tensor, eos_token_ids) -> torch.Tensor:
+        """The response-token mask with the tokens the loss leaves out removed (its ``loss_mask``: HACPO's
+        final EOS); ``mask`` is edited in place and returned."""
+        if self.objective.loss.loss_mask is not None:
+            self.objective.loss.loss_mask(response_ids, mask, eos_token_ids)
+        return mask
+
+    @staticmethod
+    def peer_rows(batch: ReceiverBatch) -> list[int]:
+        """Rows whose compatibility is scored: peer responses in the policy-gradient term (Section 4.2)."""
+        return [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
+
+    def weigh(self, batch: ReceiverBatch, old: torch.Tensor, mask: torch.Tensor, cut: list[int], gen) -> Weighed:
+        """Weight the batch's peer rows (Section 4.2) from ``old``, pi_old, which holds the receiver's
+        log-probs of every :meth:`peer_rows` row; ``cut``: peer rows longer than the receiver's budget, which
+        leave the loss unless the composition keeps them. Draws from ``gen`` as the weighting part does."""
         weights = [r.weight for r in batch.rows]
         included = [r.include for r in batch.rows]
         for i in [] if self.composition.keeps_cut else cut:  # a peer response longer than this policy's
             included[i] = False  # budget: it could never have produced it, and the answer may be cut
-        loss_mask = self.objective.loss.loss_mask
-        if loss_mask is not None:
-            loss_mask(response_ids, mask, eos_token_ids)
-        old = torch.zeros(mask.shape)  # pi_old, filled where it is needed before the first update
-        # compatibility of peer responses (Section 4.2); per-character variant logged too
-        peer_rows = [i for i, r in enumerate(batch.rows) if r.is_peer and not r.is_aux]
-        old_logprobs(peer_rows, old)
+        peer_rows = self.peer_rows(batch)
         recv_sum = (old * mask).sum(1)
         recv_mean = algo.mean_token_logprob(old, mask)
         compat: dict[int, tuple[float, float]] = {}
@@ -127,12 +123,12 @@ class Receiver:
         order = algo.minibatch_order(torch.tensor(batch.group_is_peer), minibatch, position, gen)
         return [[r for gi in mb.tolist() for r in group_rows[gi]] for mb in order]
 
-    def later_rows(self, batch: ReceiverBatch, w: Weighed, first: set[int]) -> list[int]:
-        """Rows that need pi_old computed before the first update: in the loss, trained after the first
-        minibatch, and without it already (peer rows have it, for their compatibility)."""
-        known = set(w.peer_rows)
+    def later_rows(self, batch: ReceiverBatch, w: Weighed, first: list[int]) -> list[int]:
+        """Rows whose pi_old is scored after weighing, still before the first update: in the loss, not in
+        the first minibatch (``first``), and not scored already (peer rows were, for their compatibility)."""
+        known, first_ = set(w.peer_rows), set(first)
         return [
-            i for i, r in enumerate(batch.rows) if i not in first and i not in known and w.included[i] and not r.is_aux
+            i for i, r in enumerate(batch.rows) if i not in first_ and i not in known and w.included[i] and not r.is_aux
         ]
 
     def tensors(
@@ -140,7 +136,7 @@ class Receiver:
         batch: ReceiverBatch,
         w: Weighed,
         ref: torch.Tensor | None,
-        first: set[int],
+        first: list[int],
         response_ids: list[list[int]] | None = None,
         engine_logprobs: bool = True,
     ) -> RowTensors:
@@ -149,7 +145,7 @@ class Receiver:
         the distribution the trainer computes (no top-p / top-k truncation at sampling), so their gap to
         pi_old is measured and corrected; ``response_ids``: the rows' tokens, which mu must match one to one."""
         rows = batch.rows
-        known = set(w.peer_rows)
+        known, first_ = set(w.peer_rows), set(first)
         extras = {
             key: [r.extras.get(key, 1.0) for r in rows] for key in dict.fromkeys(k for r in rows for k in r.extras)
         }
@@ -181,13 +177,8 @@ class Receiver:
             [r.is_aux for r in rows],
             [r.src_mean_logprob for r in rows],
             ref,
-            old_is_current=[i in first and i not in known for i in range(len(rows))],
+            old_is_current=[i in first_ and i not in known for i in range(len(rows))],
             extras=extras,
             mu=mu,
             has_mu=has_mu,
         )
-
-    def minibatches(self, t: RowTensors, order: list[list[int]], step: int) -> list[Minibatch]:
-        """The step's minibatches (:meth:`order`) as :class:`Minibatch` objects, each owning its batch rows
-        and its loss (``Policy.update(tokens.select(mb.rows), mb.loss)``)."""
-        return [self.objective.minibatch(t, rows, step, i) for i, rows in enumerate(order)]

@@ -61,7 +61,8 @@ class PolicyConfig:
     lr: float = 1e-6  # AdamW learning rate (Table 3)
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     weight_decay: float = 0.01  # AdamW weight decay
-    max_grad_norm: float = 1.0  # gradient norm clip per update
+    # gradient norm clip per update; null: no clip (the norm is still computed and logged; SAPO's presets)
+    max_grad_norm: float | None = 1.0
     # padded (sequences x length) tokens per forward pass; None = from the vocabulary size, so the
     # logits of one pass stay near LOGITS_BUDGET_BYTES (16384 for small vocabularies, ~1k for Gemma's 262k)
     micro_batch_tokens: int | None = None
@@ -102,9 +103,10 @@ class PolicyConfig:
             raise PolicyError(f"policy {self.name!r}: world_size must be >= 1, got {self.world_size}")
         if not (0 < self.lr < math.inf):  # NaN fails too
             raise PolicyError(f"policy {self.name!r}: lr must be a finite number > 0, got {self.lr}")
-        if not (0 < self.max_grad_norm < math.inf) or not (0 <= self.weight_decay < math.inf):
+        clip_ok = self.max_grad_norm is None or 0 < self.max_grad_norm < math.inf
+        if not clip_ok or not (0 <= self.weight_decay < math.inf):
             raise PolicyError(
-                f"policy {self.name!r}: max_grad_norm must be > 0 and weight_decay >= 0, got "
+                f"policy {self.name!r}: max_grad_norm must be > 0 (or null: no clip) and weight_decay >= 0, got "
                 f"{self.max_grad_norm}, {self.weight_decay}"
             )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -135,6 +137,12 @@ class PolicyConfig:
             raise PolicyError(
                 f"policy {self.name!r}: micro_batch_tokens must be >= 1 (or null for automatic), got {self.micro_batch_tokens}"
             )
+
+    @property
+    def grad_clip(self) -> float:
+        """The norm gradients are clipped to: ``max_grad_norm``, or infinity for none (``clip_grad_norm_``
+        then only measures: its factor is exactly 1)."""
+        return math.inf if self.max_grad_norm is None else self.max_grad_norm
 
     def _check_lora(self) -> None:
         """``lora`` as :class:`LoraSettings` (from a mapping); without a second KL reference model."""

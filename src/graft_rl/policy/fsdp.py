@@ -45,6 +45,7 @@ from graft_rl.policy.policy import Policy
 from graft_rl.policy.training import load_state_file
 from graft_rl.policy.types import PolicyError, TokenBatch
 from graft_rl.seeding import rank_seed
+from graft_rl.stats import StepStats
 
 __all__ = ["ShardedPolicy", "shard_model"]
 
@@ -154,7 +155,7 @@ class ShardedPolicy(Policy):
         dist.all_reduce(t)
         return t.tolist()
 
-    def _reduce_stats(self, stats: dict[str, float]) -> dict[str, float]:
+    def _reduce_stats(self, stats: StepStats) -> StepStats:
         return reduce_stats(stats, self.world, self._comm_device())
 
     @property
@@ -167,7 +168,7 @@ class ShardedPolicy(Policy):
         params = [p for p in self.sharded_params if p.grad is not None]
         if not params:
             return 0.0
-        norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         return float(norm)
 
@@ -426,21 +427,20 @@ def _like(param, local: torch.Tensor):
     )
 
 
-def reduce_stats(stats: dict[str, float], world: int, device: torch.device) -> dict[str, float]:
-    """Update stats over the ranks: summed, a ``*_peak`` one the largest. The names are the union of
-    every rank's first: a rank whose passes were all padding has none."""
+def reduce_stats(stats: StepStats, world: int, device: torch.device) -> StepStats:
+    """A step's statistics over the ranks: each sum summed, each maximum the largest. The names are the
+    union of every rank's: a rank whose passes were all padding has none."""
     names: list = [None] * world
-    dist.all_gather_object(names, sorted(stats))
-    keys = sorted({k for ks in names for k in ks})
-    sums = [k for k in keys if not k.endswith("_peak")]
-    peaks = [k for k in keys if k.endswith("_peak")]
-    out: dict[str, float] = {}
+    dist.all_gather_object(names, (sorted(stats.sums), sorted(stats.peaks)))
+    sums = sorted({k for ks, _ in names for k in ks})
+    peaks = sorted({k for _, ks in names for k in ks})
+    out = StepStats()
     if sums:
-        t = torch.tensor([stats.get(k, 0.0) for k in sums], dtype=torch.float64, device=device)
+        t = torch.tensor([stats.sums.get(k, 0.0) for k in sums], dtype=torch.float64, device=device)
         dist.all_reduce(t)
-        out.update(zip(sums, t.tolist(), strict=True))
+        out.sums.update(zip(sums, t.tolist(), strict=True))
     if peaks:
-        t = torch.tensor([stats.get(k, -math.inf) for k in peaks], dtype=torch.float64, device=device)
+        t = torch.tensor([stats.peaks.get(k, -math.inf) for k in peaks], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.update(zip(peaks, t.tolist(), strict=True))
+        out.peaks.update(zip(peaks, t.tolist(), strict=True))
     return out

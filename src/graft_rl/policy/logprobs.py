@@ -12,6 +12,7 @@ import torch
 
 from graft_rl.policy.heads import logprob_head
 from graft_rl.policy.types import TokenBatch
+from graft_rl.stats import StepStats
 
 __all__ = ["PASS_OVERHEAD", "PolicyLogprobs", "length_micro_batches", "token_logprobs_from_logits"]
 
@@ -161,9 +162,23 @@ class PolicyLogprobs:
         """Sum per-process scalars over the processes of this policy."""
         return values
 
-    def _reduce_stats(self, stats: dict[str, float]) -> dict[str, float]:
-        """Per-process update stats over the processes of this policy: summed, a ``*_peak`` one the largest."""
+    def _reduce_stats(self, stats: StepStats) -> StepStats:
+        """A step's statistics over the processes of this policy: sums summed, maxima the largest."""
         return stats
+
+    # the receiver's update (graft_rl.engine.update) runs its own loop over these
+    def passes(self, batch: TokenBatch) -> list[list[int] | None]:
+        """Row lists of the forward passes (micro-batches) this process runs over ``batch``, in order;
+        ``None``: a padding pass of a sharded rank with no row in it (run it all the same)."""
+        return self._passes(batch)
+
+    def pass_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """Response log-probs ``[m, T]`` of one forward pass, with gradient (inside an :meth:`optimiser_step`)."""
+        return self._forward(batch)
+
+    def reduce_stats(self, stats: StepStats) -> StepStats:
+        """A step's statistics summed (maxima: the largest) over this policy's processes; every rank calls."""
+        return self._reduce_stats(stats)
 
     #: each micro-batch's loss is multiplied by this before backward (FSDP averages over ranks)
     loss_scale = 1.0

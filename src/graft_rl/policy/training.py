@@ -16,8 +16,9 @@ import torch
 
 from graft_rl.policy.lag import LAG_FILE
 from graft_rl.policy.types import PolicyError, SamplingParams, TokenBatch
+from graft_rl.stats import StepStats
 
-__all__ = ["POLICY_SETTINGS", "PolicyTraining", "StateFileError", "load_state_file"]
+__all__ = ["POLICY_SETTINGS", "OptimiserStep", "PolicyTraining", "StateFileError", "load_state_file"]
 
 #: File in every saved policy directory holding the policy's settings (prompt format etc.).
 POLICY_SETTINGS = "graft_policy.json"
@@ -46,6 +47,60 @@ def load_state_file(path: str | Path) -> dict:
     return state
 
 
+class OptimiserStep:
+    """One optimiser step of a policy, accumulated over its forward passes (micro-batches).
+
+    :meth:`backward` takes each pass's loss contribution; a padding pass (``None``: a sharded rank with
+    no row in this pass) or a non-finite loss still runs a zero backward, since a sharded policy's
+    collectives need every rank in every pass, and a non-finite loss marks the whole step for skipping.
+    :meth:`finish` reduces over the ranks, clips the gradient norm and steps the optimiser, or skips:
+    the weights stay untouched where any rank's loss or the gradient norm is not finite (SPEC §6).
+    Used as a context manager: the model is in train mode (layer checkpointing) only inside it.
+    """
+
+    def __init__(self, policy: PolicyTraining):
+        self.policy = policy
+        self.loss = 0.0  # the step's loss: the sum of its passes' contributions (this rank's)
+        self.passes = 0
+        self.bad = False
+
+    def __enter__(self) -> OptimiserStep:
+        pol = self.policy
+        pol.optimizer.zero_grad(set_to_none=True)
+        if pol.config.gradient_checkpointing:
+            pol.model.train()  # transformers checkpoints layers only in train mode (dropout is off)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.policy.model.eval()
+
+    def backward(self, loss: torch.Tensor | None, lp: torch.Tensor) -> bool:
+        """Backward of one pass's contribution (times the policy's ``loss_scale``); whether it counts: False
+        for a padding pass, a non-finite loss, or any pass after one (each runs a zero backward)."""
+        if loss is None or self.bad or not torch.isfinite(loss):
+            self.bad = self.bad or loss is not None
+            (lp.sum() * 0.0).backward()
+            return False
+        (loss * self.policy.loss_scale).backward()
+        self.loss += float(loss.detach())
+        self.passes += 1
+        return True
+
+    def finish(self) -> tuple[float, float, bool]:
+        """``(loss, grad norm, skipped)``: the step's loss summed over ranks (NaN when skipped)."""
+        pol = self.policy
+        loss, _, bad = pol._reduce_sums([self.loss, float(self.passes), float(self.bad)])
+        pol.model.eval()
+        grad_norm = pol._clip_grad_norm()
+        if bad > 0 or not math.isfinite(grad_norm):
+            pol.optimizer.zero_grad(set_to_none=True)
+            return float("nan"), grad_norm, True
+        pol.optimizer.step()
+        pol.optimizer.zero_grad(set_to_none=True)
+        pol.weights_version += 1
+        return loss, grad_norm, False
+
+
 class PolicyTraining:
     """Mixed into :class:`~graft_rl.policy.policy.Policy`, whose model, optimizer, config, backend,
     ``_passes``/``_forward``/``_reduce_sums`` and generation/scoring it uses."""
@@ -55,70 +110,60 @@ class PolicyTraining:
     lag: Any = None  # the pushed weights a lagged rollout samples from (policy.lag.RolloutLag), rollout.lag > 0
 
     # ------------------------------------------------------------------ optimisation
+    def optimiser_step(self) -> OptimiserStep:
+        """One optimiser step accumulated over forward passes: ``with policy.optimiser_step() as opt:``,
+        ``opt.backward(loss, lp)`` per pass, then ``opt.finish()`` (:class:`OptimiserStep`). The receiver's
+        update (:func:`graft_rl.engine.update.receiver_update`) and :meth:`update` are written with it."""
+        return OptimiserStep(self)
+
     def update(
         self,
         batch: TokenBatch,
         loss_fn: Callable[[torch.Tensor, torch.Tensor, list[int]], tuple[torch.Tensor, dict]],
     ) -> dict[str, float]:
-        """One optimiser step on a minibatch, with gradient accumulation over micro-batches.
+        """One optimiser step on ``batch`` with a plain loss function (scripts, benchmarks, tests).
 
-        ``loss_fn(logprobs [m, T_m], mask [m, T_m], rows)`` returns this micro-batch's
-        *contribution* to the minibatch loss (the caller scales token-mean losses by
-        ``micro tokens / minibatch tokens``) and a stats dict: each stat is averaged over the
-        micro-batches, except a ``*_total`` one (summed over micro-batches and ranks) and a ``*_peak``
-        one (the largest). A non-finite loss or gradient norm skips the step (``skipped = 1``) and
-        leaves the weights untouched.
+        ``loss_fn(logprobs [m, T_m], mask [m, T_m], rows)`` (``rows``: positions in ``batch``) returns this
+        pass's *contribution* to the batch loss (a token-mean loss scaled by ``pass tokens / batch
+        tokens``) and a stats dict whose ``X_total`` entries are summed over passes and ranks and ``X_peak``
+        entries maxed (:meth:`graft_rl.stats.StepStats.from_loss_stats`; nothing else is kept). Returns
+        ``loss``, ``grad_norm``, ``skipped`` (1.0: a non-finite loss or gradient norm left the weights
+        untouched) and those sums and maxima under their names. A receiver's step does not come here.
         """
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.config.gradient_checkpointing:
-            self.model.train()  # transformers checkpoints layers only in train mode (dropout is off)
-        try:
-            total_loss, stats_sum, n_micro, bad = self._accumulate(batch, loss_fn)
-        finally:
-            self.model.eval()
-        grad_norm = self._clip_grad_norm()
-        if bad or not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            # the totals are measurements of the batch (the engine-trainer gap), kept for a skipped update too
-            kept = {k: v for k, v in stats_sum.items() if k.endswith(("_total", "_peak"))}
-            return {"loss": float("nan"), "grad_norm": grad_norm, "skipped": 1.0, **kept}
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.weights_version += 1
-        out = {k: v if k.endswith(("_total", "_peak")) else v / max(n_micro, 1) for k, v in stats_sum.items()}
-        out.update(loss=total_loss, grad_norm=grad_norm, skipped=0.0)
-        return out
+        with self.optimiser_step() as opt:
+            stats = self._backward_passes(opt, batch, loss_fn)
+            loss, grad_norm, skipped = opt.finish()
+        stats = self._reduce_stats(stats)
+        return {
+            **{f"{k}_total": v for k, v in stats.sums.items()},
+            **{f"{k}_peak": v for k, v in stats.peaks.items()},
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "skipped": float(skipped),
+        }
 
-    def _accumulate(self, batch: TokenBatch, loss_fn):
-        """Forward + backward of each micro-batch; ``(loss, stats sums, micro-batches, non-finite?)``.
+    def accumulate(self, batch: TokenBatch, loss_fn) -> StepStats:
+        """Forward and backward of every pass of ``batch`` under ``loss_fn`` as :meth:`update` runs them, without
+        the optimiser step: the gradients stay in the parameters' ``.grad`` (memory and gradient checks)."""
+        with self.optimiser_step() as opt:
+            return self._backward_passes(opt, batch, loss_fn)
 
-        A padding pass, or one whose loss is not finite, still runs a zero backward (a sharded
-        policy's collectives need every rank to take part); a non-finite loss marks the whole
-        update for skipping.
-        """
-        total_loss, stats_sum, n_micro, bad = 0.0, {}, 0, False
+    def _backward_passes(self, opt: OptimiserStep, batch: TokenBatch, loss_fn) -> StepStats:
+        stats = StepStats()
         for rows in self._passes(batch):
             sub = batch.select(rows or [0])
             lp = self._forward(sub)
-            loss, stats = loss_fn(lp, sub.response_mask().to(lp.device), rows) if rows is not None else (None, {})
-            if loss is None or bad or not torch.isfinite(loss):
-                bad = bad or loss is not None
-                (lp.sum() * 0.0).backward()
+            if rows is None:  # a sharded policy's padding pass
+                opt.backward(None, lp)
                 continue
-            (loss * self.loss_scale).backward()
-            total_loss += float(loss.detach())
-            n_micro += 1
-            for k, v in stats.items():
-                if k.endswith("_peak"):
-                    stats_sum[k] = max(stats_sum.get(k, float(v)), float(v))
-                else:
-                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
-        sums = self._reduce_sums([total_loss, float(n_micro), float(bad)])
-        return sums[0], self._reduce_stats(stats_sum), int(sums[1]), sums[2] > 0
+            loss, st = loss_fn(lp, sub.response_mask().to(lp.device), rows)
+            if opt.backward(loss, lp):
+                stats.merge(StepStats.from_loss_stats(st))
+        return stats
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)) if params else 0.0
+        return float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)) if params else 0.0
 
     def sync_rollout_weights(self, target=None) -> None:
         """Push the current weights to the rollout engine, once per step and only if they changed (or
