@@ -136,7 +136,7 @@ class ShardedPolicy(Policy):
         return self._max_over_ranks(0 if ok else 1) == 0  # one decision for the whole group
 
     # ------------------------------------------------------------------ scoring and updates
-    def _passes(self, batch: TokenBatch) -> list[list[int] | None]:
+    def passes(self, batch: TokenBatch) -> list[list[int] | None]:
         """This rank's rows of every pass: the passes are cut for the whole group by length
         (:func:`~graft_rl.policy.logprobs.length_micro_batches` with ``ranks = W``) and each is dealt
         over the ranks, so every rank runs the same number of passes of like size (FSDP's collectives
@@ -155,7 +155,7 @@ class ShardedPolicy(Policy):
         dist.all_reduce(t)
         return t.tolist()
 
-    def _reduce_stats(self, stats: StepStats) -> StepStats:
+    def reduce_stats(self, stats: StepStats) -> StepStats:
         return reduce_stats(stats, self.world, self._comm_device())
 
     @property

@@ -142,7 +142,7 @@ class PolicyLogprobs:
         """
         T = batch.max_response_len
         out = torch.zeros(len(batch), T)
-        for rows in self._passes(batch):
+        for rows in self.passes(batch):
             lp = self._forward(batch.select(rows or [0]), model).cpu()
             if rows is not None:
                 out[rows, : lp.shape[1]] = lp
@@ -150,8 +150,9 @@ class PolicyLogprobs:
 
     # hooks a sharded policy overrides (policy.fsdp): which micro-batches this process runs, and
     # how per-process results combine. One process: all micro-batches, nothing to combine.
-    def _passes(self, batch: TokenBatch) -> list[list[int] | None]:
-        """Row lists of the forward passes this process runs; ``None`` is a padding pass (result unused)."""
+    def passes(self, batch: TokenBatch) -> list[list[int] | None]:
+        """Row lists of the forward passes (micro-batches) this process runs over ``batch``, in order;
+        ``None``: a padding pass of a sharded rank with no row in it (run it all the same, result unused)."""
         return self._micro_batches(batch)
 
     def _gather_rows(self, logprobs: torch.Tensor) -> torch.Tensor:
@@ -162,23 +163,15 @@ class PolicyLogprobs:
         """Sum per-process scalars over the processes of this policy."""
         return values
 
-    def _reduce_stats(self, stats: StepStats) -> StepStats:
-        """A step's statistics over the processes of this policy: sums summed, maxima the largest."""
+    def reduce_stats(self, stats: StepStats) -> StepStats:
+        """A step's statistics over the processes of this policy (every rank calls): sums summed, maxima
+        the largest."""
         return stats
 
-    # the receiver's update (graft_rl.engine.update) runs its own loop over these
-    def passes(self, batch: TokenBatch) -> list[list[int] | None]:
-        """Row lists of the forward passes (micro-batches) this process runs over ``batch``, in order;
-        ``None``: a padding pass of a sharded rank with no row in it (run it all the same)."""
-        return self._passes(batch)
-
+    # the receiver's update (graft_rl.engine.update) runs its own loop over passes and these
     def pass_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs ``[m, T]`` of one forward pass, with gradient (inside an :meth:`optimiser_step`)."""
         return self._forward(batch)
-
-    def reduce_stats(self, stats: StepStats) -> StepStats:
-        """A step's statistics summed (maxima: the largest) over this policy's processes; every rank calls."""
-        return self._reduce_stats(stats)
 
     #: each micro-batch's loss is multiplied by this before backward (FSDP averages over ranks)
     loss_scale = 1.0

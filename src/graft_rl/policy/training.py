@@ -103,7 +103,7 @@ class OptimiserStep:
 
 class PolicyTraining:
     """Mixed into :class:`~graft_rl.policy.policy.Policy`, whose model, optimizer, config, backend,
-    ``_passes``/``_forward``/``_reduce_sums`` and generation/scoring it uses."""
+    ``passes``/``_forward``/``_reduce_sums`` and generation/scoring it uses."""
 
     lora: Any = None  # a LoRA policy's peft model around `model` (policy.lora)
     base: dict | None = None  # a LoRA policy's frozen base: {model, gguf_file, digest}
@@ -133,7 +133,7 @@ class PolicyTraining:
         with self.optimiser_step() as opt:
             stats = self._backward_passes(opt, batch, loss_fn)
             loss, grad_norm, skipped = opt.finish()
-        stats = self._reduce_stats(stats)
+        stats = self.reduce_stats(stats)
         return {
             **{f"{k}_total": v for k, v in stats.sums.items()},
             **{f"{k}_peak": v for k, v in stats.peaks.items()},
@@ -150,7 +150,7 @@ class PolicyTraining:
 
     def _backward_passes(self, opt: OptimiserStep, batch: TokenBatch, loss_fn) -> StepStats:
         stats = StepStats()
-        for rows in self._passes(batch):
+        for rows in self.passes(batch):
             sub = batch.select(rows or [0])
             lp = self._forward(sub)
             if rows is None:  # a sharded policy's padding pass
