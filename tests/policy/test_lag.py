@@ -84,3 +84,38 @@ def test_vllm_is_pushed_the_lagged_weights_and_verifies_them(fake_vllm, tiny_pai
         assert engine_matches()
     finally:
         pol.close()
+
+
+def test_a_policy_at_lag_0_keeps_no_history_and_a_best_checkpoint_holds_none(tiny_pair, tmp_path):
+    """A checkpoint written at lag 1 brings its history; a training generation at lag 0 drops it, so a
+    checkpoint after it saves none (a later resume at lag > 0 warms up afresh instead of sampling stale
+    weights); a validation generation (lag None) leaves it; ``save(lag=False)`` (best/) writes none."""
+    from graft_rl.policy.lag import LAG_FILE
+
+    pol = Policy(PolicyConfig("A", str(tiny_pair[0]), lr=5e-2))
+    pol.generate(PROMPTS, SP, seed=3, lag=1)
+    _update(pol)
+    pol.generate(PROMPTS, SP, seed=3, lag=1)
+    ckpt = pol.save(tmp_path / "lag1")
+    assert (ckpt / LAG_FILE).is_file()
+    assert not (pol.save(tmp_path / "best", lag=False) / LAG_FILE).exists()
+
+    again = Policy(PolicyConfig("A", str(ckpt), lr=5e-2))
+    again.load_state(ckpt)
+    assert again.lag is not None and len(again.lag.history) == 2
+    again.generate(PROMPTS, SP, seed=3)  # validation: the history stays
+    assert again.lag is not None
+    again.generate(PROMPTS, SP, seed=3, lag=0)  # a training generation at lag 0
+    assert again.lag is None
+    assert not (again.save(tmp_path / "lag0") / LAG_FILE).exists()
+
+
+def test_the_lag_ramps_over_the_first_k_pushes():
+    from graft_rl.policy.lag import RolloutLag
+
+    lag, seen = RolloutLag(3), []
+    for version in range(6):
+        lag.observe([("w", torch.full((1,), float(version)))], version)
+        i = lag.chosen()
+        seen.append(0 if i is None else len(lag.history) - 1 - i)
+    assert seen == [0, 1, 2, 3, 3, 3]

@@ -47,7 +47,7 @@ class WorkerHandle:
         return Pending(self, self._start(call.__name__, *args))
 
     # ------------------------------------------------------------------ the worker's calls, typed
-    def generate(self, prompts, sampling, seed: int, lag: int = 0) -> Pending:
+    def generate(self, prompts, sampling, seed: int, lag: int | None = None) -> Pending:
         """``(groups, seconds)``: the policy's rollouts of ``prompts`` (:meth:`PolicyWorker.generate_timed`);
         ``lag``: from the weights of ``lag`` pushes earlier (``rollout.lag``, training generations only)."""
         return self._submit(PolicyWorker.generate_timed, prompts, sampling, seed, lag)
@@ -73,8 +73,9 @@ class WorkerHandle:
         args = (problems, reward, samples, temperature, top_p, max_new_tokens, seed, timeout, budget)
         return self._submit(PolicyWorker.evaluate, *args)
 
-    def save(self, path: str) -> Pending:
-        return self._submit(PolicyWorker.save, path)
+    def save(self, path: str, lag: bool = True) -> Pending:
+        """The policy's checkpoint (:meth:`PolicyWorker.save`); ``lag``: with its ``rollout.lag`` history."""
+        return self._submit(PolicyWorker.save, path, lag)
 
     def load_state(self, path: str) -> Pending:
         return self._submit(PolicyWorker.load_state, path)

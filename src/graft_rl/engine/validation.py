@@ -161,7 +161,8 @@ class Validation:
             if t.exists():
                 shutil.rmtree(t)
         try:
-            saving = [self.workers[name].save(str(tmp[name].absolute())) for name in improved]
+            # best/ is evaluated, never resumed: no rollout.lag history (k + 1 copies of the weights)
+            saving = [self.workers[name].save(str(tmp[name].absolute()), lag=False) for name in improved]
             for name, handle in zip(improved, saving, strict=True):
                 handle.get()
                 # graft eval checks best/<policy> against it: files, step and run

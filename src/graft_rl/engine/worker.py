@@ -83,17 +83,18 @@ class PolicyWorker:
     def generate(self, prompts, sampling: SamplingParams, seed: int):
         return self.policy.generate(prompts, sampling, seed=seed)
 
-    def generate_timed(self, prompts, sampling: SamplingParams, seed: int, lag: int = 0):
+    def generate_timed(self, prompts, sampling: SamplingParams, seed: int, lag: int | None = None):
         """``(groups, seconds)``: the generation and its wall time measured here, where it runs (so a
         policy's time under Ray is its own, not the time until the driver got to its result). ``lag``: a
-        training generation's ``rollout.lag`` (the weights of ``lag`` pushes earlier)."""
+        training generation's ``rollout.lag`` (the weights of ``lag`` pushes earlier); None for any other."""
         timer = PhaseTimer()
         with timer("generate"):
             groups = self.policy.generate(prompts, sampling, seed=seed, lag=lag)
         return groups, timer.seconds["generate"]
 
-    def save(self, path: str) -> str:
-        return str(self.policy.save(path))
+    def save(self, path: str, lag: bool = True) -> str:
+        """The policy's checkpoint at ``path``; ``lag``: with the history a lagged rollout resumes from."""
+        return str(self.policy.save(path, lag))
 
     def load_state(self, path: str) -> None:
         self.policy.load_state(path)

@@ -313,7 +313,7 @@ class ShardedPolicy(Policy):
                 self.reference.reshard()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, out_dir: str | Path) -> Path:
+    def save(self, out_dir: str | Path, lag: bool = True) -> Path:
         out = Path(out_dir)
         sd = self.full_state_dict()  # collective
         if self.rank == 0:
@@ -333,7 +333,8 @@ class ShardedPolicy(Policy):
         tmp = out / f"policy_state.rank{self.rank}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, out / f"policy_state.rank{self.rank}.pt")
-        self.save_lag(out / _rank_file(LAG_FILE, self.rank))  # this rank's shards of the lagged weights
+        if lag:
+            self.save_lag(out / _rank_file(LAG_FILE, self.rank))  # this rank's shards of the lagged weights
         dist.barrier()
         return out
 

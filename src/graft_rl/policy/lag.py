@@ -60,8 +60,9 @@ class RolloutLag:
         del self.history[:drop], self.tags[:drop]
 
     def chosen(self) -> int | None:
-        """The history index a lagged generation samples from; None when that is the live weights (the
-        first ``k`` pushes of a run, before there is anything ``k`` pushes back)."""
+        """The history index a lagged generation samples from: ``k`` pushes back, or during the warm-up the
+        oldest held, so the lag ramps 0, 1, ..., k over a run's first ``k + 1`` pushes; None when that is
+        the live weights (the first push)."""
         i = max(0, len(self.history) - 1 - self.k)
         return None if i == len(self.history) - 1 else i
 

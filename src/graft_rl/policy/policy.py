@@ -219,10 +219,11 @@ class Policy(PolicyLogprobs, PolicyTraining):
 
     # ------------------------------------------------------------------ rollouts
     def generate(
-        self, prompts: Sequence[tuple[str, str]], sampling: SamplingParams, seed: int = 0, lag: int = 0
+        self, prompts: Sequence[tuple[str, str]], sampling: SamplingParams, seed: int = 0, lag: int | None = None
     ) -> list[RolloutGroup]:
-        """Sample ``sampling.n`` responses for each ``(prompt_id, problem)``; ``lag``: a training
-        generation under ``rollout.lag``, from the weights of ``lag`` pushes earlier (:meth:`sampling_weights`)."""
+        """Sample ``sampling.n`` responses for each ``(prompt_id, problem)``; ``lag``: a training generation's
+        ``rollout.lag`` (from the weights of ``lag`` pushes earlier, :meth:`sampling_weights`); None for any
+        other generation (validation, eval), which samples the current weights."""
         ids = [self.prompt_token_ids(p, pid) for pid, p in prompts]
         ctx = self.context_length()
         if ctx is not None and ids and max(map(len, ids)) + sampling.max_new_tokens > ctx:

@@ -175,15 +175,20 @@ class PolicyTraining:
             self._synced_version = target
 
     @contextlib.contextmanager
-    def sampling_weights(self, lag: int = 0):
+    def sampling_weights(self, lag: int | None = None):
         """Within the block the rollout engine holds the weights a generation samples from: the current
-        ones, or with ``lag`` (a training generation under ``rollout.lag``) those of ``lag`` pushes earlier,
-        swapped into the live parameters for the block (:mod:`graft_rl.policy.lag`)."""
+        ones, or for a training generation under ``rollout.lag`` (``lag > 0``) those of ``lag`` pushes
+        earlier, swapped into the live parameters for the block (:mod:`graft_rl.policy.lag`). ``lag=0``: a
+        training generation of a run without lag, which keeps no history (one a checkpoint at ``lag > 0``
+        brought is dropped: never sampled from nor saved again); None: any other generation (validation,
+        eval), which leaves the history as it is."""
         from graft_rl.policy.lag import RolloutLag
 
-        if lag > 0 and (self.lag is None or self.lag.k != lag):
+        if lag == 0:
+            self.lag = None
+        if lag is not None and lag > 0 and (self.lag is None or self.lag.k != lag):
             self.lag = RolloutLag(lag) if self.lag is None else self.lag.resized(lag)
-        if lag <= 0:
+        if lag is None or lag <= 0:
             self.sync_rollout_weights()
             yield
             return
@@ -287,10 +292,11 @@ class PolicyTraining:
         }
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, out_dir: str | Path) -> Path:
+    def save(self, out_dir: str | Path, lag: bool = True) -> Path:
         """``save_pretrained`` model + tokenizer, ``graft_policy.json`` (how this policy formats
-        prompts, so ``graft eval CHECKPOINT`` prompts it as training did), and ``policy_state.pt``
-        (optimiser, RNG)."""
+        prompts, so ``graft eval CHECKPOINT`` prompts it as training did), ``policy_state.pt``
+        (optimiser, RNG) and, with ``lag``, the pushed weights a lagged rollout samples after a resume
+        (``rollout.lag``; a best checkpoint, which nothing resumes from, leaves them out)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:  # the adapter alone: adapter_model.safetensors + adapter_config.json
@@ -305,7 +311,8 @@ class PolicyTraining:
         tmp = out / "policy_state.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, out / "policy_state.pt")
-        self.save_lag(out / LAG_FILE)
+        if lag:
+            self.save_lag(out / LAG_FILE)
         return out
 
     def save_lag(self, path: Path) -> None:
