@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from graft_rl import algo
+from graft_rl.errors import removed_names
 from graft_rl.methods.config import MethodConfig
 from graft_rl.methods.corrections import gap
 from graft_rl.methods.losses import LossContext
@@ -271,3 +272,12 @@ class Objective:
             stats.add(f"clipped_tokens_{name}", float((hit * sel).sum()))
             stats.add(f"tokens_{name}", float((trained * sel).sum()))
         return stats
+
+
+__getattr__ = removed_names(
+    __name__,
+    {
+        "Minibatch": "removed in 0.3.0: graft_rl.engine.update.receiver_update holds the minibatch loop "
+        "(Objective.normalisers, Objective.engine_gap, Objective.contribution per forward pass)",
+    },
+)
