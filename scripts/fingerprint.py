@@ -6,7 +6,8 @@ keys, then prints one row per preset: a digest of ``metrics.jsonl`` (every value
 the engine-trainer gap, ``mismatch_*`` / ``correction_*``, which ``--json`` digests apart as ``gap``),
 of the exchange records, and of both policies' final weights, plus two readable numbers (B's last
 loss and A's grafted groups). "but clip" digests the metrics without the self/peer clip fractions
-(``--json`` keeps their values per step), for changes that correct those diagnostics alone. Run it on two checkouts and compare the tables: identical digests
+(``--json`` keeps their values per step, and every metric line under ``lines``, to name what a change
+moved), for changes that correct those diagnostics alone. Run it on two checkouts and compare the tables: identical digests
 mean identical numbers to the last bit on this CPU.
 
 Reproduce (about 6 minutes on 2 cores of an Intel Xeon, alone on the machine):
@@ -92,7 +93,7 @@ def fingerprint(config: Path, steps: int, work: Path) -> dict:
         "exchange": _digest(exchange),
         "weights": _digest(weights),
         "loss_B": b_last.get("loss"),
-        "lines": metrics + gap,  # the values behind the digests (--json), to name what a change moved
+        "lines": [{**m, **g} for m, g in zip(metrics, gap, strict=True)],  # the values behind the digests
         "grafted_A": grafted,
     }
 

@@ -36,6 +36,14 @@ def test_device_hours_runs_to_its_headline():
 
 
 @pytest.mark.slow
+def test_step_stats_runs_at_toy_size():
+    """Step metrics by micro_batch_tokens (docs/benchmarks.md, "Step metrics and the micro-batch cut")."""
+    out = _run("step_stats.py", "--toy", "--cuts", "auto", "48", timeout=600)
+    assert "| 1 | A | clip_frac_self |" in out
+    assert float(out.strip().splitlines()[-1].rsplit(": ", 1)[1]) < 1e-3
+
+
+@pytest.mark.slow
 def test_data_scale_runs_at_toy_size():
     """Time to the first step and peak RSS by dataset size (docs/benchmarks.md, "Dataset size")."""
     out = _run("data_scale.py", "--rows", "1000", "--toy", timeout=300)

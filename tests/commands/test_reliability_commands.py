@@ -65,7 +65,7 @@ def test_a_safetensors_write_error_during_training_is_one_line(make_cfg, fake_re
 
     from graft_rl.policy import Policy
 
-    def full(self, out_dir):
+    def full(self, out_dir, lag=True):
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
 
     cfg = make_cfg({"name": "graft"}, steps=1, run="st_full")

@@ -204,14 +204,14 @@ def test_hacpo_training_masks_the_final_eos(make_cfg, fake_rewards, monkeypatch)
         return tb
 
     masks = []
-    real = Objective.minibatch
+    real = Objective.normalisers
 
-    def spy(self, t, rows, step, update_index=0):
+    def spy(t, rows):  # once per minibatch, before its passes
         masks.append(t.mask.clone())
-        return real(self, t, rows, step, update_index)
+        return real(t, rows)
 
     monkeypatch.setattr(PolicyWorker, "_encode", enc)
-    monkeypatch.setattr(Objective, "minibatch", spy)
+    monkeypatch.setattr(Objective, "normalisers", staticmethod(spy))
     Trainer(make_cfg({"name": "hacpo"}, steps=1, run="eos", max_new_tokens=24, minibatch=8), show_progress=False).run()
     batch, tb = seen["B"]
     mask = masks[-1]

@@ -234,7 +234,7 @@ class ShardedPolicy(Policy):
             self.backend.sync_weights()  # each rank's engine, fed by rollout_weights()
         self._synced_version = target
 
-    def generate(self, prompts, sampling, seed: int = 0, lag: int = 0):
+    def generate(self, prompts, sampling, seed: int = 0, lag: int | None = None):
         """Every rank samples its share (``rank, rank + W, ...``) seeded :func:`rank_seed`; all ranks
         return the whole batch in prompt order (``rollout_on_rank0``: rank 0 samples it all). ``lag``:
         from the weights of ``lag`` pushes earlier, each rank's shards swapped in (:mod:`graft_rl.policy.lag`)."""
