@@ -6,8 +6,8 @@ Trains the testbed GRAFT preset (``configs/testbed/graft.yaml``) with ``rollout.
 method.correction=tis`` (so the gap and the correction have something to measure) once per cut, same
 seed, and prints per step and policy each metric at the automatic size and its largest relative
 difference over the other cuts. Counts (the clip fractions' numerators and denominators) must agree
-exactly, float sums to rounding; a gap of 1e-13 (step 1: no lag yet, the trainer's own float noise)
-differs in its noise.
+exactly, float sums to rounding; the gap of step 1 (no lag yet: k3 ~1e-13, |log mu - log pi_old| ~4e-7, the
+float32 rounding of the same weights' log-probs) differs in its noise and is left out of the last line.
 
 Reproduce (3 steps x 3 cuts, about 2 minutes on 2 cores):
     python benchmarks/step_stats.py [--steps 3] [--cuts auto 96 48]
@@ -25,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+#: a mean |log mu - log pi_old| below this is the float32 rounding of log-probs (same weights), not a gap
+NOISE = 1e-5
 
 KEYS = (
     "clip_frac_self",
@@ -92,10 +95,14 @@ def main() -> int:
                 continue
             diffs = [abs(runs[c][i][key] - base) / max(abs(base), 1e-12) for c in cuts[1:]]
             rel = max(diffs, default=0.0)
-            if key.startswith(("clip_frac", "correction_")) or (key.startswith("mismatch") and abs(base) > 1e-9):
+            noise = (line.get("mismatch_abs") or 0.0) < NOISE  # no lag yet: the gap is float32 rounding
+            if key.startswith(("clip_frac", "correction_")) or (key.startswith("mismatch") and not noise):
                 worst = max(worst, rel)
             print(f"| {line['step']} | {line['policy']} | {key} | {base:.6g} | {rel:.2e} |")
-    print(f"\nlargest relative difference of clip_frac_*, correction_* and mismatch_* above 1e-9: {worst:.2e}")
+    print(
+        f"\nlargest relative difference of clip_frac_*, correction_* and (where mismatch_abs >= {NOISE:g} nats, "
+        f"above float32 noise) mismatch_*: {worst:.2e}"
+    )
     return 0
 
 
