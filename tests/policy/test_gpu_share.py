@@ -67,3 +67,38 @@ def test_gpu_turn_is_exclusive_across_open_files(tmp_path, monkeypatch):
     assert gpu_key("cpu") is None
     with gpu_turn(None):
         pass
+
+
+def test_the_gpu_turn_file_is_every_users(tmp_path, monkeypatch):
+    """Issue 62: created 0o666 whatever the umask (``fchmod``), opened read-only (``flock`` needs no write
+    access to another user's file), and an existing file opened without ``O_CREAT``, which
+    ``fs.protected_regular`` refuses for another user's file in ``/tmp``. Root passes every permission
+    check, so another user's file is played by an ``os.open`` that refuses what the kernel would."""
+    import stat
+
+    from graft_rl.policy.vllm_backend import gpu_turn
+
+    monkeypatch.setenv("GRAFT_GPU_LOCK_DIR", str(tmp_path))
+    old = os.umask(0o077)
+    try:
+        with gpu_turn("uuid-2"):
+            pass
+    finally:
+        os.umask(old)
+    path = tmp_path / "graft-rl-gpu-uuid-2.lock"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666
+    real, seen = os.open, []
+
+    def another_users(p, flags, *args):
+        if str(p) == str(path):
+            seen.append(flags)
+            if flags & (os.O_WRONLY | os.O_RDWR):
+                raise PermissionError(13, "Permission denied (another user's file)", str(p))
+            if flags & os.O_CREAT:
+                raise PermissionError(13, "Permission denied (fs.protected_regular)", str(p))
+        return real(p, flags, *args)
+
+    monkeypatch.setattr(os, "open", another_users)
+    with gpu_turn("uuid-2"):
+        pass
+    assert seen == [os.O_RDONLY]

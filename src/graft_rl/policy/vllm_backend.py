@@ -113,7 +113,8 @@ def gpu_turn(key: str | None):
     if key is None:
         yield
         return
-    with flocked(os.path.join(_turn_dir(), f"graft-rl-gpu-{key}.lock"), 0o666):  # every user's processes
+    # mode 0o666 (fchmod, not narrowed by the umask) and opened read-only: every user's processes take it
+    with flocked(os.path.join(_turn_dir(), f"graft-rl-gpu-{key}.lock"), 0o666):
         yield
 
 
@@ -387,9 +388,9 @@ class VLLMBackend:
         back to the GPU before each (as verl does), so the engine's weights and then its KV cache find
         the memory the trainer's scoring and updates left cached."""
         for tag in [t for t in tags if t in self.sleeping]:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            with gpu_turn(self.gpu):  # never inside another engine's sleep on this GPU
+            with gpu_turn(self.gpu):  # never inside another engine's sleep, wake or start-up profiling
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # frees device memory: inside the turn, as vLLM's own calls
                 self.llm.wake_up(tags=[tag])
             self.sleeping.discard(tag)
 
@@ -487,7 +488,8 @@ class VLLMBackend:
         _clear_rotary_cache()
         gc.collect()
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            with gpu_turn(self.gpu):  # hands device memory back: never inside another engine's sleep or start
+                torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
