@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 #: a mean |log mu - log pi_old| below this is the float32 rounding of log-probs (same weights), not a gap
 NOISE = 1e-5
@@ -58,16 +58,6 @@ def run(cut: str, steps: int, extra: list[str], work: Path) -> list[dict]:
     return [json.loads(x) for x in (work / cut / "metrics.jsonl").read_text().splitlines()]
 
 
-def cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3)
@@ -75,6 +65,7 @@ def main() -> int:
     ap.add_argument("--toy", action="store_true")
     args = ap.parse_args()
     import torch
+    from build_testbed import cpu_model
     from tqdm.auto import tqdm
 
     steps, extra = (1, ["prompt_batch=8", "minibatch=2", "n=4", "max_new_tokens=16"]) if args.toy else (args.steps, [])
@@ -83,7 +74,7 @@ def main() -> int:
         runs = {cut: run(cut, steps, extra, Path(tmp)) for cut in tqdm(cuts, desc="cuts", unit="run")}
     print(
         f"# step metrics by micro_batch_tokens ({', '.join(cuts)}): testbed GRAFT, rollout.lag=1, tis, "
-        f"{steps} step(s) ({cpu()}, {torch.get_num_threads()} threads, torch {torch.__version__})\n"
+        f"{steps} step(s) ({cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__})\n"
     )
     print("| step | policy | metric | auto | largest relative difference over the other cuts |")
     print("|---:|---|---|---:|---:|")

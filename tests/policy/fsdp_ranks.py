@@ -164,28 +164,14 @@ def run(model: str, out: str, dtype: str, ckpt: str, lora: str = "") -> dict:
     )
     if lora == "receiver":
         result = receiver_step(pol)
-        if dist.get_rank() == 0:
-            with open(out, "w") as f:
-                json.dump(result, f)
-        dist.destroy_process_group()
-        return result
-    if lora.endswith("lag"):
+    elif lora.endswith("lag"):
         result = lagged(pol, ckpt)
-        if dist.get_rank() == 0:
-            with open(out, "w") as f:
-                json.dump(result, f)
-        dist.destroy_process_group()
-        return result
-    if first:
+    elif first:
         result = reference_first(pol)
-        if dist.get_rank() == 0:
-            with open(out, "w") as f:
-                json.dump(result, f)
-        dist.destroy_process_group()
-        return result
-    result = exercise(pol)
-    pol.save(ckpt)
-    pol.load_state(ckpt)
+    else:
+        result = exercise(pol)
+        pol.save(ckpt)
+        pol.load_state(ckpt)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
