@@ -42,8 +42,9 @@ def receiver_update(
         gap, terms = StepStats(), StepStats()
         with policy.optimiser_step() as opt:
             for micro in policy.passes(tokens.select(mb_rows)):  # positions in the minibatch; None: padding
-                rows = torch.tensor([mb_rows[i] for i in micro or [0]])
-                lp = policy.pass_logprobs(tokens.select(rows.tolist()))
+                batch_rows = [mb_rows[i] for i in micro or [0]]
+                lp = policy.pass_logprobs(tokens.select(batch_rows))
+                rows = torch.tensor(batch_rows)
                 if micro is None:  # a sharded rank with no row in this pass: its collectives still run
                     opt.backward(None, lp)
                     continue
