@@ -12,18 +12,21 @@ float32 rounding of the same weights' log-probs) differs in its noise and is lef
 Reproduce (3 steps x 3 cuts, about 2 minutes on 2 cores):
     python benchmarks/step_stats.py [--steps 3] [--cuts auto 96 48]
     python benchmarks/step_stats.py --toy     # 1 step of 8 prompts: the code path only (tests/test_benchmarks_run.py)
+    PYTHONPATH=/path/to/other/checkout/src python benchmarks/step_stats.py --cuts auto 96   # another version
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+if importlib.util.find_spec("graft_rl") is None:  # not installed: this checkout's (PYTHONPATH picks another)
+    sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 #: a mean |log mu - log pi_old| below this is the float32 rounding of log-probs (same weights), not a gap
@@ -65,8 +68,11 @@ def main() -> int:
     ap.add_argument("--toy", action="store_true")
     args = ap.parse_args()
     import torch
-    from build_testbed import cpu_model
     from tqdm.auto import tqdm
+
+    import graft_rl  # imported before build_testbed, which puts this checkout's src first on sys.path
+
+    cpu_model = importlib.import_module("build_testbed").cpu_model
 
     steps, extra = (1, ["prompt_batch=8", "minibatch=2", "n=4", "max_new_tokens=16"]) if args.toy else (args.steps, [])
     cuts = args.cuts if args.cuts[0] == "auto" else ["auto", *args.cuts]
@@ -74,7 +80,8 @@ def main() -> int:
         runs = {cut: run(cut, steps, extra, Path(tmp)) for cut in tqdm(cuts, desc="cuts", unit="run")}
     print(
         f"# step metrics by micro_batch_tokens ({', '.join(cuts)}): testbed GRAFT, rollout.lag=1, tis, "
-        f"{steps} step(s) ({cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__})\n"
+        f"{steps} step(s) ({cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"graft_rl from {Path(graft_rl.__file__).parent})\n"
     )
     print("| step | policy | metric | auto | largest relative difference over the other cuts |")
     print("|---:|---|---|---:|---:|")
