@@ -20,6 +20,7 @@ from graft_rl.policy.types import SamplingParams
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_vllm as fv  # noqa: E402
 from fake_vllm import FakeLLM  # noqa: E402
+from push_faults import FAULTS  # noqa: E402
 
 SP = SamplingParams(n=2, max_new_tokens=4)
 
@@ -55,6 +56,12 @@ def test_row_digests_compose_over_row_blocks_and_any_changed_value_shows(rows, c
         y[i, j] = (y[i, j].view(torch.int16 if dtype != torch.float32 else torch.int32) + 1).view(dtype)
     changed = pushcheck.row_digest(y)
     assert (changed != whole).nonzero().flatten().tolist() == [i]
+    # by column (a transposed engine tensor): the rows of the transpose, additive over row blocks too
+    cols = pushcheck.row_digest(x, dtype, columns=True)
+    assert torch.equal(cols, pushcheck.row_digest(x.T.contiguous(), dtype))
+    assert torch.equal(
+        pushcheck.row_digest(x[:cut], dtype, columns=True) + pushcheck.row_digest(x[cut:], dtype, columns=True), cols
+    )
 
 
 def test_a_stale_bf16_value_is_caught_where_the_fp32_master_moved_below_half_an_ulp_elsewhere():
@@ -156,15 +163,16 @@ def _update(model, scale=1e-2):
 def test_a_push_without_one_decoder_layer_or_with_a_zeroed_tensor_is_refused_then_a_full_push_works(
     fake_vllm, tmp_path
 ):
+    """Issues 39 and 62: also the tied alias ``lm_head.weight``, left out or zeroed on its way: the fake
+    engine, as vLLM, holds the head in the embedding's storage and ignores the alias, so only the
+    check at the engine's door (:func:`pushcheck.delivery`) sees either."""
     from graft_rl.policy.vllm_backend import VLLMEngineError
 
     model = _tiny_llama(tmp_path)
     b = _backend(model, sleep=True, name="A")
+    assert b.layout.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     stream = b.weights_fn
-    for fault, name in (
-        (lambda s: [(n, t) for n, t in s if not n.startswith("model.layers.1.")], "model.layers.1."),
-        (lambda s: [(n, torch.zeros_like(t) if n.endswith("mlp.up_proj.weight") else t) for n, t in s], "up_proj"),
-    ):
+    for fault, name in FAULTS.values():
         _update(model)
         b.weights_fn = lambda *a, fault=fault: fault(stream(*a))  # the fault enters after the trainer's digest
         with pytest.raises(VLLMEngineError, match=rf"policy 'A': .*after the push are not the trainer's: .*{name}"):
@@ -175,6 +183,80 @@ def test_a_push_without_one_decoder_layer_or_with_a_zeroed_tensor_is_refused_the
         b.sync_weights()
         b.generate([[1, 2]], SP, 0)
     assert b.full_push and b.llm.calls[-1] == ("sleep", 2)
+
+
+def test_a_lora_policys_merged_push_is_refused_without_its_alias_then_works(fake_vllm, tiny_pair):
+    """Issue 62: a LoRA policy pushes merged weights under the model's own names, the tied alias among
+    them; leaving it out, or zeroing it, is refused as for full fine-tuning."""
+    pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+    from graft_rl.policy import Policy, PolicyConfig
+    from graft_rl.policy.vllm_backend import VLLMEngineError
+
+    FakeLLM.source = None
+    pol = Policy(PolicyConfig("A", str(tiny_pair[0]), backend="vllm", device="cpu", lora={"r": 4, "alpha": 8}))
+    b = pol.backend
+    assert b.layout.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    stream = b.weights_fn
+    for key in ("the tied alias left out", "the tied alias zeroed"):
+        fault, name = FAULTS[key]
+        with torch.no_grad():  # an update moves the adapters: every adapted merged weight changes
+            for p in pol.model.parameters():
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn_like(p))
+        b.weights_fn = lambda *a, fault=fault: fault(stream(*a))
+        with pytest.raises(VLLMEngineError, match=name):
+            b.sync_weights()
+        b.weights_fn = stream
+        b.sync_weights()
+    pol.close()
+
+
+def test_gpt2s_conv1d_weights_are_digested_by_column_where_the_engine_holds_them_transposed(tiny_pair):
+    """Issue 62: vLLM's GPT-2 holds each ``Conv1D`` weight (``[in, out]``) as a linear layer's ``[out, in]``.
+    The layout marks those engine tensors, whose column digests are the trainer's row digests; a
+    transposed tensor whose engine shape is not the reverse has no place (refused at the engine's start)."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float32)
+    engine = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float32)
+    conv = pushcheck.transposed_names(trainer)
+    assert "transformer.h.0.attn.c_attn.weight" in conv and "lm_head.weight" not in conv
+    state = trainer.state_dict()
+    same = pushcheck.engine_layout(engine, list(state), tied={"lm_head.weight"}, transposed=conv)
+    assert not same.columns and not same.unplaced  # an engine that keeps Conv1D: rows as they are
+    assert same.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    for name in conv:  # the engine of vLLM: linear layers, weights transposed
+        module = engine.get_submodule(name.rpartition(".")[0])
+        linear = torch.nn.Linear(module.weight.shape[0], module.weight.shape[1])
+        with torch.no_grad():
+            linear.weight.copy_(module.weight.T)
+            linear.bias.copy_(module.bias)
+        engine.set_submodule(name.rpartition(".")[0], linear)
+    layout = pushcheck.engine_layout(engine, list(state), tied={"lm_head.weight"}, transposed=conv)
+    assert layout.columns == set(conv) and not layout.unplaced
+    got = {n: pushcheck.row_digest(p, columns=n in layout.columns) for n, p in engine.named_parameters()}
+    ref = pushcheck.state_digest(state, layout.trainer_dtypes())
+    assert pushcheck.compare(layout, ref, got) == []
+    wrong = {n: tuple(s)[::-1] for n, s in conv.items()}  # a trainer shape the engine's does not reverse
+    assert set(pushcheck.engine_layout(engine, list(state), tied={"lm_head.weight"}, transposed=wrong).unplaced) == {
+        n for n, s in conv.items() if s[0] != s[1]
+    }
+
+
+def test_an_alias_the_engine_holds_in_no_parameters_storage_has_no_place():
+    """A tied alias is placed by storage: a head whose weight is its own copy, not a parameter, is not
+    taken for the embedding's."""
+    trainer = _Net(False)
+    engine = _fused_from(trainer)
+    engine.lm_head = torch.nn.Module()
+    engine.lm_head.weight = engine.embed.weight  # the head tied: the embedding's parameter
+    layout = pushcheck.engine_layout(engine, [*trainer.state_dict(), "lm_head.weight"], tied={"lm_head.weight"})
+    assert layout.aliases == {"lm_head.weight": "embed.weight"} and not layout.unplaced
+    assert layout.trainer_dtypes()["lm_head.weight"] == torch.float32
+    engine.lm_head = torch.nn.Module()
+    engine.lm_head.weight = engine.embed.weight.detach().clone()  # a copy: where it lands is not digested
+    layout = pushcheck.engine_layout(engine, [*trainer.state_dict(), "lm_head.weight"], tied={"lm_head.weight"})
+    assert layout.unplaced == ["lm_head.weight"] and not layout.aliases
 
 
 def test_a_push_after_a_level_two_sleep_is_verified_like_any_other(fake_vllm, tmp_path, monkeypatch):

@@ -9,6 +9,9 @@ weights pushed from the trainer reach the engine without a restart.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +20,9 @@ vllm = pytest.importorskip("vllm")
 
 from graft_rl.policy import Policy, PolicyConfig, SamplingParams, sampling_logprobs  # noqa: E402
 from graft_rl.policy.tiny import build_tiny_model, char_tokenizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from push_faults import FAULTS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +133,10 @@ def test_vllm_ends_responses_at_the_policys_stop_strings(vllm_policy):
 def test_vllm_a_push_missing_a_decoder_layer_or_zeroing_a_tensor_is_refused_then_a_full_push_works(vllm_policy):
     """Issue 39: on the CPU build (no sleep: the level-1 case) a push that leaves out one decoder layer's
     weights, or sends one tensor zeroed, is refused before any sample is drawn from it; vLLM's reload
-    keeps the missing layer's old weights, so nothing but the digest would show it."""
+    keeps the missing layer's old weights, so nothing but the digest would show it. Issue 62: the same
+    for the tied alias ``lm_head.weight`` (the tiny llama ties its embeddings): left out, the engine's
+    head keeps computing from a packed copy of the old embedding (vLLM's CPU build packs the head when
+    it is loaded), which no parameter digest sees; the check at the engine's door does."""
     from graft_rl.policy.vllm_backend import VLLMEngineError
 
     backend = vllm_policy.backend
@@ -136,10 +145,7 @@ def test_vllm_a_push_missing_a_decoder_layer_or_zeroing_a_tensor_is_refused_then
     real = backend._generate
     backend._generate = lambda *a: (sampled.append(1), real(*a))[1]
     try:
-        for fault, name in (
-            (lambda s: [(n, t) for n, t in s if not n.startswith("model.layers.1.")], "model.layers.1."),
-            (lambda s: [(n, torch.zeros_like(t) if n.endswith("mlp.up_proj.weight") else t) for n, t in s], "up_proj"),
-        ):
+        for fault, name in FAULTS.values():
             with torch.no_grad():  # an update that moves every weight (an earlier test zeroed them)
                 for p in vllm_policy.model.parameters():
                     p.add_(0.05 * torch.randn_like(p))

@@ -393,9 +393,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _gathered(state: dict, dtypes: dict | None):
     """``(name, full tensor)`` of a sharded state, each shard cast to its engine dtype (``dtypes``) before
     its all-gather. A tied alias (``lm_head.weight`` tied to the embeddings) is gathered and pushed too:
-    vLLM's reload needs it, though the push check cannot see where it lands (docs/design.md)."""
-    # a tied alias (no place of its own in the engine) is cast to the engine's dtype when it has one;
-    # decided from ``dtypes`` alone, so every rank gathers it alike (a collective)
+    vLLM's reload needs it, and the push check requires it (:func:`~graft_rl.policy.pushcheck.delivery`)."""
+    # a tensor ``dtypes`` does not name (none is pushed to a quantised engine's dtype) is cast to the engine's
+    # one dtype when it has one; decided from ``dtypes`` alone, so every rank gathers it alike (a collective)
     engine = set((dtypes or {}).values())
     common = next(iter(engine)) if len(engine) == 1 else None
     for name, t in state.items():

@@ -175,18 +175,46 @@ def _plain_cpu_linears() -> None:
             LinearBase._cpu_skip_gemm_dispatch = True
 
 
-def _engine_kwargs(sleep: bool, kwargs: dict) -> dict:
-    """``kwargs`` plus CUDA-graph offload in sleep (where this vLLM has it and the user did not choose):
-    graph memory then leaves the GPU with the engine. vLLM backs the graph pool up to pinned host memory
-    at both sleep levels and restores it on every wake (``cudagraph`` is not a deferrable tag), so the
-    first wake, of the weights, brings the graphs back before any generation."""
-    if sleep and "sleep_mode_offload_cudagraph" not in kwargs:
-        with contextlib.suppress(ImportError):
-            from vllm.engine.arg_utils import EngineArgs
+def _engine_kwargs(sleep: bool, kwargs: dict, device: str = "cuda") -> dict:
+    """``kwargs`` plus what this backend needs of the engine where this vLLM has the option and the user
+    did not choose (each probed in ``EngineArgs``):
 
-            if "sleep_mode_offload_cudagraph" in inspect.signature(EngineArgs).parameters:
-                kwargs = {**kwargs, "sleep_mode_offload_cudagraph": True}
-    return kwargs
+    - CUDA-graph offload in sleep: graph memory then leaves the GPU with the engine. vLLM backs the
+      graph pool up to pinned host memory at both sleep levels and restores it on every wake
+      (``cudagraph`` is not a deferrable tag), so the first wake, of the weights, brings the graphs back
+      before any generation.
+    - no extensible KV cache (vLLM 0.34, on by default on CUDA): it caps the whole process's torch memory
+      with ``set_per_process_memory_fraction`` from the engine's start to its shutdown, sleep included,
+      and this process also trains: the memory a sleeping engine frees would stay out of the trainer's reach.
+    - on CPU, a KV cache of :data:`CPU_KV_CACHE_BYTES` unless ``gpu_memory_utilization`` or
+      ``kv_cache_memory_bytes`` is given: vLLM's CPU build otherwise takes a share of the machine's memory
+      less the whole process's resident memory, which a second engine in the process (two policies,
+      ``execution: local``) finds already spent."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        known = set(inspect.signature(EngineArgs).parameters)
+    except ImportError:
+        known = set()
+    extra = {}
+    if sleep and "sleep_mode_offload_cudagraph" in known:
+        extra["sleep_mode_offload_cudagraph"] = True
+    if "enable_extensible_kv_cache" in known:
+        extra["enable_extensible_kv_cache"] = False
+    cpu_sized = "gpu_memory_utilization" in kwargs or "kv_cache_memory_bytes" in kwargs
+    if (
+        device == "cpu"
+        and not cpu_sized
+        and "kv_cache_memory_bytes" in known
+        and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    ):
+        extra["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    return {**extra, **kwargs}
+
+
+#: The KV cache of an engine on vLLM's CPU build (tests and rehearsals) unless ``vllm_kwargs`` sizes it:
+#: 2 GiB, 46,600 tokens of SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 x 2 x 4 bytes a token).
+CPU_KV_CACHE_BYTES = 2 << 30
 
 
 #: The share of its GPU a vLLM engine takes unless ``vllm_kwargs.gpu_memory_utilization`` says otherwise
@@ -227,7 +255,7 @@ class VLLMBackend:
         model,
         model_dir: str,
         dtype: str = "float32",
-        gpu_memory_utilization: float = VLLM_MEMORY_SHARE,
+        gpu_memory_utilization: float | None = None,
         sleep: bool | None = None,
         weights_fn=None,
         digest_fn=None,
@@ -244,6 +272,9 @@ class VLLMBackend:
         # weight push and the reseed callable pass Python objects directly. Set, not defaulted: an
         # inherited 1 would move the engine into a child process where neither can travel.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM 0.34's reload modes: the push check is reasoned on the layerwise one (each layer processed
+        # once all its tensors arrived; a layer that got none keeps its tensors), 0.32's only mode
+        os.environ["VLLM_RELOAD_MODE"] = "layerwise"
         self.name = name
         self.who = f"policy {name!r}: " if name else ""
         _check_device(device, self.who)
@@ -282,15 +313,17 @@ class VLLMBackend:
         self._keeps_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         _clear_rotary_cache()  # nothing of an earlier engine's memory may be reused
         _plain_cpu_linears()
+        if gpu_memory_utilization is not None:
+            engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        engine_kwargs = _engine_kwargs(self.sleep, engine_kwargs, device)
         with gpu_turn(self.gpu):  # its memory profiling and pools: never inside another engine's sleep
             self.llm = LLM(
                 model=str(model_dir),
                 dtype=dtype,
-                gpu_memory_utilization=gpu_memory_utilization,
                 logprobs_mode="processed_logprobs",
                 enable_prefix_caching=True,
                 enable_sleep_mode=self.sleep,
-                **_engine_kwargs(self.sleep, engine_kwargs),
+                **{"gpu_memory_utilization": VLLM_MEMORY_SHARE, **engine_kwargs},
             )
         _LIVE.add(self)
         _check_in_process(self.llm)
@@ -324,8 +357,10 @@ class VLLMBackend:
     def _layout(self) -> pushcheck.EngineLayout:
         names = list(self.state_fn())  # the pushed tensors' names (nothing gathered)
         quantized = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "quantization", None)
-        layout = self.llm.collective_rpc(_layout_rpc, args=(names, quantized is not None))[0]
-        unplaced = [t for t in layout.unplaced if t not in self.tied]
+        transposed = {n: s for n, s in pushcheck.transposed_names(self.model).items() if n in names}
+        args = (names, quantized is not None, sorted(self.tied), transposed)
+        layout = self.llm.collective_rpc(_layout_rpc, args=args)[0]
+        unplaced = layout.unplaced  # a tied alias too, unless the engine's tensor behind it was found
         empty = [e for e, parts in layout.parts.items() if not parts and not layout.quantized]
         if unplaced or empty:
             what = [f"trainer tensor {t} has no place in the engine" for t in unplaced[:3]]
@@ -341,14 +376,16 @@ class VLLMBackend:
         ref = self.digest_fn(self.layout.trainer_dtypes())
         self._check(ref, what)
 
-    def _check(self, ref: dict, what: str) -> None:
-        got = self.llm.collective_rpc(pushcheck.engine_digest)[0]
+    def _check(self, ref: dict, what: str, entered: dict | None = None) -> None:
+        """Refuse unless the engine holds ``ref`` (a push: and ``entered``, what entered the engine, is all of it)."""
+        got = self.llm.collective_rpc(pushcheck.engine_digest, args=(sorted(self.layout.columns),))[0]
+        problems = [] if entered is None else pushcheck.delivery(self.layout, ref, entered)
         if self.layout.quantized:
             before = self._last
-            problems = pushcheck.stale_coverage(self.layout, ref, before[0], got, before[1]) if before else []
+            problems += pushcheck.stale_coverage(self.layout, ref, before[0], got, before[1]) if before else []
             self._last = (ref, got)
         else:
-            problems = pushcheck.compare(self.layout, ref, got)
+            problems += pushcheck.compare(self.layout, ref, got)
         if problems:
             self.needs_push, self.full_push = True, False  # nothing is sampled until a push verifies
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
@@ -414,11 +451,14 @@ class VLLMBackend:
         ref = {} if streamed else self.digest_fn(dtypes)
         self.needs_push = True  # until verified
         stream = self.weights_fn(dtypes if exact else None, ref if streamed else None)
+        entered: dict = {}  # what the engine's loader read: every tensor, each alias with its digest
+        aliases = {a: dtypes[a] for a in self.layout.aliases}
+        stream = pushcheck.entering(stream, aliases, entered)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
         missed = {n: dt for n, dt in dtypes.items() if n not in ref}
         if missed:  # digest_stream: a tensor the stream never made is digested from the state (every rank alike)
             ref.update(self.digest_fn(missed))
-        self._check(ref, "after the push")
+        self._check(ref, "after the push", entered)
         self.full_push = not self.layout.quantized
         self.needs_push = False
         self.llm.reset_prefix_cache()
@@ -525,9 +565,9 @@ def _state_stream(state_fn):
     return stream
 
 
-def _layout_rpc(worker, names: list[str], quantized: bool) -> pushcheck.EngineLayout:
+def _layout_rpc(worker, names: list[str], quantized: bool, tied=(), transposed=None) -> pushcheck.EngineLayout:
     """Run in the engine's worker: where each trainer tensor lands (:func:`pushcheck.engine_layout`)."""
-    return pushcheck.engine_layout(pushcheck._model_of(worker), names, quantized)
+    return pushcheck.engine_layout(pushcheck._model_of(worker), names, quantized, tied, transposed)
 
 
 def _check_in_process(llm) -> None:
