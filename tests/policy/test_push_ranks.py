@@ -18,10 +18,10 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow  # two rank processes
 
 
-def _ranks(model, tmp_path, port: int, mode: str = "") -> tuple[dict, dict]:
+def _ranks(model, tmp_path, port: int, mode: str = "", script: str = "push_ranks.py") -> tuple[dict, dict]:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
-    cmd += [str(HERE / "push_ranks.py"), str(model), str(out), mode]
+    cmd += [str(HERE / script), str(model), str(out), mode]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-4000:]
     r0, r1 = (json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1))
@@ -57,3 +57,30 @@ def test_a_sharded_lora_push_gathers_each_tensor_once(tiny_pair, tmp_path):
     tensors = {n: k for n, (_, k) in r0["tensors"].items()}
     for push in r0["gathers"]:
         assert sum(n for _, n in push) == sum(tensors.values())
+
+
+@pytest.mark.parametrize("mode", ["", "lora"], ids=["full", "lora"])
+def test_a_fault_on_one_rank_mid_push_ends_both_ranks_with_its_error(tiny_pair, tmp_path, mode):
+    """Issue 62: rank 1's engine loader fails mid-stream, its stream fails after a gather, or its check
+    fails while rank 0's passes: both ranks raise ``RankFault`` naming rank 1's error at once (far
+    inside the group's timeout), and the next full push verifies on both. A fault inside a step's
+    other collectives (the KL reference's forward; an update, its statistics' reduction after it) leaves
+    rank 0 in FSDP's next collective: the group's timeout bounds it, and rank 0 ends with an error."""
+    if mode == "lora":
+        pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+    sys.path.insert(0, str(HERE))
+    from rank_faults import TIMEOUT
+
+    r0, r1 = _ranks(tiny_pair[0], tmp_path, 29647 if mode else 29649, mode, "rank_faults.py")
+    for fault, cause in (
+        ("engine", "Injected: the engine's loader failed at "),
+        ("stream", "Injected: the stream failed after gathering "),
+        ("check", "VLLMEngineError: the vLLM engine's weights after the push are not the trainer's: "),
+    ):
+        for r in (r0, r1):
+            got = r[fault]
+            assert got["raised"] == "RankFault" and got["seconds"] < TIMEOUT / 2, (fault, got)
+            assert got["message"].startswith(f"policy 'A': the weight push failed on rank 1: {cause}")
+            assert r[f"{fault}, then a full push"]["raised"] is None
+    assert r1["inside a collective"]["raised"] == "Injected"
+    assert r0["inside a collective"]["raised"] is not None and r0["inside a collective"]["seconds"] < 3 * TIMEOUT

@@ -43,11 +43,32 @@ from graft_rl.policy.logprobs import length_micro_batches
 from graft_rl.policy.lora import save_adapter
 from graft_rl.policy.policy import Policy
 from graft_rl.policy.training import load_state_file
-from graft_rl.policy.types import PolicyError, TokenBatch
+from graft_rl.policy.types import PolicyError, RankFault, TokenBatch
 from graft_rl.seeding import rank_seed
 from graft_rl.stats import StepStats
 
-__all__ = ["ShardedPolicy", "shard_model"]
+__all__ = ["RankFault", "ShardedPolicy", "agree", "shard_model"]
+
+
+def agree(error: BaseException | None, what: str, device: torch.device | str = "cpu") -> None:
+    """Every rank of the group calls this at the same point of a collective phase, with the error it met
+    since the last such point (None: none). Returns on every rank when no rank brings one; else raises
+    :class:`RankFault` on every rank, naming each failed rank's error (on a failed rank chained from it).
+
+    The rule that keeps a group from waiting forever: a rank that fails anywhere outside a collective
+    makes its *next* collective this one, which every other rank also reaches next (they call it before
+    each collective of the phase). One int all-reduce (MIN); the messages travel only on a failure.
+    A failure inside a collective itself (a lost peer, NCCL) is bounded by the group's timeout instead
+    (``ray.collective_timeout``)."""
+    flag = torch.tensor([0 if error is not None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if int(flag.item()) == 1:
+        return
+    texts: list = [None] * dist.get_world_size()
+    mine = None if error is None else f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    dist.all_gather_object(texts, mine)
+    failed = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None)
+    raise RankFault(f"{what} failed on {failed}") from error
 
 
 def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
@@ -131,6 +152,14 @@ class ShardedPolicy(Policy):
     def _comm_device(self) -> torch.device:
         return torch.device(self.config.device) if dist.get_backend() == "nccl" else torch.device("cpu")
 
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """:func:`agree` over this policy's group, the error naming the policy."""
+        try:
+            agree(error, what, self._comm_device())
+        except RankFault as fault:
+            own = f"policy {self.name!r}: "  # a rank's error that names the policy already: once is enough
+            raise RankFault(own + str(fault).replace(f": {own}", ": ")) from fault.__cause__
+
     def _fused_head_matches(self) -> bool:
         ok = super()._fused_head_matches()
         return self._max_over_ranks(0 if ok else 1) == 0  # one decision for the whole group
@@ -196,7 +225,14 @@ class ShardedPolicy(Policy):
         from graft_rl.policy.lora import MergedState
 
         state = self.model.state_dict()
-        return MergedState(self.model, tensor=lambda n: _full(state[n]))
+        return MergedState(self.model, tensor=lambda n: self._gathered_one(state[n]))
+
+    def _gathered_one(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s full tensor, once every rank has said it can go on (:meth:`agree`): a rank that failed
+        since (merging, digesting, its engine's loader) brings its error here instead of leaving the
+        others in the all-gather."""
+        self.agree(None, "the weight push")
+        return _full(t)
 
     def rollout_weights(self, dtypes: dict | None = None, digests: dict | None = None):
         """``(name, full tensor)`` one tensor at a time (every rank calls), under the model's own names
@@ -209,10 +245,24 @@ class ShardedPolicy(Policy):
         from graft_rl.policy.pushcheck import digesting
 
         if self.lora is None:
-            yield from digesting(_gathered(self.model.state_dict(), dtypes), dtypes, digests)
-            return
-        merged = self.rollout_state()
-        yield from digesting(((name, merged[name].detach()) for name in merged), dtypes, digests)
+            yield from digesting(self._gathered(self.model.state_dict(), dtypes), dtypes, digests)
+        else:
+            merged = self.rollout_state()
+            yield from digesting(((name, merged[name].detach()) for name in merged), dtypes, digests)
+
+    def _gathered(self, state: dict, dtypes: dict | None):
+        """``(name, full tensor)`` of a sharded state, each shard cast to its engine dtype (``dtypes``) before
+        its all-gather, each all-gather after an agreement (:meth:`_gathered_one`). A tied alias
+        (``lm_head.weight`` tied to the embeddings) is gathered and pushed too: vLLM's reload needs it, and
+        the push check requires it (:func:`~graft_rl.policy.pushcheck.delivery`)."""
+        # a tensor ``dtypes`` does not name (none is, for a quantised engine) is cast to the engine's one
+        # dtype when it has one; decided from ``dtypes`` alone, so every rank gathers it alike
+        engine = set((dtypes or {}).values())
+        common = next(iter(engine)) if len(engine) == 1 else None
+        for name, t in state.items():
+            dt = (dtypes or {}).get(name, common)
+            local = t.detach().to(dt) if dt is not None and t.is_floating_point() and t.dtype != dt else t
+            yield name, self._gathered_one(local).detach()
 
     def sync_rollout_weights(self, target=None) -> None:
         """Collective: every rank pushes, or none (a level-2 sleep discards every rank's engine weights
@@ -266,12 +316,19 @@ class ShardedPolicy(Policy):
         from graft_rl.policy.pushcheck import row_digest
 
         names = sorted(dtypes)
-        if self.lora is not None:  # merged tensors: gathered whole one at a time, digested on rank 0
-            merged = self.rollout_state()
-            parts = [self._whole_rows(merged[n], dtypes[n], row_digest) for n in names]
-        else:
-            state = self.model.state_dict()
-            parts = [_shard_rows(state[n], dtypes[n], row_digest, self.rank) for n in names]
+        error = None
+        try:
+            if self.lora is not None:  # merged tensors: gathered whole one at a time, digested on rank 0
+                merged = self.rollout_state()
+                parts = [self._whole_rows(merged[n], dtypes[n], row_digest) for n in names]
+            else:
+                state = self.model.state_dict()
+                parts = [_shard_rows(state[n], dtypes[n], row_digest, self.rank) for n in names]
+        except RankFault:
+            raise
+        except Exception as exc:  # noqa: BLE001 - brought to the agreement, raised there on every rank
+            error = exc
+        self.agree(error, "the push's reference digest")
         flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
         flat = flat.to(self._comm_device())
         dist.all_reduce(flat)
@@ -388,20 +445,6 @@ def _shard_rows(t: torch.Tensor, dtype: torch.dtype, row_digest, rank: int) -> t
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _gathered(state: dict, dtypes: dict | None):
-    """``(name, full tensor)`` of a sharded state, each shard cast to its engine dtype (``dtypes``) before
-    its all-gather. A tied alias (``lm_head.weight`` tied to the embeddings) is gathered and pushed too:
-    vLLM's reload needs it, and the push check requires it (:func:`~graft_rl.policy.pushcheck.delivery`)."""
-    # a tensor ``dtypes`` does not name (none is pushed to a quantised engine's dtype) is cast to the engine's
-    # one dtype when it has one; decided from ``dtypes`` alone, so every rank gathers it alike (a collective)
-    engine = set((dtypes or {}).values())
-    common = next(iter(engine)) if len(engine) == 1 else None
-    for name, t in state.items():
-        dt = (dtypes or {}).get(name, common)
-        local = t.detach().to(dt) if dt is not None and t.is_floating_point() and t.dtype != dt else t
-        yield name, _full(local).detach()
 
 
 def _torch_version() -> tuple[int, int]:

@@ -69,6 +69,7 @@ def make_backend(kind: str, policy) -> RolloutBackend:
             state_fn=policy.rollout_state,
             push_at_start=policy.lora is not None,  # the engine loads the base; the adapters are merged in
             digest_stream=policy.lora is not None,  # merged tensors made (sharded: gathered) once a push
+            agree=getattr(policy, "agree", None),  # a sharded policy: a push ends alike on every rank
             stop=policy.config.stop,
             name=policy.name,
             device=policy.config.device,

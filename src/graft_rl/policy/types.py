@@ -10,11 +10,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RolloutGroup", "TokenBatch", "SamplingParams", "PolicyError", "Sample"]
+__all__ = ["RolloutGroup", "TokenBatch", "SamplingParams", "PolicyError", "RankFault", "Sample"]
 
 
 class PolicyError(ValueError):
     """A policy that cannot be built as configured; the message names the field or path."""
+
+
+class RankFault(RuntimeError):
+    """A rank of a sharded policy failed in a phase its ranks run together (a weight push and its check);
+    every rank raises it, naming each failed rank's error (:func:`graft_rl.policy.fsdp.agree`)."""
 
 
 @dataclass(frozen=True)

@@ -263,6 +263,7 @@ class VLLMBackend:
         state_fn=None,
         push_at_start: bool = False,
         digest_stream: bool = False,
+        agree=None,
         stop: list[str] | None = None,
         name: str = "",
         device: str = "cuda",
@@ -301,6 +302,8 @@ class VLLMBackend:
         # the push's reference: row digests of the trainer's own tensors (a sharded policy: a collective)
         self.digest_fn = digest_fn or (lambda dtypes: pushcheck.state_digest(state_fn(), dtypes))
         self.tied = set(tied) if tied is not None else pushcheck.tied_names(state_fn())
+        # a sharded policy's agreement (ShardedPolicy.agree): a push, with its check, ends on every rank alike
+        self.agree = agree
         self.sleep = torch.cuda.is_available() if sleep is None else sleep
         self.gpu = gpu_key(device)  # whose turn the engine's start, sleeps and wakes take (gpu_turn)
         self.reseed_globals = True  # also seed the workers' torch/numpy generators (off: gpu_check's seed row)
@@ -327,11 +330,15 @@ class VLLMBackend:
             )
         _LIVE.add(self)
         _check_in_process(self.llm)
-        self.layout = self._layout()
-        if push_at_start:  # a LoRA policy: the engine loaded the base; the trainer's weights are merged
-            self.sync_weights()
-        else:
-            self._verify("as loaded from the model directory")
+
+        def start_check() -> None:
+            self.layout = self._layout()
+            if push_at_start:  # a LoRA policy: the engine loaded the base; the trainer's weights are merged
+                self._push()
+            else:
+                self._verify("as loaded from the model directory")
+
+        self._together(start_check, "the engine's start check")
         # level 1 whatever was verified: the engine holds the trainer's weights, so the first generation
         # needs no push (a level-2 sleep here would discard a LoRA policy's start push, then push again)
         self._fall_asleep(level=1)
@@ -433,6 +440,30 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------ push and generate
     def sync_weights(self) -> None:
+        """:meth:`_push`; on the ranks of a sharded policy (``agree``) it ends alike on every rank: a rank
+        that fails (its engine's loader, a cast, a merge, a digest, the check) brings its error to the
+        group's next agreement, which every other rank reaches before its next collective, and every
+        rank raises :class:`~graft_rl.policy.types.RankFault` naming each failed rank's error."""
+        self._together(self._push, "the weight push")
+
+    def _together(self, fn, what: str) -> None:
+        """``fn()``; then, on the ranks of a sharded policy, every rank's outcome agreed (``agree``): all
+        return, or all raise :class:`~graft_rl.policy.types.RankFault` with each failed rank's error."""
+        from graft_rl.policy.types import RankFault
+
+        try:
+            fn()
+        except RankFault:
+            raise  # agreed already: every rank raises it
+        except Exception as exc:
+            if self.agree is None:
+                raise
+            self.agree(exc, what)  # raises on every rank
+            raise
+        if self.agree is not None:
+            self.agree(None, what)  # done here: and on every other rank?
+
+    def _push(self) -> None:
         """Reload the trainer's weights into the engine in place (vLLM's ``reload_weights``) and verify them.
 
         The trainer's digest is taken first, from its parameters (``digest_stream``: from each tensor as
