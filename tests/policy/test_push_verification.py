@@ -379,3 +379,49 @@ def test_cuda_graph_memory_leaves_the_gpu_with_a_sleeping_engine(fake_vllm):
     b.close()
     kept = _backend(torch.nn.Linear(2, 2), sleep=True, sleep_mode_offload_cudagraph=False)
     assert kept.llm.kw["sleep_mode_offload_cudagraph"] is False  # the user's choice stands
+
+
+def test_the_engine_options_this_backend_needs_where_the_vllm_has_them(monkeypatch):
+    """Issue 62: vLLM 0.34's extensible KV cache (a process-wide cap on torch's memory, while this process
+    also trains) is turned off; on CPU an engine's KV cache is sized unless the user sized it (vLLM's CPU
+    build otherwise takes a share of the machine less the whole process, which a second engine finds
+    spent); a vLLM without an option gets none of it; the user's choices stand. 0.32-0.34 are accepted."""
+    import types
+
+    from graft_rl.policy import vllm_backend as vb
+
+    class EngineArgs:  # vLLM 0.34's fields
+        def __init__(
+            self, sleep_mode_offload_cudagraph=False, enable_extensible_kv_cache=None, kv_cache_memory_bytes=None
+        ):
+            pass
+
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.EngineArgs = EngineArgs
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.engine", types.ModuleType("vllm.engine"))
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert vb._engine_kwargs(True, {}, "cuda") == {
+        "sleep_mode_offload_cudagraph": True,
+        "enable_extensible_kv_cache": False,
+    }
+    assert vb._engine_kwargs(False, {"enable_extensible_kv_cache": True}, "cuda") == {
+        "enable_extensible_kv_cache": True
+    }
+    assert vb._engine_kwargs(False, {}, "cpu")["kv_cache_memory_bytes"] == vb.CPU_KV_CACHE_BYTES
+    assert "kv_cache_memory_bytes" not in vb._engine_kwargs(False, {"gpu_memory_utilization": 0.2}, "cpu")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    assert "kv_cache_memory_bytes" not in vb._engine_kwargs(False, {}, "cpu")
+
+    class Old:  # vLLM 0.32: neither option
+        def __init__(self, sleep_mode_offload_cudagraph=False):
+            pass
+
+    arg_utils.EngineArgs = Old
+    assert vb._engine_kwargs(False, {}, "cuda") == {} and vb._engine_kwargs(False, {}, "cpu") == {}
+    for ok in ("0.32.0", "0.33.1", "0.34.0+cpu"):
+        vb._check_vllm_version(ok)
+    for bad in ("0.31.2", "0.35.0"):
+        with pytest.raises(ImportError, match=r"needs vLLM >=0.32,<0.35"):
+            vb._check_vllm_version(bad)

@@ -55,7 +55,7 @@ __all__ = [
 
 #: vLLM versions whose APIs the backend uses (``logprobs_mode``, ``reload_weights`` with a weights
 #: iterator, sleep/wake_up with tags); the ``vllm`` extra pins the same range.
-VLLM_VERSIONS = ((0, 32), (0, 34))
+VLLM_VERSIONS = ((0, 32), (0, 35))
 
 #: Engines of this process not yet closed (one at a time on CUDA wherever one sleeps).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -120,7 +120,9 @@ def gpu_turn(key: str | None):
 
 def _sleep_allocator_usage() -> int:
     """Bytes vLLM's sleep-mode allocator holds in this process (sleeping ones included), 0 where it
-    has none (a CPU build). vLLM asserts this is 0 when an engine with sleep mode loads its weights."""
+    has none (a CPU build). vLLM 0.32-0.33 assert this is 0 when an engine with sleep mode loads its
+    weights; 0.34 dropped that assertion, so this check (:meth:`VLLMBackend._refuse_second_engine`) is
+    the only one left."""
     try:
         from vllm.device_allocator import get_mem_allocator_instance
 
@@ -410,7 +412,9 @@ class VLLMBackend:
         into torch's pinned-host cache, which keeps them for the life of the process (3.4-6 GB a rank at
         1.7B-3B in bf16). The first level-2 sleep after level-1 ones empties that cache, as nothing will
         use those blocks again; an engine that stays at level 1 (quantised) keeps them, reused each step
-        (pinning gigabytes anew every step costs seconds)."""
+        (pinning gigabytes anew every step costs seconds). vLLM 0.34 backs up into host buffers of its own
+        (``mmap`` + ``cudaHostRegister``), kept across wakes and released by its level-2 sleep: emptying
+        torch's cache then frees nothing, harmlessly."""
         if self.sleep and "weights" not in self.sleeping:
             level = level or (2 if self.full_push else 1)
             with gpu_turn(self.gpu):  # vLLM measures the whole device around its sleep
@@ -613,7 +617,7 @@ def _check_in_process(llm) -> None:
 
 def _reseed_worker(worker, seed: int) -> None:
     """Run in each vLLM worker (``collective_rpc``): seed the global generators its sampler may draw
-    from (torch's, read by the V1 runner for unseeded requests; numpy's, from which the V2 runner
+    from (torch's, read by the V1 runner of vLLM 0.32-0.33 for unseeded requests; numpy's, from which the V2 runner
     draws an unseeded request's seed). Every request carries its own seed, so neither should be read."""
     import numpy as np
 
