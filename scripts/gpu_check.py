@@ -32,7 +32,14 @@ then measures, each in its own row of a Markdown table (``--skip`` name in brack
    takes): two update → push → generate cycles beside the trainer;
 15. [lora_fsdp] LoRA on FSDP2 (world 1, NCCL), bf16, KL on, the KL reference's forward first;
 16. [vllm_share] two engines of two processes on one GPU at 0.2 ``gpu_memory_utilization`` each, one
-   looping sleep/wake while the other sleeps 30 times: no "Memory usage increased after sleeping".
+   looping sleep/wake while the other sleeps 30 times: no "Memory usage increased after sleeping";
+17. [vllm_tied] a push that leaves out the tied alias ``lm_head.weight``, and one that zeroes it, must
+   each be refused on the real engine; a full push then works;
+18. [vllm_gpt2] a GPT-2 model (``Conv1D`` weights, held transposed by vLLM): two update → push →
+   generate cycles, every push verified;
+19. [vllm_rank_fault] two FSDP2 ranks (NCCL on two GPUs; gloo on CPU), each with its engine; rank 1's
+   engine loader fails mid-push: both ranks must raise ``RankFault`` within ``FAULT_LIMIT`` seconds
+   (skipped with one GPU: two NCCL ranks need two devices).
 
 Each row is judged by its rules (``RULES``; docs/benchmarks.md lists them); each vLLM row runs in a
 process of its own under ``--row-timeout``. The run ends with one ``gpu_check verdict: PASS|FAIL`` line.
@@ -63,6 +70,7 @@ import sys
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -93,7 +101,14 @@ ROWS = {
     "vllm_transformers": "vLLM Transformers backend (SmolLM3): 2 × update → push → generate",
     "lora_fsdp": "LoRA on FSDP2 (world 1), bf16, KL reference forward first",
     "vllm_share": "vLLM: two engines of two processes on one GPU (0.2 each), sleep/wake",
+    "vllm_tied": "vLLM: a push without, or with a zeroed, tied alias (lm_head.weight)",
+    "vllm_gpt2": "vLLM: GPT-2 (Conv1D), 2 × update → push → generate",
+    "vllm_rank_fault": "vLLM: a fault on one of two FSDP2 ranks mid-push",
 }
+
+#: seconds within which both ranks of ``vllm_rank_fault`` must have raised (the group's timeout: ``FAULT_TIMEOUT``)
+FAULT_LIMIT = 60
+FAULT_TIMEOUT = 600
 
 #: import name -> pip name, where they differ
 PIP_NAMES = {"math_verify": "math-verify", "reasoning_gym": "reasoning-gym"}
@@ -537,7 +552,9 @@ def _logp_gap(pol: Policy, groups, model=None) -> torch.Tensor:
     return (lp - gen).abs()[mask.bool()]
 
 
-def _cycles(c: Check, eager: bool, lora: dict | None = None, model: Path | None = None, **extra) -> dict:
+def _cycles(
+    c: Check, eager: bool, lora: dict | None = None, model: Path | None = None, batch: TokenBatch | None = None, **extra
+) -> dict:
     """Two update → push → generate cycles; on a GPU the engine sleeps at level 1 from its start (its
     weights as loaded, or a LoRA policy's merged start push, serve until the first update) and at level 2
     once a push was verified, so each generation after an update wakes from level 2 (the weights
@@ -563,7 +580,7 @@ def _cycles(c: Check, eager: bool, lora: dict | None = None, model: Path | None 
             pol.backend.llm.sleep = lambda level: (levels.append(level), real_sleep(pol.backend.llm, level=level))[1]
         push = pol.backend.sync_weights
         pol.backend.sync_weights = lambda: (pushes.append(1), push())[1]
-        batch = c.batch.select(range(min(2, len(c.batch))))
+        batch = batch or c.batch.select(range(min(2, len(c.batch))))  # ``batch``: a model of another vocabulary
         prompts = [("p1", "What is 2+3?"), ("p2", "6*7?")]
         sp = SamplingParams(n=2, max_new_tokens=16)
         res = {"engine start s": start, "model runner": pol.backend.llm.collective_rpc(_runner)[0]}
@@ -883,6 +900,151 @@ def row_vllm_share(c: Check) -> dict:
     return res
 
 
+def row_vllm_tied(c: Check) -> dict:
+    """The check model ties its embeddings (as SmolLM3-3B and Qwen3-1.7B do): a push that leaves out the
+    alias ``lm_head.weight``, and one that zeroes it on its way, must each be refused before anything is
+    sampled; a full push then works (issue 62)."""
+    need_vllm()
+    from graft_rl.policy.vllm_backend import VLLMEngineError
+
+    pol, start = _engine(c, "T")
+    try:
+        stream = pol.backend.weights_fn
+        out: dict = {"engine start s": start, "alias found in the engine": str(pol.backend.layout.aliases)}
+        for label, fault in (
+            ("left out", lambda s: ((n, t) for n, t in s if n != "lm_head.weight")),
+            ("zeroed", lambda s: ((n, torch.zeros_like(t) if n == "lm_head.weight" else t) for n, t in s)),
+        ):
+            with torch.no_grad():
+                for p in pol.model.parameters():
+                    p.add_(1e-2 * torch.randn_like(p))
+            pol.weights_version += 1
+            pol.backend.weights_fn = lambda *a, fault=fault: fault(stream(*a))
+            try:
+                pol.generate([("p", "1+1=?")], SamplingParams(n=2, max_new_tokens=8), seed=0)
+                refused = "not refused"
+            except VLLMEngineError as exc:
+                refused = str(exc)
+            pol.backend.weights_fn = stream
+            out[f"alias {label}: refused"] = refused[:160]
+            out[f"alias {label}: names lm_head.weight"] = "lm_head.weight" in refused
+        groups = pol.generate([("p", "1+1=?")], SamplingParams(n=2, max_new_tokens=8), seed=0)
+        out["full push: mean |Δ logp| vs trainer"] = float(_logp_gap(pol, groups).mean())
+        out["tolerance"] = TOL_MEAN[pol.config.dtype]
+        return out
+    finally:
+        pol.close()
+
+
+def row_vllm_gpt2(c: Check) -> dict:
+    """A GPT-2 model through vLLM: its ``Conv1D`` weights (``[in, out]``) are held transposed by the engine
+    and digested by column; two update → push → generate cycles beside the trainer (issue 62)."""
+    need_vllm()
+    from graft_rl.policy.tiny import bpe_tokenizer, build_tiny_model
+
+    sh = model_shape(c.smoke)
+    heads = sh["num_attention_heads"]
+    mdir = build_tiny_model(
+        c.tmp / "gpt2",
+        "gpt2",
+        bpe_tokenizer(),
+        hidden=sh["head_dim"] * heads,
+        layers=sh["num_hidden_layers"],
+        heads=heads,
+        max_positions=2048,
+        seed=0,
+    )
+    vocab = json.loads((mdir / "config.json").read_text())["vocab_size"]
+    return _cycles(c, eager=True, model=mdir, batch=random_batch(vocab, 2, 16, 16))
+
+
+def row_vllm_rank_fault(c: Check) -> dict:
+    """Two FSDP2 ranks of one policy, each with its vLLM engine (NCCL on two GPUs; gloo on CPU); rank 1's
+    engine loader fails at its fourth tensor of a push: both ranks must raise ``RankFault`` naming rank
+    1's error within :data:`FAULT_LIMIT` seconds, far inside the group's timeout (issue 62)."""
+    need_vllm()
+    gpus = torch.cuda.device_count() if c.device.startswith("cuda") else 0
+    if c.device.startswith("cuda") and gpus < 2:
+        raise Skip(f"two NCCL ranks need two GPUs ({gpus} here)")
+    c.pol = None
+    out = c.tmp / "fault"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += [str(Path(__file__).resolve()), "--fault-child", str(c.mdir()), str(out)]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=FAULT_TIMEOUT + 120)
+    row: dict = {"seconds, both ranks' processes": time.perf_counter() - t0}
+    for r in (0, 1):
+        path = Path(f"{out}.rank{r}.json")
+        got = (
+            json.loads(path.read_text())
+            if path.is_file()
+            else {"raised": "nothing written", "message": res.stderr[-300:]}
+        )
+        row[f"rank {r} raised"] = got["raised"]
+        row[f"rank {r} message"] = (got.get("message") or "")[:160]
+        row[f"rank {r} seconds"] = got.get("seconds", float("inf"))
+    return row
+
+
+def fault_child(model: str, out: str) -> None:
+    """``--fault-child``: one rank of ``vllm_rank_fault`` (under torchrun)."""
+    import torch.distributed as dist
+
+    from graft_rl.policy.fsdp import ShardedPolicy
+
+    rank = int(os.environ["RANK"])
+    gpu = torch.cuda.is_available()
+    device = f"cuda:{rank}" if gpu else "cpu"
+    dist.init_process_group(
+        "nccl" if gpu else "gloo",
+        timeout=timedelta(seconds=FAULT_TIMEOUT),
+        device_id=torch.device(device) if gpu else None,
+    )
+    kwargs = (
+        {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_model_len": 2048} if gpu else {"max_model_len": 512}
+    )
+    cfg = PolicyConfig(
+        "F",
+        model,
+        world_size=2,
+        backend="vllm",
+        device=device,
+        dtype="bfloat16" if gpu else "float32",
+        vllm_kwargs=kwargs,
+    )
+    pol = ShardedPolicy(cfg)
+    with torch.no_grad():
+        for p in pol.model.parameters():
+            p.add_(1e-2)
+    pol.weights_version += 1
+    if rank == 1:
+        real = pol.backend.llm.collective_rpc
+
+        def rpc(method, args=(), kwargs=None):
+            if method == "reload_weights":
+
+                def failing(stream):
+                    for i, item in enumerate(stream):
+                        if i == 3:
+                            raise RuntimeError(f"injected: rank 1's engine loader failed at {item[0]}")
+                        yield item
+
+                kwargs = {**kwargs, "weights_iterator": failing(kwargs["weights_iterator"])}
+            return real(method, args=args, kwargs=kwargs)
+
+        pol.backend.llm.collective_rpc = rpc
+    t0 = time.perf_counter()
+    try:
+        pol.sync_rollout_weights()
+        got = {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - recorded for the row
+        got = {"raised": type(exc).__name__, "message": str(exc)}
+    got["seconds"] = time.perf_counter() - t0
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(got))
+    pol.close()
+    dist.destroy_process_group()
+
+
 ROW_FNS = {
     "generate": row_generate,
     "logprobs": row_logprobs,
@@ -903,6 +1065,9 @@ ROW_FNS = {
     "vllm_transformers": row_vllm_transformers,
     "lora_fsdp": row_lora_fsdp,
     "vllm_share": row_vllm_share,
+    "vllm_tied": row_vllm_tied,
+    "vllm_gpt2": row_vllm_gpt2,
+    "vllm_rank_fault": row_vllm_rank_fault,
 }
 
 
@@ -987,6 +1152,23 @@ RULES = {
         ("no error in either engine (no sleep assertion)", r["watched error"] == r["busy error"] == "none"),
         (f"the watched engine slept {SHARE_SLEEPS} times", r["watched sleeps"] == SHARE_SLEEPS),
         ("the busy engine looped beside it", r["busy sleeps"] > 0),
+    ],
+    "vllm_tied": lambda r: [
+        ("alias left out: refused, naming it", r["alias left out: names lm_head.weight"]),
+        ("alias zeroed: refused, naming it", r["alias zeroed: names lm_head.weight"]),
+        ("full push: mean |Δ logp| ≤ tolerance", r["full push: mean |Δ logp| vs trainer"] <= r["tolerance"]),
+    ],
+    "vllm_gpt2": _cycle_rules,
+    "vllm_rank_fault": lambda r: [
+        (
+            f"both ranks raised RankFault naming rank 1 within {FAULT_LIMIT} s",
+            all(
+                r[f"rank {k} raised"] == "RankFault"
+                and "on rank 1: RuntimeError: injected" in r[f"rank {k} message"]
+                and r[f"rank {k} seconds"] <= FAULT_LIMIT
+                for k in (0, 1)
+            ),
+        ),
     ],
 }
 
@@ -1124,9 +1306,13 @@ def main() -> int:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one row here (a vLLM row's own process)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--share-child", nargs=3, default=None, help=argparse.SUPPRESS)  # MODEL ROLE READY: vllm_share
+    ap.add_argument("--fault-child", nargs=2, default=None, help=argparse.SUPPRESS)  # MODEL OUT: vllm_rank_fault
     args = ap.parse_args()
     if args.share_child:
         share_child(*args.share_child)
+        return 0
+    if args.fault_child:
+        fault_child(*args.fault_child)
         return 0
     for stream in (sys.stdout, sys.stderr):  # row names have → and Δ: never die printing them
         with contextlib.suppress(AttributeError, ValueError):

@@ -35,8 +35,13 @@ VLLM_TWO = "vLLM: two engines in one process"
 VLLM_HF = "vLLM Transformers backend (SmolLM3): 2 × update → push → generate"
 LORA_FSDP = "LoRA on FSDP2 (world 1), bf16, KL reference forward first"
 VLLM_SHARE = "vLLM: two engines of two processes on one GPU (0.2 each), sleep/wake"  # skipped without a GPU
-VLLM_ROWS = (VLLM, VLLM_GRAPHS, VLLM_SEEDS, VLLM_LORA, VLLM_MISSING, VLLM_FSDP, VLLM_TWO, VLLM_HF)
-ALL_ROWS = [GENERATE, CHUNKED, NAIVE, UPDATE, PURE, FSDP, TRAINER, GAP, LORA, *VLLM_ROWS, LORA_FSDP, VLLM_SHARE]
+VLLM_TIED = "vLLM: a push without, or with a zeroed, tied alias (lm_head.weight)"
+VLLM_GPT2 = "vLLM: GPT-2 (Conv1D), 2 × update → push → generate"
+VLLM_FAULT = "vLLM: a fault on one of two FSDP2 ranks mid-push"
+VLLM_ISSUE_62 = (VLLM_TIED, VLLM_GPT2, VLLM_FAULT)
+VLLM_ROWS = (VLLM, VLLM_GRAPHS, VLLM_SEEDS, VLLM_LORA, VLLM_MISSING, VLLM_FSDP, VLLM_TWO, VLLM_HF, *VLLM_ISSUE_62)
+ALL_ROWS = [GENERATE, CHUNKED, NAIVE, UPDATE, PURE, FSDP, TRAINER, GAP, LORA, *VLLM_ROWS[:8], LORA_FSDP, VLLM_SHARE]
+ALL_ROWS += VLLM_ISSUE_62
 
 #: packages a bare GPU image (torch + transformers + accelerate) does not have
 OPTIONAL = ("pyarrow", "math_verify", "rich", "matplotlib", "ray", "vllm", "reasoning_gym", "peft")
@@ -166,3 +171,8 @@ def test_gpu_check_vllm_rows_run_on_vllms_cpu_build(tmp_path):
     assert rows[VLLM_MISSING]["names the tensor"]
     assert rows[VLLM_TWO]["second engine while the first is open"] == "built"  # CPU: no sleep
     assert rows[VLLM_FSDP]["process group kept after close()"]
+    assert (
+        rows[VLLM_TIED]["alias left out: names lm_head.weight"]
+        and rows[VLLM_TIED]["alias zeroed: names lm_head.weight"]
+    )
+    assert rows[VLLM_FAULT]["rank 0 raised"] == rows[VLLM_FAULT]["rank 1 raised"] == "RankFault"

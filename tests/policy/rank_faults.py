@@ -48,7 +48,7 @@ def _engine_fault(llm, at: int):
                     yield item
 
             kwargs = {**kwargs, "weights_iterator": failing(kwargs["weights_iterator"])}
-        return real(method, args, kwargs)
+        return real(method, args=args, kwargs=kwargs)
 
     return rpc
 
@@ -70,7 +70,7 @@ def _check_fault(llm):
     real = llm.collective_rpc
 
     def rpc(method, args=(), kwargs=None):
-        out = real(method, args, kwargs)
+        out = real(method, args=args, kwargs=kwargs)
         if method == "reload_weights":
             with torch.no_grad():
                 next(iter(llm.engine_model.parameters())).zero_()
