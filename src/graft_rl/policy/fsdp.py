@@ -245,24 +245,10 @@ class ShardedPolicy(Policy):
         from graft_rl.policy.pushcheck import digesting
 
         if self.lora is None:
-            yield from digesting(self._gathered(self.model.state_dict(), dtypes), dtypes, digests)
+            yield from digesting(_gathered(self.model.state_dict(), dtypes, self._gathered_one), dtypes, digests)
         else:
             merged = self.rollout_state()
             yield from digesting(((name, merged[name].detach()) for name in merged), dtypes, digests)
-
-    def _gathered(self, state: dict, dtypes: dict | None):
-        """``(name, full tensor)`` of a sharded state, each shard cast to its engine dtype (``dtypes``) before
-        its all-gather, each all-gather after an agreement (:meth:`_gathered_one`). A tied alias
-        (``lm_head.weight`` tied to the embeddings) is gathered and pushed too: vLLM's reload needs it, and
-        the push check requires it (:func:`~graft_rl.policy.pushcheck.delivery`)."""
-        # a tensor ``dtypes`` does not name (none is, for a quantised engine) is cast to the engine's one
-        # dtype when it has one; decided from ``dtypes`` alone, so every rank gathers it alike
-        engine = set((dtypes or {}).values())
-        common = next(iter(engine)) if len(engine) == 1 else None
-        for name, t in state.items():
-            dt = (dtypes or {}).get(name, common)
-            local = t.detach().to(dt) if dt is not None and t.is_floating_point() and t.dtype != dt else t
-            yield name, self._gathered_one(local).detach()
 
     def sync_rollout_weights(self, target=None) -> None:
         """Collective: every rank pushes, or none (a level-2 sleep discards every rank's engine weights
@@ -317,13 +303,9 @@ class ShardedPolicy(Policy):
 
         names = sorted(dtypes)
         error = None
-        try:
-            if self.lora is not None:  # merged tensors: gathered whole one at a time, digested on rank 0
-                merged = self.rollout_state()
-                parts = [self._whole_rows(merged[n], dtypes[n], row_digest) for n in names]
-            else:
-                state = self.model.state_dict()
-                parts = [_shard_rows(state[n], dtypes[n], row_digest, self.rank) for n in names]
+        try:  # a LoRA policy's merged tensors: gathered whole one at a time, digested on rank 0
+            state = self.rollout_state() if self.lora is not None else self.model.state_dict()
+            parts = [_shard_rows(state[n], dtypes[n], row_digest, self.rank) for n in names]
         except RankFault:
             raise
         except Exception as exc:  # noqa: BLE001 - brought to the agreement, raised there on every rank
@@ -333,10 +315,6 @@ class ShardedPolicy(Policy):
         flat = flat.to(self._comm_device())
         dist.all_reduce(flat)
         return dict(zip(names, flat.cpu().split([len(p) for p in parts]), strict=True))
-
-    def _whole_rows(self, t: torch.Tensor, dtype: torch.dtype, row_digest) -> torch.Tensor:
-        """A whole tensor's row digest on rank 0, zeros elsewhere (summed over ranks by the caller)."""
-        return row_digest(t, dtype) if self.rank == 0 else torch.zeros(t.shape[0] if t.dim() else 1, dtype=torch.int64)
 
     def param_digest(self) -> list[float]:
         sums = torch.tensor(
@@ -441,6 +419,21 @@ def _shard_rows(t: torch.Tensor, dtype: torch.dtype, row_digest, rank: int) -> t
     elif rank == 0:
         out[:] = row_digest(local, dtype)
     return out
+
+
+def _gathered(state: dict, dtypes: dict | None, gather):
+    """``(name, full tensor)`` of a sharded state, each shard cast to its engine dtype (``dtypes``) before
+    ``gather`` (:meth:`ShardedPolicy._gathered_one`: an agreement, then the all-gather). A tied alias
+    (``lm_head.weight`` tied to the embeddings) is gathered and pushed too: vLLM's reload needs it, and
+    the push check requires it (:func:`~graft_rl.policy.pushcheck.delivery`)."""
+    # a tensor ``dtypes`` does not name (none is, for a quantised engine) is cast to the engine's one
+    # dtype when it has one; decided from ``dtypes`` alone, so every rank gathers it alike
+    engine = set((dtypes or {}).values())
+    common = next(iter(engine)) if len(engine) == 1 else None
+    for name, t in state.items():
+        dt = (dtypes or {}).get(name, common)
+        local = t.detach().to(dt) if dt is not None and t.is_floating_point() and t.dtype != dt else t
+        yield name, gather(local).detach()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

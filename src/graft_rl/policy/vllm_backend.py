@@ -177,7 +177,7 @@ def _plain_cpu_linears() -> None:
             LinearBase._cpu_skip_gemm_dispatch = True
 
 
-def _engine_kwargs(sleep: bool, kwargs: dict, device: str = "cuda") -> dict:
+def _engine_kwargs(sleep: bool, kwargs: dict, device: str = "cuda", sized: bool | None = None) -> dict:
     """``kwargs`` plus what this backend needs of the engine where this vLLM has the option and the user
     did not choose (each probed in ``EngineArgs``):
 
@@ -191,7 +191,8 @@ def _engine_kwargs(sleep: bool, kwargs: dict, device: str = "cuda") -> dict:
     - on CPU, a KV cache of :data:`CPU_KV_CACHE_BYTES` unless ``gpu_memory_utilization`` or
       ``kv_cache_memory_bytes`` is given: vLLM's CPU build otherwise takes a share of the machine's memory
       less the whole process's resident memory, which a second engine in the process (two policies,
-      ``execution: local``) finds already spent."""
+      ``execution: local``) finds already spent. ``sized``: the user chose ``gpu_memory_utilization``
+      (default: whether ``kwargs`` holds it)."""
     try:
         from vllm.engine.arg_utils import EngineArgs
 
@@ -203,7 +204,8 @@ def _engine_kwargs(sleep: bool, kwargs: dict, device: str = "cuda") -> dict:
         extra["sleep_mode_offload_cudagraph"] = True
     if "enable_extensible_kv_cache" in known:
         extra["enable_extensible_kv_cache"] = False
-    cpu_sized = "gpu_memory_utilization" in kwargs or "kv_cache_memory_bytes" in kwargs
+    sized = "gpu_memory_utilization" in kwargs if sized is None else sized
+    cpu_sized = sized or "kv_cache_memory_bytes" in kwargs
     if (
         device == "cpu"
         and not cpu_sized
@@ -212,6 +214,20 @@ def _engine_kwargs(sleep: bool, kwargs: dict, device: str = "cuda") -> dict:
     ):
         extra["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     return {**extra, **kwargs}
+
+
+def _start_llm(llm_cls, model_dir, dtype: str, sleep: bool, share: float | None, device: str, kwargs: dict):
+    """``vllm.LLM`` as this backend needs it: log-probs of the sampling distribution, prefix caching, sleep
+    mode where ``sleep``, ``share`` of the GPU (default :data:`VLLM_MEMORY_SHARE`), :func:`_engine_kwargs`."""
+    options = {"gpu_memory_utilization": VLLM_MEMORY_SHARE if share is None else share, **kwargs}
+    return llm_cls(
+        model=str(model_dir),
+        dtype=dtype,
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
+        enable_sleep_mode=sleep,
+        **_engine_kwargs(sleep, options, device, sized=share is not None),
+    )
 
 
 #: The KV cache of an engine on vLLM's CPU build (tests and rehearsals) unless ``vllm_kwargs`` sizes it:
@@ -318,29 +334,11 @@ class VLLMBackend:
         self._keeps_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         _clear_rotary_cache()  # nothing of an earlier engine's memory may be reused
         _plain_cpu_linears()
-        if gpu_memory_utilization is not None:
-            engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        engine_kwargs = _engine_kwargs(self.sleep, engine_kwargs, device)
         with gpu_turn(self.gpu):  # its memory profiling and pools: never inside another engine's sleep
-            self.llm = LLM(
-                model=str(model_dir),
-                dtype=dtype,
-                logprobs_mode="processed_logprobs",
-                enable_prefix_caching=True,
-                enable_sleep_mode=self.sleep,
-                **{"gpu_memory_utilization": VLLM_MEMORY_SHARE, **engine_kwargs},
-            )
+            self.llm = _start_llm(LLM, model_dir, dtype, self.sleep, gpu_memory_utilization, device, engine_kwargs)
         _LIVE.add(self)
         _check_in_process(self.llm)
-
-        def start_check() -> None:
-            self.layout = self._layout()
-            if push_at_start:  # a LoRA policy: the engine loaded the base; the trainer's weights are merged
-                self._push()
-            else:
-                self._verify("as loaded from the model directory")
-
-        self._together(start_check, "the engine's start check")
+        _together(self.agree, lambda: self._start_check(push_at_start), "the engine's start check")
         # level 1 whatever was verified: the engine holds the trainer's weights, so the first generation
         # needs no push (a level-2 sleep here would discard a LoRA policy's start push, then push again)
         self._fall_asleep(level=1)
@@ -363,6 +361,13 @@ class VLLMBackend:
             )
 
     # ------------------------------------------------------------------ push verification
+    def _start_check(self, push_at_start: bool) -> None:
+        self.layout = self._layout()
+        if push_at_start:  # a LoRA policy: the engine loaded the base; the trainer's weights are merged
+            self._push()
+        else:
+            self._verify("as loaded from the model directory")
+
     def _layout(self) -> pushcheck.EngineLayout:
         names = list(self.state_fn())  # the pushed tensors' names (nothing gathered)
         quantized = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "quantization", None)
@@ -448,24 +453,7 @@ class VLLMBackend:
         that fails (its engine's loader, a cast, a merge, a digest, the check) brings its error to the
         group's next agreement, which every other rank reaches before its next collective, and every
         rank raises :class:`~graft_rl.policy.types.RankFault` naming each failed rank's error."""
-        self._together(self._push, "the weight push")
-
-    def _together(self, fn, what: str) -> None:
-        """``fn()``; then, on the ranks of a sharded policy, every rank's outcome agreed (``agree``): all
-        return, or all raise :class:`~graft_rl.policy.types.RankFault` with each failed rank's error."""
-        from graft_rl.policy.types import RankFault
-
-        try:
-            fn()
-        except RankFault:
-            raise  # agreed already: every rank raises it
-        except Exception as exc:
-            if self.agree is None:
-                raise
-            self.agree(exc, what)  # raises on every rank
-            raise
-        if self.agree is not None:
-            self.agree(None, what)  # done here: and on every other rank?
+        _together(self.agree, self._push, "the weight push")
 
     def _push(self) -> None:
         """Reload the trainer's weights into the engine in place (vLLM's ``reload_weights``) and verify them.
@@ -565,6 +553,26 @@ class VLLMBackend:
         if torch.cuda.is_available():
             with gpu_turn(self.gpu):  # hands device memory back: never inside another engine's sleep or start
                 torch.cuda.empty_cache()
+
+
+def _together(agree, fn, what: str) -> None:
+    """``fn()``; then, on the ranks of a sharded policy (``agree``: :meth:`ShardedPolicy.agree`), every
+    rank's outcome agreed: all return, or all raise :class:`~graft_rl.policy.types.RankFault` with each
+    failed rank's error. ``fn`` must end with no collective pending on this rank (each of a sharded
+    policy's push collectives is preceded by an agreement, which a failed rank's error here answers)."""
+    from graft_rl.policy.types import RankFault
+
+    try:
+        fn()
+    except RankFault:
+        raise  # agreed already: every rank raises it
+    except Exception as exc:
+        if agree is None:
+            raise
+        agree(exc, what)  # raises on every rank
+        raise
+    if agree is not None:
+        agree(None, what)  # done here: and on every other rank?
 
 
 @contextlib.contextmanager
