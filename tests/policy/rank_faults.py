@@ -21,8 +21,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_vllm  # noqa: E402
 
-fake_vllm.install()
-
 from graft_rl.policy import PolicyConfig  # noqa: E402
 from graft_rl.policy.fsdp import ShardedPolicy  # noqa: E402
 
@@ -97,6 +95,7 @@ def _move(pol):
 
 
 def run(model: str, out: str, mode: str = "") -> None:
+    fake_vllm.install()  # here, not at import: the test reads TIMEOUT in its own process
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
     rank = dist.get_rank()

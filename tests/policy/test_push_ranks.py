@@ -69,7 +69,7 @@ def test_a_fault_on_one_rank_mid_push_ends_both_ranks_with_its_error(tiny_pair, 
     if mode == "lora":
         pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
     sys.path.insert(0, str(HERE))
-    from rank_faults import TIMEOUT
+    from rank_faults import TIMEOUT  # importing it installs nothing (its run() does)
 
     r0, r1 = _ranks(tiny_pair[0], tmp_path, 29647 if mode else 29649, mode, "rank_faults.py")
     for fault, cause in (
