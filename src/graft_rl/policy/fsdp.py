@@ -150,7 +150,8 @@ class ShardedPolicy(Policy):
         return int(t.item())
 
     def _comm_device(self) -> torch.device:
-        return torch.device(self.config.device) if dist.get_backend() == "nccl" else torch.device("cpu")
+        """gloo reduces host tensors; NCCL (also torch 2.15's ``nccl-legacy``) device ones."""
+        return torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(self.config.device)
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """:func:`agree` over this policy's group, the error naming the policy."""
