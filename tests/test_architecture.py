@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "graft_rl"
 
 #: docs/design.md's layers: 0 = errors ... 6 = the commands. A folder is a layer; ``errors``,
-#: ``locks``, ``seeding`` and ``stats`` are the modules at the package's top.
+#: ``locks``, ``seeding`` and ``stats`` are the modules at the package's top; ``__main__`` (``python -m
+#: graft_rl``) runs the commands.
 LAYERS: dict[str, int] = {
     "errors": 0,
     "locks": 0,
@@ -30,6 +31,7 @@ LAYERS: dict[str, int] = {
     "engine": 5,
     "testbed": 5,
     "commands": 6,
+    "__main__": 6,
 }
 
 

@@ -19,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"graft-rl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     t = sub.add_parser("train", help="co-train policies with GRAFT, a baseline or an ablation")
-    t.add_argument("config", nargs="?", help="YAML config (default: the built-in CPU demo)")
+    t.add_argument(
+        "config", nargs="?", help="YAML config or preset name (graft config list; default: the built-in CPU demo)"
+    )
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. method.delta=0.9 policies.0.lr=1e-5")
     t.add_argument(
         "--resume",
@@ -42,12 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         "config",
         help="show: every config key with its default and meaning; init: a commented starter config for your task",
     )
-    c.add_argument("action", choices=["show", "init"])
+    c.add_argument("action", choices=["show", "init", "list"])
     c.add_argument(
         "what",
         nargs="?",
         default=None,
-        help="show: a section (run, data, validation, ray, tracking, method, policies, peers), a method name, or a "
+        help="show: a section (run, data, validation, ray, tracking, method, policies, peers), a method name, a preset or a "
         "config file (its method, after importing its plugins); init: the file to write (default graft.yaml)",
     )
     c.add_argument(
@@ -60,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--data", default=None, help="init: your training data (file, folder or hf:ORG/NAME)")
     c.add_argument("--reward", default=None, help="init: your reward, path/to/file.py:function or module:function")
     c.add_argument("--models", nargs=2, default=None, metavar=("A", "B"), help="init: the two models")
+    c.add_argument(
+        "--from",
+        dest="source",
+        default=None,
+        metavar="PRESET",
+        help="init: copy a preset (graft config list) or config file into one self-contained file to edit",
+    )
     c.add_argument("--force", action="store_true", help="init: replace an existing file")
     return parser
 
@@ -125,7 +134,11 @@ def _add_probe_seeds_plan(sub) -> None:
         "rate, complementary candidates, groups grafted per step, compatibility and the share the gate "
         "admits (per prompt family where the data has them), and a verdict; writes probe.json and probe.png.",
     )
-    pr.add_argument("config", nargs="?", help="YAML config (the one you would train; default: graft train's built-in)")
+    pr.add_argument(
+        "config",
+        nargs="?",
+        help="YAML config or preset name (the one you would train; default: graft train's built-in)",
+    )
     pr.add_argument("overrides", nargs="*", help="key=value overrides, as for graft train")
     pr.add_argument("--limit", type=int, default=None, help="training prompts to probe (default: prompt_batch)")
     pr.add_argument("--out", default=None, help="output directory (default probe/<run_dir name>)")
@@ -143,7 +156,7 @@ def _add_probe_seeds_plan(sub) -> None:
     )
     sd.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
     pl = sub.add_parser("plan", help="memory per GPU and GPUs per policy for a config (nothing is loaded)")
-    pl.add_argument("config", help="YAML config")
+    pl.add_argument("config", help="YAML config or preset name (graft config list)")
     pl.add_argument("overrides", nargs="*", help="key=value overrides, e.g. policies.0.world_size=4")
     pl.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU (default 141, an H200)")
     pl.add_argument("--gpus", type=int, default=None, help="GPUs to split between the policies (default: the config's)")
@@ -159,7 +172,7 @@ def _add_preflight_analyze(sub) -> None:
         "precision); on a machine without the GPUs it needs, ranks become CPU processes. Prints a checklist "
         "and graft plan's verdict for the real config. Exit 0 when every stage passed.",
     )
-    pf.add_argument("config", help="YAML config")
+    pf.add_argument("config", help="YAML config or preset name (graft config list)")
     pf.add_argument("overrides", nargs="*", help="key=value overrides of the real config")
     pf.add_argument("--run-dir", default=None, help="keep the toy run here (default: a temporary directory, removed)")
     pf.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU for the plan (default 141, an H200)")
@@ -506,7 +519,20 @@ def _config(ns) -> int:
     from graft_rl.errors import ConfigError
 
     try:
-        if ns.action == "init":
+        if ns.action == "list":
+            from graft_rl.commands.keys import preset_listing
+
+            print(preset_listing())
+        elif ns.action == "init" and ns.source is not None:
+            from graft_rl.commands.starter import write_from_preset
+
+            if ns.data or ns.reward or ns.models:
+                raise ConfigError(
+                    "graft config init: --from copies a preset as it is; edit --data/--reward/--models in it"
+                )
+            out = write_from_preset(ns.what or "graft.yaml", ns.source, ns.force)
+            print(f"graft config init: wrote {out} from {ns.source}; edit it, then: graft train {out}")
+        elif ns.action == "init":
             from graft_rl.commands.starter import write_starter
 
             out = write_starter(ns.what or "graft.yaml", ns.data, ns.reward, ns.models, ns.force)

@@ -22,7 +22,9 @@ from graft_rl.engine.config import (
     TrackingConfig,
     TrainConfig,
     ValidationConfig,
+    read_config_file,
 )
+from graft_rl.engine.presets import is_preset
 from graft_rl.errors import ConfigError
 from graft_rl.methods import MethodConfig, method_class, method_names
 from graft_rl.methods.config import method_params, preset_part
@@ -108,7 +110,7 @@ def show(what: str | None = None, plugins: list[str] | tuple[str, ...] = ()) -> 
     are imported first (a user's methods and parts); ``what`` may be a config file: its method, listed
     after importing the config's own plugins."""
     load_plugins(plugins)
-    if what is not None and what.endswith((".yaml", ".yml")):
+    if what is not None and (what.endswith((".yaml", ".yml")) or is_preset(what)):
         return _show_config(what)
     if what is None:
         parts = [show(name) for name in SECTIONS]
@@ -164,20 +166,47 @@ def show(what: str | None = None, plugins: list[str] | tuple[str, ...] = ()) -> 
 
 
 def _show_config(path: str) -> str:
-    """``graft config show CONFIG.yaml``: the config's method (its parts and keys), its plugins imported."""
-    from pathlib import Path
-
-    import yaml
-
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"graft config show: {path}: no such file")
+    """``graft config show CONFIG.yaml`` (or a preset's name): the config's method (its parts and keys),
+    its plugins imported."""
     try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"graft config show: {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        data = read_config_file(path)
+    except ConfigError as exc:
+        raise ConfigError(f"graft config show: {exc}") from None
     method = data.get("method") or {}
     # paths as `graft train` reads them (relative to the current directory), then the part keys' modules
     load_plugins([normalise(p) for p in data.get("plugins") or []])
     load_plugins(part_modules(SimpleNamespace(**{"name": "", **method})))
     return show(str(method.get("name", "graft")))
+
+
+def _hardware(path) -> str:
+    """What a preset asks for: GPUs (per policy), Ray, its rollout backends; or the error that loading it
+    raises on this install (a plugin or package it needs)."""
+    from graft_rl.engine.config import load_config
+
+    try:
+        cfg = load_config(path)
+    except Exception as exc:  # listed, not raised: one preset must not hide the others
+        return f"(loads with {type(exc).__name__})"
+    gpus = [pc.world_size for pc in cfg.policies if pc.device.startswith("cuda")]
+    where = "CPU" if not gpus else f"{sum(gpus)} GPU" + ("s" if sum(gpus) > 1 else "")
+    if 1 < len(gpus) <= 3:
+        where += f" ({' + '.join(map(str, gpus))})"
+    elif len(gpus) > 3:
+        where += f" ({len(gpus)} policies)"
+    ray = ", Ray" if cfg.execution == "ray" else ""
+    return f"{where}{ray}, {'/'.join(sorted({pc.backend for pc in cfg.policies}))}"
+
+
+def preset_listing() -> str:
+    """``graft config list``: every preset, one line each: its name, the hardware it asks for, what it is."""
+    from graft_rl.engine.presets import PRESETS, presets
+
+    rows = [(p.name, _hardware(p.path), p.about) for p in presets()]
+    if not rows:
+        raise ConfigError(f"graft config list: no presets in {PRESETS} (a broken install?)")
+    width = max(len(r[0]) for r in rows)
+    hw = max(len(r[1]) for r in rows)
+    lines = [f"presets ({len(rows)}; graft train NAME, graft config init FILE --from NAME), in {PRESETS}:"]
+    lines += [f"  {name:<{width}}  {h:<{hw}}  {_one_line(about, 110)}" for name, h, about in rows]
+    return "\n".join(lines)

@@ -95,3 +95,32 @@ def write_starter(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(starter(path, data, reward, models))
     return out
+
+
+def write_from_preset(path: str, preset: str, force: bool = False) -> Path:
+    """``graft config init PATH --from PRESET``: the preset (or any config file) as one self-contained
+    file, its ``base:`` chain merged in, headed by the preset's own comments; the result loads to the
+    same config as the preset."""
+    import yaml
+
+    from graft_rl import __version__
+    from graft_rl.engine.config import load_config, read_config_file
+    from graft_rl.engine.presets import resolve
+
+    out = Path(path)
+    if out.exists() and not force:
+        raise ConfigError(f"graft config init: {out} exists; give another path or --force to replace it")
+    source, _ = resolve(preset)
+    data = read_config_file(preset)
+    head = []
+    for line in source.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        head.append(line)
+    head.append(f"# Written by `graft config init {path} --from {preset}` (graft-rl {__version__}): the base: chain")
+    head.append("# merged into this one file; every key can be edited here (graft config show: what each means).")
+    text = "\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100)
+    load_config(yaml.safe_load(text))  # what is written loads (a preset's plugins included)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return out

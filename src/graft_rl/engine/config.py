@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -568,6 +569,19 @@ def _read_yaml(p: Path, depth: int = 0) -> dict:
     return data
 
 
+def read_config_file(arg: str | Path) -> dict:
+    """A config file or a preset (:mod:`graft_rl.engine.presets`: ``lookup/graft``), ``base:`` chain merged.
+    A file that exists wins over a preset of the same name, and a line on stderr says so."""
+    from graft_rl.engine.presets import not_found, resolve
+
+    path, note = resolve(arg)
+    if note:
+        print(f"graft: {note}", file=sys.stderr)
+    if not path.exists():
+        raise ConfigError(not_found(arg))
+    return _read_yaml(path)
+
+
 def _renamed_verifier(data: dict) -> None:
     """``data.verifier`` (the key's old name, in every config written before rewards were plugins) is ``data.reward``."""
     d = data.get("data")
@@ -588,8 +602,10 @@ def load_config(path: str | Path | dict | None, overrides: list[str] | None = No
         data: dict = {}
     elif isinstance(path, dict):
         data = dict(path)
-    else:
+    elif saved:
         data = _read_yaml(Path(path))
+    else:
+        data = read_config_file(path)
     data = apply_overrides(data, overrides or [])
     _renamed_verifier(data)
     method = data.get("method")

@@ -168,7 +168,7 @@ class Testbed:
         cores; ``method``: another method's name."""
         if self.pair == "lookup":  # one-token answers after a sentence, a one-family pool, unbalanced exchange
             raise ValueError(
-                "the lookup pair's runs are configs/lookup/graft.yaml and grpo.yaml, not an arithmetic default"
+                "the lookup pair's runs are the presets lookup/graft and lookup/grpo (graft train lookup/graft), not an arithmetic default"
             )
         return {
             "run_dir": run_dir,
