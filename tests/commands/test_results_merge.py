@@ -85,7 +85,7 @@ import time
 import graft_rl.commands.evaluate_cli as ev
 import graft_rl.commands.results as results
 real = results.merge_eval
-results.merge_eval = lambda old, new: (time.sleep(0.01), real(old, new))[1]  # widen the read-write window
+results.merge_eval = lambda old, new, written=(): (time.sleep(0.01), real(old, new, written))[1]  # widen the read-write window
 name = sys.argv[1]
 bench = {{"pass@1_mean": 0.5, "pass@1_std": 0.0, "pass@1_runs": [0.5], "pass@k": {{}}, "problems": 1}}
 for i in range(40):
@@ -193,3 +193,40 @@ def test_a_baseline_of_fewer_policies_is_comparable(tmp_path, make_cfg):
     (base / "eval" / "eval.json").write_text(json.dumps(res))
     out = ev.across_runs([g], [str(base)])
     assert set(out["delta"]) == {"A"}
+
+
+def test_a_first_eval_says_nothing_was_replaced_and_its_bar_follows_the_work(tmp_path, bench, monkeypatch, capsys):
+    """Issue 63: a command's own write after each policy is not an "earlier" result (a first eval into a
+    fresh --out said "replaced A's earlier toy" about itself); in-process chunks run as the bar advances
+    (it jumped to the end at 10^5 chunk/s after all the work was done)."""
+    import functools
+
+    import tqdm.auto
+
+    monkeypatch.setattr(evaluators, "Policy", FakePolicy)
+    done, seen = [], []
+    real = evaluators.LocalEvaluator.evaluate
+
+    @functools.wraps(real)
+    def counted(self, *a, **k):
+        done.append(1)
+        return real(self, *a, **k)
+
+    class Bar:
+        def __init__(self, *a, total=0, **k):
+            self.total = total
+
+        def update(self, n):
+            seen.append(len(done))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(evaluators.LocalEvaluator, "evaluate", counted)
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    toy = bench("toy", n=5)
+    _eval(tmp_path, "A", [toy], show=True)
+    assert "replaced" not in capsys.readouterr().out
+    assert seen == list(range(1, len(seen) + 1)) and len(seen) == 2  # one chunk per run, each run before its tick
+    _eval(tmp_path, "A", [toy], show=True)  # a second command: now it is a replacement, said once
+    assert capsys.readouterr().out.count("replaced A's earlier toy") == 1

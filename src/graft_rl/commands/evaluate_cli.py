@@ -356,6 +356,7 @@ def run_eval(
     results["complete"] = True
     _write_results(out, results, list(data), show)
     results.pop("_said", None)
+    results.pop("_written", None)
     if show:
         _print(results, list(data))
         print(f"written: {out / 'eval.json'}, {out / 'eval.md'}")
@@ -390,7 +391,9 @@ def _write_results(out: Path, results: dict, labels: list[str], show: bool = Tru
     path = out / "eval.json"
     with locked(path):
         old, unreadable = read_results(path)
-        merged, notes = merge_eval(old, results)
+        written = results.setdefault("_written", set())  # the policies this command wrote here already
+        merged, notes = merge_eval(old, results, written)
+        written.update(results["policies"])
         others = [b for e in merged["policies"].values() for b in e["benchmarks"] if b not in labels]
         write_text_atomic(path, json.dumps(merged, indent=1))
         write_text_atomic(out / "eval.md", _markdown(merged, [*labels, *dict.fromkeys(others)]))

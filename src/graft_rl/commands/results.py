@@ -10,7 +10,7 @@ import functools
 import json
 import os
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 from graft_rl.locks import flocked
@@ -58,11 +58,12 @@ def _average(entry: dict) -> None:
     entry["average_std"] = statistics.stdev(agg) if runs > 1 else 0.0
 
 
-def merge_eval(old: dict | None, new: dict) -> tuple[dict, list[str]]:
+def merge_eval(old: dict | None, new: dict, written: Collection[str] = ()) -> tuple[dict, list[str]]:
     """``new`` (this command's results) merged into ``old`` (the file's). Each policy entry carries the
     settings it was evaluated with (:data:`SETTINGS`). A policy evaluated now under the settings of its
     earlier entry keeps the benchmarks not evaluated now; one under other settings replaces its earlier
-    entry whole; a policy not evaluated now is kept as it was. Returns ``(merged, what was replaced)``."""
+    entry whole; a policy not evaluated now is kept as it was. Returns ``(merged, what was replaced)``;
+    ``written``: the policies this command already wrote there itself (their entries are not "earlier")."""
     mine = {k: new.get(k) for k in SETTINGS}
     merged = {k: v for k, v in new.items() if k != "policies" and not k.startswith("_")}
     merged["policies"] = {}
@@ -80,9 +81,10 @@ def merge_eval(old: dict | None, new: dict) -> tuple[dict, list[str]]:
             entry.get("model"),
             entry.get("step"),
         )
+        own = name in written  # its entry in the file is this command's own, written when it finished
         if prev is not None and prev["settings"] == mine and same_weights:
             again = [b for b in entry["benchmarks"] if b in prev["benchmarks"]]
-            if again:
+            if again and not own:
                 notes.append(f"replaced {name}'s earlier {', '.join(again)}")
             entry["benchmarks"] = {**prev["benchmarks"], **entry["benchmarks"]}  # earlier ones keep their places
             _average(entry)
@@ -93,9 +95,11 @@ def merge_eval(old: dict | None, new: dict) -> tuple[dict, list[str]]:
             if not same_weights:
                 was, now = (f"{e.get('model')} (step {e.get('step')})" for e in (prev, entry))
                 changed = ", ".join(x for x in (changed, f"weights {was} -> {now}") if x)
-            notes.append(
-                f"replaced {name}'s earlier results (other {'settings' if same_weights else 'weights or settings'}: {changed})"
-            )
+            if not own:
+                notes.append(
+                    f"replaced {name}'s earlier results "
+                    f"(other {'settings' if same_weights else 'weights or settings'}: {changed})"
+                )
         merged["policies"][name] = entry
     return merged, notes
 

@@ -7,6 +7,7 @@ on its run and first problem, so any number of replicas gives the same numbers).
 
 from __future__ import annotations
 
+import functools
 import statistics
 from pathlib import Path
 
@@ -96,10 +97,12 @@ def evaluate_benchmarks(
     from graft_rl.engine.distributed import get
 
     def call(worker, fn, *args):  # fn: the PolicyWorker method (a Ray actor's of the same name)
-        return getattr(worker, fn.__name__).remote(*args) if actors else getattr(worker, fn.__name__)(*args)
+        if actors:  # submitted now, all at once: the replicas work while the bar below waits on them
+            return getattr(worker, fn.__name__).remote(*args)
+        return functools.partial(getattr(worker, fn.__name__), *args)  # in this process: run when awaited
 
     def result(handle):
-        return get(handle, pc.name) if actors else handle
+        return get(handle, pc.name) if actors else handle()
 
     per: dict = {}
     jobs: list[tuple] = []  # (label, run, chunk start, handle)
