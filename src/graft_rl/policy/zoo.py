@@ -80,7 +80,8 @@ def _testbed(pair: str, which: str):
         p = TESTBED_FILES / pair / f"model_{which}"
         if not (p / "config.json").is_file():
             raise FileNotFoundError(
-                f"zoo:{name}-{which}: {p} is missing; reinstall graft-rl or run scripts/build_testbed.py --pair {pair}"
+                f"zoo:{name}-{which}: {p} is missing (an incomplete install): reinstall graft-rl "
+                f"(in a checkout, python scripts/build_testbed.py --pair {pair} rebuilds it)"
             )
         return p
 

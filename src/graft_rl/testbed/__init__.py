@@ -210,8 +210,8 @@ def shipped_testbed(pair: str = "natural") -> Testbed:
     tb = Testbed(shipped_root(pair), shipped=True, pair=pair)
     if not (tb.root / "testbed.json").is_file():
         raise FileNotFoundError(
-            f"{tb.root}: the shipped testbed is missing; reinstall graft-rl or run "
-            f"scripts/build_testbed.py --pair {pair}"
+            f"{tb.root}: the shipped testbed is missing (an incomplete install): reinstall graft-rl "
+            f"(in a checkout, python scripts/build_testbed.py --pair {pair} rebuilds it)"
         )
     return tb
 
