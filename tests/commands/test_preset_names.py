@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,12 @@ def test_from_a_built_wheel_outside_the_checkout_the_presets_train_plan_and_copy
     )
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheels.glob("graft_rl-*.whl")
+    with zipfile.ZipFile(wheel) as z:  # what a package index shows: classifiers, the licence's full text
+        info = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = z.read(info).decode()
+        licence = z.read(info.replace("METADATA", "licenses/LICENSE")).decode()
+    assert meta.count("\nClassifier: ") >= 6 and "\nLicense-Expression: Apache-2.0" in meta
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in licence and len(licence) > 10000
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True, timeout=600)
     env = {**os.environ, "PYTHONPATH": str(target)}
 
