@@ -20,8 +20,11 @@ class MissingSourceError(ConfigError):
         self.path = path
 
 
+#: the documentation site (mkdocs.yml's site_url, pyproject's Documentation URL); built from docs/
+DOCS = "https://graft-rl.github.io/graft-rl/"
+
 #: where a removed public name's user reads what to write instead
-PORTING_GUIDE = "docs/porting.md in the graft-rl source (CHANGELOG.md has every change by version)"
+PORTING_GUIDE = f"{DOCS}porting/ (docs/porting.md in the source; CHANGELOG.md has every change by version)"
 
 
 def removed_names(module: str, names: dict[str, str]) -> Callable[[str], object]:

@@ -10,7 +10,7 @@ micro-batches or dealt over ranks, a cut that does not change training.
 Sums over a step's updates are exact (``math.fsum``, correctly rounded whatever their order); sums over
 a pass's micro-batches and over ranks are plain float64 additions (equal to rounding).
 
-Example:
+Examples:
     >>> a = StepStats({"clipped": 3.0, "tokens": 10.0}); b = StepStats({"clipped": 0.0, "tokens": 20.0})
     >>> StepStats.total([a, b]).ratio("clipped", "tokens")  # (3 + 0) / (10 + 20), not (0.3 + 0) / 2
     0.1

@@ -120,6 +120,7 @@ def test_from_a_built_wheel_outside_the_checkout_the_presets_train_plan_and_copy
         meta = z.read(info).decode()
         licence = z.read(info.replace("METADATA", "licenses/LICENSE")).decode()
     assert meta.count("\nClassifier: ") >= 6 and "\nLicense-Expression: Apache-2.0" in meta
+    assert meta.count("\nProject-URL: ") >= 4, "Homepage, Documentation, Changelog, Issues"
     assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in licence and len(licence) > 10000
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True, timeout=600)
     env = {**os.environ, "PYTHONPATH": str(target)}

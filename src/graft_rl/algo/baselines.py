@@ -51,7 +51,7 @@ def dr_grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[G, n]``, in ``rewards``' dtype.
 
-    Example:
+    Examples:
         >>> dr_grpo_advantages(torch.tensor([[1., 0., 0., 0.], [1., 1., 1., 1.]]))
         tensor([[ 0.7500, -0.2500, -0.2500, -0.2500],
                 [ 0.0000,  0.0000,  0.0000,  0.0000]])
@@ -74,7 +74,7 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[G, n]``, in ``rewards``' dtype (float32 for integer or bool input).
 
-    Example:
+    Examples:
         >>> rloo_advantages(torch.tensor([[1., 0., 0., 0.], [1., 1., 0., 0.]]))
         tensor([[ 1.0000, -0.3333, -0.3333, -0.3333],
                 [ 0.6667,  0.6667, -0.6667, -0.6667]])
@@ -115,13 +115,17 @@ def gspo_policy_loss(
     ``rollout_is_weights`` before its ``seq-mean-token-mean``: a token weighted 0 gets no gradient.
 
     Args:
-        logprobs, old_logprobs, mask: ``[M, T]``; advantages: ``[M]``; weights: ``[M]``, ``[M, T]`` or None.
+        logprobs: ``[M, T]`` current log-probs.
+        old_logprobs: ``[M, T]`` log-probs before the step's first update.
+        advantages: ``[M]``.
+        mask: ``[M, T]`` response-token mask.
+        weights: ``[M]``, ``[M, T]`` or None.
 
     Returns:
         ``(loss, stats)``; stats: ``clip_frac`` (responses clipped), ``ratio_mean``, ``clipped_seq``
         (``[M]`` bool).
 
-    Example:
+    Examples:
         >>> lp = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.25]]))
         >>> loss, st = gspo_policy_loss(lp, lp, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
         >>> float(loss), float(st["clip_frac"])
@@ -187,7 +191,7 @@ def pooled_advantages(
     Returns:
         ``(adv_recv [G, n], adv_src [G, n'])``.
 
-    Example:
+    Examples:
         >>> pooled_advantages(torch.tensor([[0., 0.]]), torch.tensor([[1., 0.]]))
         (tensor([[-0.5000, -0.5000]]), tensor([[ 1.5000, -0.5000]]))
     """
@@ -215,7 +219,7 @@ def success_only_mask(mask: torch.Tensor, rewards: torch.Tensor, is_peer: torch.
     Args:
         mask: ``[M, T]``; rewards: ``[M]`` (success means ``reward > 0``); is_peer: ``[M]`` bool.
 
-    Example:
+    Examples:
         >>> success_only_mask(torch.ones(3, 2), torch.tensor([1., 0., 0.]), torch.tensor([True, True, False]))
         tensor([[1., 1.],
                 [0., 0.],
@@ -238,7 +242,8 @@ def count_matched_random_prompts(
     model's rewards. Each direction is drawn independently.
 
     Args:
-        a_to_b, b_to_a: ``[G]`` bool masks chosen by :func:`~graft_rl.algo.balanced_exchange`.
+        a_to_b: ``[G]`` bool mask chosen by :func:`~graft_rl.algo.balanced_exchange`, A to B.
+        b_to_a: ``[G]`` the same, B to A.
 
     Returns:
         ``(rand_a_to_b, rand_b_to_a)`` bool masks with the same counts.
@@ -286,7 +291,7 @@ def random_admission_weight(
 def luffy_shaping(prob: torch.Tensor, gamma: float = 0.1) -> torch.Tensor:
     r"""LUFFY's regularised importance-sampling shaping :math:`f(x) = x / (x + \gamma)` (Appendix G).
 
-    Example:
+    Examples:
         >>> luffy_shaping(torch.tensor([0.0, 0.1, 0.9]))
         tensor([0.0000, 0.5000, 0.9000])
     """
@@ -312,7 +317,11 @@ def luffy_policy_loss(
     tokens of the minibatch, as in :func:`~graft_rl.algo.policy_loss`.
 
     Args:
-        logprobs, old_logprobs, mask: ``[M, T]``; advantages: ``[M]`` or ``[M, T]``; is_peer: ``[M]``;
+        logprobs: ``[M, T]`` current log-probs.
+        old_logprobs: ``[M, T]`` log-probs before the step's first update.
+        advantages: ``[M]`` or ``[M, T]``.
+        mask: ``[M, T]`` response-token mask.
+        is_peer: ``[M]`` bool, True for a peer (off-policy) response.
         token_weights: ``[M, T]`` factors of each token's term (a correction's weights of own tokens), or None.
 
     Returns:
@@ -352,7 +361,7 @@ def sgt_eligible(k_recv: torch.Tensor, k_peer: torch.Tensor) -> torch.Tensor:
     r"""SGT's prompt rule (Appendix B): the receiver has no correct rollout and the peer has
     at least one, :math:`k_B(q)=0 \wedge k_A(q)\ge 1` (no upper bound, unlike GRAFT).
 
-    Example:
+    Examples:
         >>> sgt_eligible(torch.tensor([0, 0, 1]), torch.tensor([8, 0, 3]))
         tensor([ True, False, False])
     """
@@ -391,7 +400,7 @@ def sgt_nll(logprobs: torch.Tensor, mask: torch.Tensor, coef: float = 0.1) -> to
     receiver's own tokenisation, added to the GRPO loss. An empty batch gives 0 (with the
     graph kept, so ``backward`` is always safe).
 
-    Example:
+    Examples:
         >>> sgt_nll(torch.tensor([[-1.0, -3.0]]), torch.ones(1, 2))
         tensor(0.2000)
     """
@@ -414,7 +423,7 @@ def hacpo_peer_clip_lower(update_index: int, start: float = 0.8, increment: floa
     index comes from ``MinibatchUpdateCounter`` in ``hacpo_workers.py``, reset for each new update).
     Indexing by the global step would pin the bound at 1 from step 8 on and silence peer rollouts.
 
-    Example:
+    Examples:
         >>> hacpo_peer_clip_lower(0), hacpo_peer_clip_lower(3)
         (0.8, 0.875)
     """
@@ -506,7 +515,12 @@ def hacpo_policy_loss(
     ``compute_hacpo_loss`` of ``recipe/hacpo/hacpo_core_algos.py``.
 
     Args:
-        logprobs, old_logprobs, mask: ``[M, T]``; src_mean_logprob, advantages, is_peer: ``[M]``;
+        logprobs: ``[M, T]`` current log-probs.
+        old_logprobs: ``[M, T]`` log-probs before the step's first update.
+        mask: ``[M, T]`` response-token mask.
+        src_mean_logprob: ``[M]`` the source's mean generation log-prob of each response.
+        advantages: ``[M]``.
+        is_peer: ``[M]`` bool, True for a peer response.
         update_index: minibatch update within the step (:func:`hacpo_peer_clip_lower`);
         capability_ratio: scalar or ``[M]``;
         weights: ``[M]`` factors of each response's term, or ``[M, T]`` factors of each token's (a
@@ -576,7 +590,7 @@ def dynamic_sampling_mask(rewards: torch.Tensor) -> torch.Tensor:
 
     For binary rewards this is :math:`0 < k < n`; in general, not all rewards equal.
 
-    Example:
+    Examples:
         >>> dynamic_sampling_mask(torch.tensor([[1., 0.], [1., 1.], [0., 0.]]))
         tensor([ True, False, False])
     """
@@ -618,7 +632,7 @@ def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch
     :math:`\pi_\theta`, zero where the two agree; the gradient flows through ``logprobs`` only.
     ``r`` is clamped to :data:`~graft_rl.algo.core.MAX_LOG_RATIO` before ``exp``. An all-zero mask gives 0.
 
-    Example:
+    Examples:
         >>> lp = torch.tensor([[-1.0, -2.0]]); ref = torch.tensor([[-1.0, -1.0]])
         >>> round(float(reference_kl(lp, ref, torch.ones(1, 2))), 4)  # (0 + e - 1 - 1) / 2
         0.3591

@@ -57,7 +57,7 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     Returns:
         ``[G, n]`` advantages, same dtype as ``rewards`` (float32 for integer/bool input).
 
-    Example:
+    Examples:
         >>> grpo_advantages(torch.tensor([[1., 0., 0., 0.], [1., 1., 1., 1.]]))
         tensor([[ 1.5000, -0.5000, -0.5000, -0.5000],
                 [ 0.0000,  0.0000,  0.0000,  0.0000]])
@@ -89,7 +89,7 @@ def complementary_mask(k_src: torch.Tensor, k_recv: torch.Tensor, n: int) -> tor
     Returns:
         ``[G]`` bool mask of candidate prompts.
 
-    Example:
+    Examples:
         >>> complementary_mask(torch.tensor([3, 0, 8, 1]), torch.tensor([0, 0, 0, 2]), n=8)
         tensor([ True, False, False, False])
     """
@@ -133,7 +133,7 @@ def balanced_exchange(
         ``(a_to_b, b_to_a)``, ``[G]`` bool masks: ``a_to_b[q]`` means B's failed group for
         prompt ``q`` is replaced by A's group.
 
-    Example:
+    Examples:
         >>> balanced_exchange(torch.tensor([3, 0, 5]), torch.tensor([0, 2, 0]), n=8)
         (tensor([False, False,  True]), tensor([False,  True, False]))
     """
@@ -160,7 +160,7 @@ def mean_token_logprob(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torc
     Returns:
         ``[M]`` mean log-probabilities, dtype of ``token_logprobs``.
 
-    Example:
+    Examples:
         >>> mean_token_logprob(torch.tensor([[-1., -3., 0.], [-2., 0., 0.]]),
         ...                    torch.tensor([[1, 1, 0], [1, 0, 0]]))
         tensor([-2., -2.])
@@ -187,7 +187,7 @@ def compatibility_score(recv_mean_logprob: torch.Tensor, src_mean_logprob: torch
     response text; ``src_mean_logprob`` the source's mean *generation* log-prob on its own
     tokens. Neither is differentiated through: the score is fixed for the step.
 
-    Example:
+    Examples:
         >>> compatibility_score(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.0]))
         tensor([1.0000, 0.3679])
     """
@@ -213,10 +213,11 @@ def per_char_compatibility_score(
     dividing both summed log-likelihoods of the same text by its character count does not.
 
     Args:
-        recv_sum_logprob, src_sum_logprob: ``[M]`` summed log-probs (receiver on its tokens, source
-            at generation on its own); chars: ``[M]`` characters of each response text (>= 1).
+        recv_sum_logprob: ``[M]`` the receiver's summed log-probs of its own tokens of each text.
+        src_sum_logprob: ``[M]`` the source's summed generation log-probs of its own tokens.
+        chars: ``[M]`` characters of each response text (>= 1).
 
-    Example:
+    Examples:
         >>> per_char_compatibility_score(torch.tensor([-4.0]), torch.tensor([-2.0]), torch.tensor([4.0]))
         tensor([0.6065])
     """
@@ -234,7 +235,7 @@ def compatibility_weight(score: torch.Tensor, delta: float = 0.8, floor: bool = 
     ablation, :math:`w = \min\{s, 1\}` for every response. A non-finite score (``nan``
     from an empty response) always gets weight 0; ``+inf`` is capped to 1.
 
-    Example:
+    Examples:
         >>> compatibility_weight(torch.tensor([0.5, 0.8, 0.9, 1.7]))
         tensor([0.0000, 0.0000, 0.9000, 1.0000])
         >>> compatibility_weight(torch.tensor([0.5, 0.8, 0.9, 1.7]), floor=False)
@@ -303,7 +304,8 @@ def policy_loss(
         mask: ``[M, T]`` response-token mask.
         weights: ``[M]`` compatibility weights, or ``None`` for all ones; or ``[M, T]`` per-token weights
             (the compatibility weight times a correction's weight, :mod:`graft_rl.methods.corrections`).
-        eps_low, eps_high: clip range (Table 3: 0.2 / 0.28).
+        eps_low: lower clip range (Table 3: 0.2).
+        eps_high: upper clip range (Table 3: 0.28).
         ratio: ``"token"`` (GRAFT) or ``"sequence"``.
 
     Returns:
@@ -315,7 +317,7 @@ def policy_loss(
         ``ratio_mean``, ``approx_kl`` (``mean 0.5 (log rho)^2``), ``num_tokens`` (the
         denominator) and ``num_active_tokens``.
 
-    Example:
+    Examples:
         >>> lp = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
         >>> loss, st = policy_loss(lp, lp, torch.tensor([1.0, -1.0]), torch.ones(2, 2),
         ...                        weights=torch.tensor([1.0, 0.5]))
@@ -376,7 +378,7 @@ def clipped_token_mask(
     than the unclipped one), among response tokens whose weight is non-zero: the tokens behind its
     ``clip_frac``, for the self/peer clipping diagnostics of the paper's Table 9. No gradient.
 
-    Example:
+    Examples:
         >>> lp = torch.log(torch.tensor([[0.9, 0.5]]))
         >>> old = torch.log(torch.tensor([[0.5, 0.5]]))
         >>> clipped_token_mask(lp, old, torch.tensor([1.0]), torch.ones(1, 2))  # 1.8 > 1.28 clipped
@@ -418,7 +420,7 @@ def minibatch_order(
         A list of 1-D ``int64`` index tensors (on ``is_peer``'s device) that partition
         ``range(G)``, in processing order.
 
-    Example:
+    Examples:
         >>> g = torch.Generator().manual_seed(0)
         >>> [b.tolist() for b in minibatch_order(torch.tensor([True, False, False, True, False]), 2, generator=g)]
         [[4, 1], [2, 3], [0]]

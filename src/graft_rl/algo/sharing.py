@@ -25,7 +25,7 @@ def sapo_draw(informative: torch.Tensor, count: int, generator: torch.Generator 
         count: :math:`J`.
         generator: the draw's ``torch.Generator`` (CPU).
 
-    Example:
+    Examples:
         >>> g = torch.Generator().manual_seed(0)
         >>> sapo_draw(torch.tensor([True, False, True, True]), 2, g).tolist()
         [3, 0]
@@ -50,7 +50,7 @@ def truncated_sequence_ratio(recv_logprob_sum: torch.Tensor, src_logprob_sum: to
     peer's sampled tokens), so the ratio is of the text's two probabilities. The log-ratio is clamped
     to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` before the exponential.
 
-    Example:
+    Examples:
         >>> truncated_sequence_ratio(torch.tensor([-3.0, -1.0]), torch.tensor([-1.0, -3.0]), 2.0)
         tensor([0.1353, 2.0000])
     """
@@ -88,7 +88,7 @@ def ftis_token_weights(
     Returns:
         ``(weights [M, T], kl [M], kept [M] bool)``; weights are 0 outside ``mask``.
 
-    Example:
+    Examples:
         >>> old = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.9]]))
         >>> mu = torch.log(torch.tensor([[0.5, 0.1], [0.1, 0.1]]))
         >>> w, kl, kept = ftis_token_weights(old, mu, torch.ones(2, 2), torch.tensor([1.0, -1.0]))

@@ -9,12 +9,15 @@ import sys
 import threading
 
 from graft_rl import __version__
+from graft_rl.errors import DOCS
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graft",
         description="graft-rl: cross-model RLVR with GRAFT (gated replacement of answer-failed groups).",
+        epilog=f"Presets: graft config list. Documentation: {DOCS}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"graft-rl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -42,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_preflight_analyze(sub)
     c = sub.add_parser(
         "config",
-        help="show: every config key with its default and meaning; init: a commented starter config for your task",
+        help="list: the presets that ship in the package; show: every config key with its default and meaning; "
+        "init: a commented starter config for your task, or a preset copied out (--from)",
     )
     c.add_argument("action", choices=["show", "init", "list"])
     c.add_argument(

@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from graft_rl.engine.rundir import read_log
+from graft_rl.errors import DOCS
 
 __all__ = ["read_metrics", "run_summary", "family_summary", "print_run_summary", "reward_call_problems"]
 
@@ -81,7 +82,7 @@ def large_gap_line(rows: list[dict]) -> str | None:
     )
     return (
         f"engine and trainer disagree: {each}, above {LARGE_GAP_KL:.0e}; a method.correction (tis, icepop) "
-        "corrects it (docs/design.md, 'Engine and trainer')"
+        f"corrects it ({DOCS}design/#engine-and-trainer)"
     )
 
 

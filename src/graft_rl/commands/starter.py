@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from graft_rl.errors import ConfigError
+from graft_rl.errors import DOCS, ConfigError
 from graft_rl.methods import method_names
 
 __all__ = ["starter", "write_starter"]
 
 TEMPLATE = """\
-# graft-rl: two models, your data, your reward (docs/tasks.md). Written by `graft config init`.
+# graft-rl: two models, your data, your reward ({docs}tasks/). Written by `graft config init`.
 # Next: `graft probe {path}` says whether the pair will exchange; then `graft train {path}`.
 # Every other key, with its default and meaning: `graft config show [run|data|validation|method|policies|tracking]`.
 run_dir: runs/{stem}       # where the run writes: config, metrics.jsonl, records, checkpoints, best/
@@ -72,6 +72,7 @@ def starter(path: str, data: str | None = None, reward: str | None = None, model
     a, b = models if models else ("zoo:smollm2-135m-instruct", "zoo:gemma3-270m")
     suffix = json.dumps("Give the final answer within \\boxed{}.")
     return TEMPLATE.format(
+        docs=DOCS,
         path=path,
         stem=Path(path).stem,
         data=data or "my_data.parquet",

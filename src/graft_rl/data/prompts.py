@@ -15,7 +15,7 @@ PROMPT_SUFFIX = "Let's think step by step and output the final answer within \\b
 def make_prompt(problem: str, suffix: str | None = PROMPT_SUFFIX) -> str:
     r"""The user message for a problem: the problem text, a newline, then the instruction.
 
-    Example:
+    Examples:
         >>> make_prompt("What is 2+3?")
         "What is 2+3?\nLet's think step by step and output the final answer within \\boxed{}."
     """

@@ -29,7 +29,7 @@ MAX_FAMILIES = 8
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from ``c`` correct of ``n`` samples.
 
-    Example:
+    Examples:
         >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 4), round(pass_at_k(4, 2, 2), 4)
         (0.25, 1.0, 0.8333)
     """

@@ -2,7 +2,7 @@
 every timed span of the engine goes through one :class:`PhaseTimer`, so a phase's metric is always
 ``time_<phase>`` and its seconds are summed over every span of that phase.
 
-Example:
+Examples:
     >>> timer = PhaseTimer()
     >>> with timer("logprobs"):
     ...     pass

@@ -1,4 +1,4 @@
-"""A policy's configuration (``policies:`` in a run's config; docs/config.md): its model, tokenizer,
+"""A policy's configuration (``policies:`` in a run's config; `graft config show policies`): its model, tokenizer,
 optimiser, precision, devices and rollout backend, and the defaults derived from its vocabulary."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class PolicyConfig:
     rollout_on_rank0: bool = False
     # low-rank adapters (peft) on a frozen base: {r, alpha, target_modules}; null = every weight trains.
     # The base is held in `dtype`, the adapters' masters and AdamW state in `master_dtype`; the KL
-    # reference is the base (adapter disabled). Adapters want a larger lr (about 10x: docs/config.md)
+    # reference is the base (adapter disabled). Adapters want a larger lr (about 10x: docs/benchmarks.md, "LoRA against full fine-tuning")
     lora: LoraSettings | None = None
 
     def __post_init__(self) -> None:

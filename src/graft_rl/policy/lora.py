@@ -1,4 +1,4 @@
-"""Low-rank adapters on a frozen base (``policies.N.lora``; docs/config.md, docs/design.md "LoRA").
+"""Low-rank adapters on a frozen base (``policies.N.lora``; `graft config show policies`; docs/design.md "LoRA policies").
 
 A LoRA policy trains only the adapter matrices of :mod:`peft` (Hu et al., 2021): every targeted linear
 layer computes ``W x + (alpha / r) B A x`` with ``W`` frozen. What this module adds to peft:

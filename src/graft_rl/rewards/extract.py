@@ -19,7 +19,7 @@ def last_boxed(text: str) -> str | None:
     unclosed last box returns ``None`` (the response was cut or malformed), as does a text
     with no box.
 
-    Example:
+    Examples:
         >>> last_boxed(r"so \boxed{1} ... finally \boxed{\frac{a}{b}}.")
         '\\frac{a}{b}'
         >>> last_boxed(r"\boxed 5$") , last_boxed("no box"), last_boxed(r"\boxed{12")
@@ -58,7 +58,7 @@ _NUM_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 def parse_number(text: str) -> float | None:
     r"""A GSM8K-style number: commas, ``$``, ``%`` and trailing units dropped; ``None`` if none.
 
-    Example:
+    Examples:
         >>> parse_number("$1,234.50 dollars"), parse_number("-7"), parse_number("x")
         (1234.5, -7.0, None)
     """
@@ -94,7 +94,7 @@ def parse_whole_number(text: str) -> float | None:
     (``\frac{1}{2}``, ``\frac12``, ``3/4``) as numbers. Anything with a second number or an
     operator is not one number: ``12-5``, ``3 or 4 or 5``, ``1,2``, ``2^3``.
 
-    Example:
+    Examples:
         >>> [parse_whole_number(t) for t in ["1,200", r"-\frac{1}{2}", "3/4", r"\$18.50", "7 apples"]]
         [1200.0, -0.5, 0.75, 18.5, 7.0]
         >>> [parse_whole_number(t) for t in ["12-5", "3 or 4 or 5", "1/2 + 1", "1,2", "", "x"]]

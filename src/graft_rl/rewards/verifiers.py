@@ -100,7 +100,7 @@ def verify_math(responses: Sequence[str], answers: Sequence[str], timeout: float
     from any thread, inside Ray actors, and in scripts without a ``__main__`` guard.
     Timeout, error or a crashed worker score 0.0 (see :func:`verify_math_detailed` for counts).
 
-    Example:
+    Examples:
         >>> verify_math([r"... so \boxed{\frac{1}{2}}", r"\boxed{0.5}", "no box", r"\boxed{3}"],
         ...             ["1/2", r"\frac12", "1", "4"])
         [1.0, 1.0, 0.0, 0.0]
@@ -116,7 +116,7 @@ def verify_gsm8k(responses: Sequence[str], answers: Sequence[str], rel_tol: floa
 
     Pure string/float work with bounded cost, so it runs in-process.
 
-    Example:
+    Examples:
         >>> verify_gsm8k([r"\boxed{1,200}", "#### 18", "so it is 7 apples", "\\boxed{x}"], ["1200", "18", "7", "3"])
         [1.0, 1.0, 1.0, 0.0]
         >>> verify_gsm8k([r"\boxed{1/2}", r"\boxed{12-5}", r"\boxed{3 or 4 or 5}", r"\boxed{\frac{1}{2}}"], ["1", "12", "3", "0.5"])
