@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import re
 
-import griffe
+try:
+    import griffe
+except ImportError:  # the converter alone (its test runs in venvs without the docs extra)
+    griffe = None
 
 ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|obj|exc|const):`(~?)([^`]+)`")
 MATH_ROLE = re.compile(r":math:`([^`]+)`")
@@ -44,7 +47,9 @@ def rst_to_markdown(text: str) -> str:
     return ROLE.sub(_role, text)
 
 
-class RstToMarkdown(griffe.Extension):
-    def on_instance(self, *, obj: griffe.Object, **kwargs) -> None:
-        if obj.docstring is not None:
-            obj.docstring.value = rst_to_markdown(obj.docstring.value)
+if griffe is not None:
+
+    class RstToMarkdown(griffe.Extension):
+        def on_instance(self, *, obj: griffe.Object, **kwargs) -> None:
+            if obj.docstring is not None:
+                obj.docstring.value = rst_to_markdown(obj.docstring.value)
