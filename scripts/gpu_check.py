@@ -569,7 +569,9 @@ def _cycles(
     real_sleep = LLM.sleep  # every sleep from the engine's start on, the one in its constructor included
     LLM.sleep = lambda self, level=1, **kw: (levels.append(level), real_sleep(self, level=level, **kw))[1]
     try:
-        eager_kw = {"enforce_eager": True} if eager else {}
+        # not eager: vLLM's own default, named, since graft-rl runs a CPU engine eagerly unless told
+        # otherwise; the compiled model's reload is then checked on vLLM's CPU build too
+        eager_kw = {"enforce_eager": eager}
         pol, start = _engine(c, "V", lr=1e-2 if lora else 1e-3, lora=lora, model=model, **eager_kw, **extra)
     finally:
         LLM.sleep = real_sleep

@@ -385,14 +385,20 @@ def test_the_engine_options_this_backend_needs_where_the_vllm_has_them(monkeypat
     """Issue 62: vLLM 0.34's extensible KV cache (a process-wide cap on torch's memory, while this process
     also trains) is turned off; on CPU an engine's KV cache is sized unless the user sized it (vLLM's CPU
     build otherwise takes a share of the machine less the whole process, which a second engine finds
-    spent); a vLLM without an option gets none of it; the user's choices stand. 0.32-0.34 are accepted."""
+    spent) and runs eagerly (no compile at each start); a vLLM without an option gets none of it; the user's
+    choices stand. 0.32-0.34 are accepted."""
     import types
 
     from graft_rl.policy import vllm_backend as vb
 
     class EngineArgs:  # vLLM 0.34's fields
         def __init__(
-            self, sleep_mode_offload_cudagraph=False, enable_extensible_kv_cache=None, kv_cache_memory_bytes=None
+            self,
+            sleep_mode_offload_cudagraph=False,
+            enable_extensible_kv_cache=None,
+            kv_cache_memory_bytes=None,
+            enforce_eager=False,
+            compilation_config=None,
         ):
             pass
 
@@ -410,6 +416,11 @@ def test_the_engine_options_this_backend_needs_where_the_vllm_has_them(monkeypat
         "enable_extensible_kv_cache": True
     }
     assert vb._engine_kwargs(False, {}, "cpu")["kv_cache_memory_bytes"] == vb.CPU_KV_CACHE_BYTES
+    # on CPU an eager engine (no torch.compile at each start) unless the user chose compilation
+    assert vb._engine_kwargs(False, {}, "cpu")["enforce_eager"] is True
+    assert "enforce_eager" not in vb._engine_kwargs(True, {}, "cuda")
+    assert "enforce_eager" not in vb._engine_kwargs(False, {"compilation_config": {"level": 3}}, "cpu")
+    assert vb._engine_kwargs(False, {"enforce_eager": False}, "cpu")["enforce_eager"] is False
     assert "kv_cache_memory_bytes" not in vb._engine_kwargs(False, {"gpu_memory_utilization": 0.2}, "cpu")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     assert "kv_cache_memory_bytes" not in vb._engine_kwargs(False, {}, "cpu")

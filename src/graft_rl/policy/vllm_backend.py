@@ -192,7 +192,11 @@ def _engine_kwargs(sleep: bool, kwargs: dict, device: str = "cuda", sized: bool 
       ``kv_cache_memory_bytes`` is given: vLLM's CPU build otherwise takes a share of the machine's memory
       less the whole process's resident memory, which a second engine in the process (two policies,
       ``execution: local``) finds already spent. ``sized``: the user chose ``gpu_memory_utilization``
-      (default: whether ``kwargs`` holds it)."""
+      (default: whether ``kwargs`` holds it).
+    - on CPU, an eager engine unless ``enforce_eager`` or ``compilation_config`` is given: vLLM's CPU
+      build otherwise compiles the model with torch.compile at every engine start (27 s against 5 s for a
+      tiny model on 2 cores of an AMD EPYC), longer than a rehearsal's or a test's generation. On a GPU
+      vLLM's own default (compiled, CUDA graphs) stands."""
     try:
         from vllm.engine.arg_utils import EngineArgs
 
@@ -213,6 +217,8 @@ def _engine_kwargs(sleep: bool, kwargs: dict, device: str = "cuda", sized: bool 
         and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     ):
         extra["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if device == "cpu" and "enforce_eager" in known and not {"enforce_eager", "compilation_config"} & set(kwargs):
+        extra["enforce_eager"] = True
     return {**extra, **kwargs}
 
 
