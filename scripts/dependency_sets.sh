@@ -16,13 +16,14 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --quiet)
 "${PIP[@]}" install --upgrade pip
 CONSTRAINTS=(-c requirements/cpu.txt)
 if [ "$SET" = oldest ]; then CONSTRAINTS+=(-c requirements/oldest.txt); fi
-"${PIP[@]}" install "${CONSTRAINTS[@]}" -e ".[test,gguf,ray,lora]" 2>&1 | grep -v "^WARNING: Location" || true
+"${PIP[@]}" install "${CONSTRAINTS[@]}" -e ".[test,gguf,ray,lora,docs]" 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c "import graft_rl.algo, graft_rl.policy"
 install=$((SECONDS - start))
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as m
 names = ["torch", "transformers", "tokenizers", "safetensors", "pyarrow", "numpy", "datasets", "ray", "peft",
-         "accelerate", "math-verify", "reasoning-gym", "matplotlib"]
+         "accelerate", "math-verify", "reasoning-gym", "matplotlib", "mkdocs", "mkdocs-material", "mkdocstrings",
+         "mkdocstrings-python"]
 print("versions: " + ", ".join(f"{n} {m.version(n)}" for n in names))
 PY
 start=$SECONDS

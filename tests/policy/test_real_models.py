@@ -70,31 +70,28 @@ def test_a_gguf_tokenizer_is_converted_once_and_read_back_the_same(tmp_path, mon
     template and every encoding."""
     from pathlib import Path
 
-    from transformers import AutoTokenizer
-
     from graft_rl.policy.loading import _gguf_tokenizer_cache, load_tokenizer
     from graft_rl.policy.zoo import resolve
 
     monkeypatch.setenv("GRAFT_RL_CACHE", str(tmp_path))
     gguf = Path(resolve("zoo:smollm2-135m-instruct"))
-    converted = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    first = load_tokenizer(gguf.parent, gguf.name)
+    converted = load_tokenizer(gguf.parent, gguf.name)  # an empty cache: transformers' own conversion, kept
     assert (_gguf_tokenizer_cache(gguf) / "tokenizer_config.json").is_file()
     again = load_tokenizer(gguf.parent, gguf.name)  # read from the cache
     texts = ["What is 7+5?", "  tabs\tand\nnewlines ", "é 中文 🙂", "<|im_start|>user\nhi<|im_end|>", ""]
     chat = [{"role": "user", "content": "What is 7+5?"}]
-    for tok in (first, again):
-        assert type(tok) is type(converted) and tok.get_vocab() == converted.get_vocab()
-        assert tok.all_special_tokens == converted.all_special_tokens and tok.chat_template == converted.chat_template
-        assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
-            converted.bos_token_id,
-            converted.eos_token_id,
-            converted.pad_token_id,
-        )
-        assert [tok(t).input_ids for t in texts] == [converted(t).input_ids for t in texts]
-        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
-            converted.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        )
+    assert again is not converted
+    assert type(again) is type(converted) and again.get_vocab() == converted.get_vocab()
+    assert again.all_special_tokens == converted.all_special_tokens and again.chat_template == converted.chat_template
+    assert (again.bos_token_id, again.eos_token_id, again.pad_token_id) == (
+        converted.bos_token_id,
+        converted.eos_token_id,
+        converted.pad_token_id,
+    )
+    assert [again(t).input_ids for t in texts] == [converted(t).input_ids for t in texts]
+    assert again.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        converted.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    )
     # a cache cut short is converted again, and rewritten whole
     (_gguf_tokenizer_cache(gguf) / "tokenizer.json").write_text("{")
     assert load_tokenizer(gguf.parent, gguf.name).get_vocab() == converted.get_vocab()
