@@ -167,7 +167,7 @@ def test_formatted():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.slow  # mypy's first run analyses torch: about 50 s on 2 cores, 7 s with its cache
+@pytest.mark.slow  # mypy's first run analyses torch: 52-63 s on 2 cores of an AMD EPYC, 7 s with its cache
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy not installed")
 def test_algo_methods_and_engine_type_check():
     import mypy.version

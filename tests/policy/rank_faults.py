@@ -25,7 +25,7 @@ from graft_rl.policy import PolicyConfig  # noqa: E402
 from graft_rl.policy.fsdp import ShardedPolicy  # noqa: E402
 
 #: The group's timeout (seconds): what bounds a fault inside a collective itself. A fault the push
-#: check agrees on ends both ranks in well under 0.1 s; 8 s leaves room for a loaded machine's setup.
+#: check agrees on ends both ranks in under 0.1 s (the test's own ``seconds``, AMD EPYC); 8 s leaves room for a loaded machine's setup.
 TIMEOUT = 8
 
 

@@ -77,7 +77,17 @@ def test_a_gguf_tokenizer_is_converted_once_and_read_back_the_same(tmp_path, mon
     gguf = Path(resolve("zoo:smollm2-135m-instruct"))
     converted = load_tokenizer(gguf.parent, gguf.name)  # an empty cache: transformers' own conversion, kept
     assert (_gguf_tokenizer_cache(gguf) / "tokenizer_config.json").is_file()
-    again = load_tokenizer(gguf.parent, gguf.name)  # read from the cache
+    import transformers
+
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def no_conversion(*args, **kwargs):
+        assert not kwargs.get("gguf_file"), "converted again instead of reading the cache"
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", no_conversion)
+        again = load_tokenizer(gguf.parent, gguf.name)  # read from the cache
     texts = ["What is 7+5?", "  tabs\tand\nnewlines ", "é 中文 🙂", "<|im_start|>user\nhi<|im_end|>", ""]
     chat = [{"role": "user", "content": "What is 7+5?"}]
     assert again is not converted
@@ -95,4 +105,7 @@ def test_a_gguf_tokenizer_is_converted_once_and_read_back_the_same(tmp_path, mon
     # a cache cut short is converted again, and rewritten whole
     (_gguf_tokenizer_cache(gguf) / "tokenizer.json").write_text("{")
     assert load_tokenizer(gguf.parent, gguf.name).get_vocab() == converted.get_vocab()
-    assert load_tokenizer(gguf.parent, gguf.name).get_vocab() == converted.get_vocab()
+    import json
+
+    json.loads((_gguf_tokenizer_cache(gguf) / "tokenizer.json").read_text())  # whole again
+    assert not [p for p in _gguf_tokenizer_cache(gguf).parent.iterdir() if p.name.startswith(".writing-")]

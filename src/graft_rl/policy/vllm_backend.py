@@ -194,8 +194,9 @@ def _engine_kwargs(sleep: bool, kwargs: dict, device: str = "cuda", sized: bool 
       ``execution: local``) finds already spent. ``sized``: the user chose ``gpu_memory_utilization``
       (default: whether ``kwargs`` holds it).
     - on CPU, an eager engine unless ``enforce_eager`` or ``compilation_config`` is given: vLLM's CPU
-      build otherwise compiles the model with torch.compile at every engine start (27 s against 5 s for a
-      tiny model on 2 cores of an AMD EPYC), longer than a rehearsal's or a test's generation. On a GPU
+      build otherwise compiles the model with torch.compile at every engine start (27 s against 5 s for
+      ``build_tiny_pair``'s first model, ``vllm.LLM(..., enforce_eager=False/True)`` in vLLM 0.32.0 CPU on
+      2 cores of an AMD EPYC), longer than a rehearsal's or a test's generation. On a GPU
       vLLM's own default (compiled, CUDA graphs) stands."""
     try:
         from vllm.engine.arg_utils import EngineArgs
