@@ -165,8 +165,44 @@ class PeerRecords:
 
 
 @dataclass
+class GeneratorsConfig:
+    """``rollout.mode: one_step_off``: each policy's generator group, R replicas on devices of their own
+    (docs/design.md, "One step off"). ``null``: as the policy's trainer ranks (``ray.*``)."""
+
+    replicas: int = 1  # generator actors per policy; each samples its share of the prompts
+    num_gpus: float | None = None  # per replica (whole GPUs on a GPU run: a generator never shares a trainer's)
+    num_cpus: float | None = None  # per replica
+    torch_threads: int | None = None  # torch threads in each replica (default: as the trainer's actors)
+    # custom Ray resources of each replica, e.g. {node_b: 0.5}: places the generators on that node
+    resources: dict = field(default_factory=dict)
+    vllm_kwargs: dict = field(default_factory=dict)  # merged over the policy's own vllm_kwargs
+    # per policy name: any key above for that policy, e.g. {B: {replicas: 2}}
+    policies: dict = field(default_factory=dict)
+
+    def of(self, name: str) -> GeneratorsConfig:
+        """The settings of policy ``name``'s generators (its entry of ``policies`` over the rest)."""
+        own = {k: v for k, v in dataclasses.asdict(self).items() if k != "policies"}
+        return GeneratorsConfig(**{**own, **(self.policies.get(name) or {})})
+
+
+#: rollout.mode values: today's engine (generation and update take turns on the same devices), or
+#: generation of step t+1 on generator devices while step t updates (the rollout.lag: 1 run)
+ROLLOUT_MODES = ("colocated", "one_step_off")
+
+
+@dataclass
 class RolloutConfig:
     """How training rollouts relate to the trainer (docs/design.md, "Engine and trainer")."""
+
+    # colocated: each policy samples on its trainer's devices, generation and update take turns |
+    # one_step_off: generator actors of their own sample step t+1 from the weights before step t's
+    # update while step t updates (execution: ray; the same run as rollout.lag: 1)
+    mode: str = "colocated"
+    # how weights reach the generators: auto (nccl on a GPU, gloo on CPU) | gloo | nccl | object_store
+    transfer: str = "auto"
+    # a checkpoint with step t+1's batch in flight: save it (a resume trains on it) | regenerate it on resume
+    inflight_at_checkpoint: str = "save"
+    generators: GeneratorsConfig = field(default_factory=GeneratorsConfig)
 
     # rollouts sample the weights of `lag` pushes (steps) earlier, as an async trainer's; 0: the current
     lag: int = 0
@@ -377,6 +413,52 @@ class TrainConfig:
                 raise ConfigError(
                     f"policies.{i}.world_size={pc.world_size} (FSDP2 over {pc.world_size} ranks) needs execution: ray"
                 )
+        self._validate_rollout_mode()
+
+    def _validate_rollout_mode(self) -> None:
+        """``rollout.mode`` and its keys; ``one_step_off`` in one line where it cannot run."""
+        r = self.rollout
+        choices = {"mode": ROLLOUT_MODES, "transfer": TRANSFERS, "inflight_at_checkpoint": ("save", "regenerate")}
+        for key, allowed in choices.items():
+            if getattr(r, key) not in allowed:
+                raise ConfigError(f"rollout.{key}: {getattr(r, key)!r} is not one of {', '.join(allowed)}")
+        unknown = [n for n in r.generators.policies if n not in {p.name for p in self.policies}]
+        if unknown:
+            raise ConfigError(f"rollout.generators.policies: {unknown[0]!r} is not a policy of this run")
+        for name, own in r.generators.policies.items():
+            bad = [k for k in own or {} if k not in GENERATOR_KEYS]
+            if bad:
+                raise ConfigError(
+                    f"rollout.generators.policies.{name}.{bad[0]}: not a generator key ({', '.join(GENERATOR_KEYS)})"
+                )
+        if r.mode == "colocated":
+            return
+        if self.execution != "ray":
+            raise ConfigError(
+                "rollout.mode: one_step_off runs generators on devices of their own, which needs execution: ray"
+            )
+        if r.lag:
+            raise ConfigError(
+                f"rollout.mode: one_step_off is already a lag of one step; rollout.lag={r.lag} cannot be added to it "
+                "(set rollout.lag: 0)"
+            )
+        for pc in self.policies:
+            g = r.generators.of(pc.name)
+            if not isinstance(g.replicas, int) or isinstance(g.replicas, bool) or g.replicas < 1:
+                raise ConfigError(f"rollout.generators.replicas must be an integer >= 1, got {g.replicas!r}")
+            gpus = self.ray.num_gpus if g.num_gpus is None else g.num_gpus
+            if pc.device.startswith("cuda") and (gpus < 1 or self.ray.num_gpus < 1 or gpus != int(gpus)):
+                raise ConfigError(
+                    f"policy {pc.name!r}: one_step_off on a GPU needs whole GPUs for the trainer ranks and for each "
+                    f"generator (ray.num_gpus={self.ray.num_gpus:g}, rollout.generators.num_gpus={gpus:g}): a "
+                    "generator that shared a trainer's GPU would take the memory and time the overlap is for"
+                )
+
+
+#: rollout.transfer values
+TRANSFERS = ("auto", "gloo", "nccl", "object_store")
+#: the keys a rollout.generators.policies entry may set
+GENERATOR_KEYS = tuple(f.name for f in dataclasses.fields(GeneratorsConfig) if f.name != "policies")
 
 
 # ---------------------------------------------------------------------------------- building

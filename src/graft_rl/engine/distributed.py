@@ -136,8 +136,9 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
             total[k] = total.get(k, 0.0) + v
     need: dict[str, float] = {}
     ranks = 0
+    _check_generators(cfg, policy_configs, nodes)
     for pc in policy_configs:
-        bundles = policy_bundles(cfg, pc)
+        bundles = policy_bundles(cfg, pc) + generator_bundles(cfg, pc)
         ranks += len(bundles)
         for b in bundles:
             for k, v in b.items():
@@ -154,7 +155,9 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
     for key, want in need.items():  # the totals first: their hint fits every rank at once
         have = total.get(key, 0.0)
         if want > have + 1e-9:
-            per = f"{ranks} rank actors (sum of world_size)"
+            per = f"{ranks} rank actors (sum of world_size" + (
+                ", and the generators: rollout.generators.replicas)" if cfg.rollout.mode == "one_step_off" else ")"
+            )
             raise ResourceError(
                 f"the policies need {want:g} {key} in all ({per} x their bundles), the Ray cluster has {have:g}; "
                 f"{_fit_hint(cfg, {key: want / ranks}, {key: have}, ranks)}"
@@ -177,6 +180,28 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
                 f"policy {pc.name!r}: no node of the Ray cluster can hold one rank's bundle {_fmt(b)} (largest node: "
                 f"{_fmt({k: biggest.get(k, 0) for k in b})}); {_fit_hint(cfg, b, biggest, 1)}"
             )
+
+
+def generator_bundles(cfg, pc) -> list[dict]:
+    """One step off (``rollout.mode: one_step_off``): the bundle of each of the policy's generator replicas."""
+    if cfg.rollout.mode != "one_step_off":
+        return []
+    from graft_rl.engine.generators import generator_bundle
+
+    return [generator_bundle(cfg, pc) for _ in range(cfg.rollout.generators.of(pc.name).replicas)]
+
+
+def _check_generators(cfg, policy_configs, nodes: list[dict]) -> None:
+    """Each policy's generator replicas fit a node (custom resources: one of the nodes that has them)."""
+    for pc in policy_configs:
+        for b in generator_bundles(cfg, pc)[:1]:
+            if not any(all(n.get(k, 0.0) + 1e-9 >= v for k, v in b.items()) for n in nodes):
+                custom = [k for k in b if k not in ("CPU", "GPU")]
+                where = f" (rollout.generators.resources: {', '.join(custom)})" if custom else ""
+                raise ResourceError(
+                    f"policy {pc.name!r}: no node of the Ray cluster can hold one generator's bundle {_fmt(b)}{where}; "
+                    "lower rollout.generators.num_cpus / num_gpus, or start a node that has them"
+                )
 
 
 def bundles_that_fit(node: dict, bundle: dict) -> int:

@@ -93,6 +93,17 @@ class WorkerHandle:
     def rollout_check(self, prompts, max_new_tokens: int = 16, seed: int = 0, reference: dict | None = None) -> Pending:
         return self._submit(PolicyWorker.rollout_check, prompts, max_new_tokens, seed, reference)
 
+    def lag_choice(self) -> Pending:
+        """``(the lag-1 choice's weights_version, the live one)`` (:meth:`PolicyWorker.lag_choice`)."""
+        return self._submit(PolicyWorker.lag_choice)
+
+    def link_address(self) -> Pending:
+        return self._submit(PolicyWorker.link_address)
+
+    def push_generators(self, names, chosen: bool, transfer: str, link) -> Pending:
+        """A push to the policy's generators (:meth:`PolicyWorker.push_generators`)."""
+        return self._submit(PolicyWorker.push_generators, names, chosen, transfer, link)
+
     def _start(self, method: str, *args) -> Any:
         """Start ``PolicyWorker.<method>(*args)``; the reference :meth:`result` waits on."""
         raise NotImplementedError

@@ -67,8 +67,12 @@ class Rollouts:
         method,
         peers: Mapping[str, tuple[RecordStore, str]] | None = None,
         reward_groups: Callable[[list[RolloutGroup]], dict] | None = None,
+        one_step=None,
     ):
+        """``one_step``: the one-step-off schedule (:class:`~graft_rl.engine.generators.OneStepOff`), where
+        training generations run on generators of their own (``rollout.mode: one_step_off``)."""
         self.cfg, self.data, self.rows, self.reward = cfg, data, rows, reward
+        self.one_step = one_step
         self.workers, self.samplings, self.names, self.method = workers, samplings, list(names), method
         self.peers, self.given_reward_groups = peers or {}, reward_groups
         self.steps_per_epoch = len(data) // cfg.prompt_batch
@@ -95,7 +99,11 @@ class Rollouts:
         return derive_seed(self.cfg.seed, Purpose.GENERATE, step, self.names.index(name))
 
     def start(self, name: str, step: int) -> Pending:
-        """Start policy ``name``'s generation for ``step`` on its worker: ``(groups, seconds)``."""
+        """Start policy ``name``'s generation for ``step`` on its worker: ``(groups, seconds)``; one step off,
+        the batch in flight or one sampled now on its generators (:meth:`OneStepOff.batch`)."""
+        if self.one_step is not None:
+            prompts = self.prompts_for_step(step, name)
+            return self.one_step.batch(name, step, prompts, self.samplings[name], self.generation_seed(name, step))
         return self.workers[name].generate(
             self.prompts_for_step(step, name),
             self.samplings[name],
@@ -105,13 +113,27 @@ class Rollouts:
 
     def prefetch(self, names: Iterable[str], step: int) -> None:
         """Start ``step``'s generation for ``names`` now (a policy whose update is done); :meth:`generate`
-        takes it up."""
+        takes it up. (One step off, the generators sample ahead: :meth:`advance`.)"""
+        if self.one_step is not None:
+            return
         for name in names:
             self._prefetched[(name, step)] = self.start(name, step)
 
     def drop_prefetched(self) -> None:
         """Forget generations started for a step that will not run (the end of a ``Trainer.run`` call)."""
         self._prefetched.clear()
+        if self.one_step is not None:
+            self.one_step.drop()
+
+    def advance(self, step: int, last: int) -> None:
+        """One step off, after ``step``'s verification: push each policy's live weights to its generators and
+        start step ``step + 1``'s generation there (up to step ``last``), to run while ``step`` updates."""
+        if self.one_step is None or step + 1 > last:
+            return
+        for name in self.workers:
+            prompts = self.prompts_for_step(step + 1, name)
+            seed = self.generation_seed(name, step + 1)
+            self.one_step.advance(name, step + 1, prompts, self.samplings[name], seed)
 
     def generate(self, step: int, policies: Iterable[str]) -> dict[str, Pending]:
         """Every policy's generation for ``step``, started at once (overlapping in time under Ray; one
@@ -152,9 +174,12 @@ class Rollouts:
         groups: Groups = {}
         lines: dict[str, dict] = {name: {"step": step, "policy": name} for name in pending}
         for name, handle in pending.items():
-            gs, gen_s = handle.get()
-            rollouts = len(gs) * self.cfg.n
             timer = PhaseTimer()
+            with timer("wait_generation"):  # one step off: how long the step waits for its batch
+                gs, gen_s = handle.get()
+            if self.one_step is None:
+                timer.seconds.pop("wait_generation")
+            rollouts = len(gs) * self.cfg.n
             timer.add("generate", gen_s)
             with timer("reward"):
                 vst = self.verify_groups(gs)
@@ -218,9 +243,12 @@ class Rollouts:
             take, pool = pool[:size], pool[size:]
             more_prompts = self.rows.draw(take, step)
             seed = derive_seed(self.cfg.seed, Purpose.REFILL_GENERATE, step, self.names.index(name), batches - 1)
-            more, gen_s = (
-                self.workers[name].generate(more_prompts, self.samplings[name], seed, self.cfg.rollout.lag).get()
-            )
+            if self.one_step is not None:
+                more, gen_s = self.one_step.refill(name, more_prompts, self.samplings[name], seed).get()
+            else:
+                more, gen_s = (
+                    self.workers[name].generate(more_prompts, self.samplings[name], seed, self.cfg.rollout.lag).get()
+                )
             timer.add("generate", gen_s)
             extra_rollouts += len(more) * self.cfg.n
             with timer("reward"):

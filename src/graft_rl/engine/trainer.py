@@ -28,6 +28,7 @@ import math
 import signal
 import statistics
 import textwrap
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ from tqdm.auto import tqdm
 from graft_rl.data import Problem
 from graft_rl.engine.checkpointing import CheckpointError, Checkpoints, cpu_threads, gone_source
 from graft_rl.engine.config import ConfigError, TrainConfig, load_config, to_dict
+from graft_rl.engine.generators import OneStepOff
 from graft_rl.engine.handles import Pending, WorkerHandle, completion_order, start_workers
 from graft_rl.engine.prompts import PromptRows, check_prompts, prompt_families, training_data
 from graft_rl.engine.provenance import check_allowed, fingerprint
@@ -193,6 +195,8 @@ class Trainer:
         self.workers = start(cfg, [_from_checkpoint(pc, ckpt) if ckpt else pc for pc in cfg.policies])
         # name -> the in-process Policy, or (Ray) its config: the model lives in the actor
         self.policies = {name: h.policy for name, h in self.workers.items()}
+        # rollout.mode: one_step_off: each policy's generators, sampling step t+1 while step t updates
+        self.one_step = OneStepOff(cfg, self.workers) if cfg.rollout.mode == "one_step_off" else None
         peers = {p.name or p.policy: (RecordStore(p.records), p.policy) for p in cfg.peers}
         self.live = set(self.policies)
         self.names = [p.name for p in cfg.policies] + list(peers)
@@ -200,6 +204,8 @@ class Trainer:
             method_state, done = self.checkpoints.restore(ckpt, self.workers, changes)
             self.method.load_state_dict(method_state)
             self.start_step = done + 1
+            if self.one_step is not None:  # the batch the checkpoint saved in flight, if it did
+                self.one_step.restore(ckpt, done + 1)
         self.trackers = Trackers(cfg.trackers, self.run_dir, to_dict(cfg), cfg.tracking)
         # every prompt fits every policy's context (and max_prompt_tokens): one line now, not a crash mid-run
         # and a response never runs past it: a policy whose context cannot hold the longest prompt plus
@@ -223,6 +229,7 @@ class Trainer:
             self.method,
             peers,
             reward_groups,
+            self.one_step,
         )
         best = best_from_log(self.run_dir, cfg.validation.select_initial)
         if ckpt is not None:
@@ -235,12 +242,19 @@ class Trainer:
     def step(self, step: int, stop: _GracefulStop | None = None) -> list[dict]:
         """One training step (paper Section 4; the six phases in order) and its metric lines.
         ``stop``: the run's signal handler; a signal during the step makes it end with a checkpoint."""
+        started = time.perf_counter()
         pending = self.rollouts.generate(step, self.policies)  # 1. generate (at once under Ray)
         groups, lines = self.rollouts.verify(step, pending)  # 2. verify: rewards, dynamic sampling, peers
         for name in self.policies:
             self.store.write(step, groups[name])
+        # one step off: push the weights, start step + 1's generation (past this run() call only for a checkpoint)
+        self.rollouts.advance(
+            step, self.total_steps if self.checkpoints.due(step, self.total_steps) else self._prefetch_until
+        )
         batches = self.exchange(step, groups, lines)  # 3. exchange: each receiver's batch
         self.update(step, batches, groups, lines)  # 4. update: every receiver's epoch
+        if self.one_step is not None:
+            self.one_step.overlap(lines, time.perf_counter() - started)
         out = [lines[n] for n in self.policies]
         self._write_metrics(out)
         if self.validation.due(step, self.total_steps):
@@ -309,8 +323,12 @@ class Trainer:
         return stats
 
     def save_checkpoint(self, step: int) -> Path:
-        """``checkpoints/step_N`` of every policy, the method's state, and best/ committed with it."""
-        return self.checkpoints.save(step, self.workers, self.method.state_dict(), self.validation.best)
+        """``checkpoints/step_N`` of every policy, the method's state, and best/ committed with it; one step off,
+        the batch in flight too (``rollout.inflight_at_checkpoint: save``)."""
+        path = self.checkpoints.save(step, self.workers, self.method.state_dict(), self.validation.best)
+        if self.one_step is not None:
+            self.one_step.save(path, step + 1)
+        return path
 
     # ------------------------------------------------------------------ run
     def run(self, max_steps: int | None = None) -> list[dict]:
@@ -354,12 +372,7 @@ class Trainer:
         except KeyboardInterrupt as exc:
             if not isinstance(exc, RunInterrupted):
                 bar.close()
-                # the newest checkpoint by name: no checksums on the way out (resume verifies them)
-                last = max((self.run_dir / "checkpoints").glob("step_*"), default=None)
-                print(
-                    f"graft train: stopped at once; --resume continues from "
-                    f"{'step ' + last.name.split('_')[1].lstrip('0') if last else 'the start'} in {self.run_dir}"
-                )
+                _say_stopped_at_once(self.run_dir)
             raise
         finally:
             self._prefetch_until = 0
@@ -374,14 +387,12 @@ class Trainer:
         if hasattr(self, "trackers"):
             self.trackers.finish()
         self.lock.release()
-        for handle in self.workers.values():
-            handle.close()
-        self.workers = {}
+        for handle in [*self.workers.values(), *filter(None, [getattr(self, "one_step", None)])]:
+            handle.close()  # each policy's trainer, and one step off its generators
+        self.workers, self.one_step = {}, None
 
     def _write_metrics(self, lines: list[dict]) -> None:
-        append_lines(
-            self.run_dir / "metrics.jsonl", [json.dumps(finite_json(ln), default=_json_default) for ln in lines]
-        )
+        append_lines(self.run_dir / "metrics.jsonl", [json.dumps(finite_json(x), default=_json_default) for x in lines])
         self.trackers.log(lines)
 
     @classmethod
@@ -394,16 +405,21 @@ class Trainer:
     ) -> Trainer:
         """Continue a run; ``overrides`` may change only :data:`~graft_rl.engine.rundir.HARMLESS_KEYS` (e.g.
         ``steps=200``); ``allow_changed``: ``"reward"``, ``"data"`` (see :class:`Trainer`)."""
-        cfg_path = _saved_config(Path(run_dir))
-        try:
-            load_config(cfg_path, [f"run_dir={run_dir}"], saved=True)
-            source: Path | dict = cfg_path
-        except MissingSourceError as exc:  # the config is fine; a file it names is gone
-            raise gone_source(Path(run_dir), exc) from None
-        except ConfigError as exc:  # torn or edited config.yaml: every checkpoint holds the config it ran with
-            source = _config_from_checkpoints(Path(run_dir), cfg_path, exc)
-        cfg = load_config(source, [*(overrides or []), f"run_dir={run_dir}"], saved=True)
+        cfg = _resumed_config(Path(run_dir), overrides or [])
         return cls(cfg, resume=True, show_progress=show_progress, allow_changed=allow_changed)
+
+
+def _resumed_config(run_dir: Path, overrides: list[str]) -> TrainConfig:
+    """The config a resume runs with: the saved one (or, when damaged, a checkpoint's copy) with ``overrides``."""
+    cfg_path = _saved_config(run_dir)
+    try:
+        load_config(cfg_path, [f"run_dir={run_dir}"], saved=True)
+        source: Path | dict = cfg_path
+    except MissingSourceError as exc:  # the config is fine; a file it names is gone
+        raise gone_source(run_dir, exc) from None
+    except ConfigError as exc:  # torn or edited config.yaml: every checkpoint holds the config it ran with
+        source = _config_from_checkpoints(run_dir, cfg_path, exc)
+    return load_config(source, [*overrides, f"run_dir={run_dir}"], saved=True)
 
 
 def _group_stats(own: list[RolloutGroup]) -> dict:
@@ -417,6 +433,13 @@ def _group_stats(own: list[RolloutGroup]) -> dict:
         "response_len_mean": statistics.fmean(lengths),
         "truncated_frac": sum(1 for g in own for f in g.finish_reasons if f == "length") / len(lengths),
     }
+
+
+def _say_stopped_at_once(run_dir: Path) -> None:
+    # the newest checkpoint by name: no checksums on the way out (resume verifies them)
+    last = max((run_dir / "checkpoints").glob("step_*"), default=None)
+    where = "step " + last.name.split("_")[1].lstrip("0") if last else "the start"
+    print(f"graft train: stopped at once; --resume continues from {where} in {run_dir}")
 
 
 def _saved_config(run_dir: Path) -> Path:

@@ -150,6 +150,55 @@ class PolicyWorker:
         """Per-parameter sums (float64): a cheap fingerprint to compare weights across processes."""
         return self.policy.param_digest()
 
+    # ------------------------------------------------------------------ one step off: the trainer's side
+    def lag_choice(self) -> tuple[int | None, int]:
+        """``(the weights_version a rollout.lag: 1 generation samples now, the live weights_version)``
+        (:meth:`Policy.lag_choice`); every rank of a sharded policy calls."""
+        return self.policy.lag_choice(), self.policy.weights_version
+
+    def link_address(self) -> tuple[str, int]:
+        """This node's address and a free port: the weight link's rendezvous, hosted by trainer rank 0."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        try:
+            import ray
+
+            return ray.util.get_node_ip_address(), port
+        except Exception:  # noqa: BLE001 - in-process (tests): this machine
+            return "127.0.0.1", port
+
+    def push_generators(self, names, chosen: bool, transfer: str, link: tuple | None) -> dict:
+        """Stream the weights a push sends (:meth:`Policy.generator_weights`) to the generators
+        (:mod:`graft_rl.policy.transfer`): over the link from rank 0, or as one object-store entry.
+        Returns ``{version, digests, tensors}`` (``tensors``: ``[object ref]`` for ``object_store``)."""
+        from graft_rl.policy.transfer import WeightLink, generator_stream
+
+        pol = self.policy
+        rank0 = getattr(pol, "rank", 0) == 0
+        digests: dict = {}
+        tensors: dict | None = {} if transfer == "object_store" and rank0 else None
+        with pol.generator_weights(chosen) as version:
+            stream = generator_stream(pol, names, digests)  # a sharded policy: every rank gathers each tensor
+            if tensors is not None:
+                tensors.update((n, t.clone()) for n, t in stream)
+            elif rank0 and link is not None:
+                backend, addr, port, world = link
+                if getattr(self, "_link", None) is None:
+                    self._link = WeightLink(backend, addr, port, 0, world)
+                self._link.send(stream)
+            else:
+                for _ in stream:
+                    pass
+        ref = None
+        if tensors is not None:
+            import ray
+
+            ref = [ray.put(tensors)]
+        return {"version": version, "digests": digests, "tensors": ref}
+
     # ------------------------------------------------------------------ receiver step
     def _encode(self, batch: ReceiverBatch, max_new_tokens: int | None = None) -> TokenBatch:
         """The batch in this policy's tokens; peer texts re-tokenised and cut at ``max_new_tokens``

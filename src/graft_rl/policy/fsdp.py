@@ -361,11 +361,8 @@ class ShardedPolicy(Policy):
             self.tokenizer.save_pretrained(out)
             self.save_settings(out)
         dist.barrier()
-        state = {
-            "optimizer": _to_local(self.optimizer.state_dict()),
-            "torch_rng": torch.get_rng_state(),
-            "world_size": self.world,
-        }
+        state = {"optimizer": _to_local(self.optimizer.state_dict()), "torch_rng": torch.get_rng_state()}
+        state.update(world_size=self.world, weights_version=self.weights_version)
         tmp = out / f"policy_state.rank{self.rank}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, out / f"policy_state.rank{self.rank}.pt")
@@ -391,6 +388,7 @@ class ShardedPolicy(Policy):
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     self.optimizer.state[p][k] = _like(p, v)
         torch.set_rng_state(state["torch_rng"])
+        self.weights_version = self._synced_version = int(state.get("weights_version", 0))
         self.load_lag(Path(ckpt_dir) / _rank_file(LAG_FILE, self.rank))
 
 

@@ -15,6 +15,7 @@ uninterrupted one would.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class RolloutLag:
         self.k = k
         self.history: list[dict[str, torch.Tensor]] = []  # host copies of the trainable parameters
         self.tags: list[int] = []  # one per entry: what the engine holds is named ("lag", tag)
+        self.versions: list[int | None] = []  # one per entry: its weights_version (None: from an old checkpoint)
         self.seen_version: int | None = None  # weights_version at the newest entry (None: not yet)
         self._next = 0
 
@@ -54,10 +56,11 @@ class RolloutLag:
             return
         self.history.append({n: t.detach().to("cpu", copy=True) for n, t in params})
         self.tags.append(self._next)
+        self.versions.append(version)
         self._next += 1
         self.seen_version = version
         drop = max(0, len(self.history) - (self.k + 1))
-        del self.history[:drop], self.tags[:drop]
+        del self.history[:drop], self.tags[:drop], self.versions[:drop]
 
     def chosen(self) -> int | None:
         """The history index a lagged generation samples from: ``k`` pushes back, or during the warm-up the
@@ -65,6 +68,11 @@ class RolloutLag:
         the live weights (the first push)."""
         i = max(0, len(self.history) - 1 - self.k)
         return None if i == len(self.history) - 1 else i
+
+    def chosen_version(self) -> int | None:
+        """The weights_version a lagged generation samples now (:meth:`chosen`'s entry, or the newest)."""
+        i = self.chosen()
+        return self.versions[-1 if i is None else i] if self.history else None
 
     @contextlib.contextmanager
     def swapped(self, params: list[tuple[str, torch.Tensor]], index: int) -> Iterator[tuple[str, int]]:
@@ -81,7 +89,7 @@ class RolloutLag:
         """The same history for a lag of ``k`` (a run resumed with another ``rollout.lag``)."""
         out = RolloutLag(k)
         keep = max(1, min(len(self.history), k + 1))
-        out.history, out.tags = self.history[-keep:], self.tags[-keep:]
+        out.history, out.tags, out.versions = self.history[-keep:], self.tags[-keep:], self.versions[-keep:]
         out.seen_version, out._next = self.seen_version, self._next
         return out
 
@@ -95,7 +103,12 @@ class RolloutLag:
         from safetensors.torch import save_file
 
         tensors = {f"{i}/{n}": t.contiguous() for i, entry in enumerate(self.history) for n, t in entry.items()}
-        meta = {"k": str(self.k), "entries": str(len(self.history)), "live": str(int(self.seen_version == version))}
+        meta = {
+            "k": str(self.k),
+            "entries": str(len(self.history)),
+            "live": str(int(self.seen_version == version)),
+            "versions": json.dumps(self.versions),
+        }
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(path)
@@ -114,6 +127,8 @@ class RolloutLag:
         keep = self.k + 1 if meta["live"] == "1" else self.k  # what a run with this k keeps
         self.history = entries[-keep:] if keep < len(entries) else entries
         self.tags = list(range(len(self.history)))
+        versions = json.loads(meta.get("versions", "null")) or [None] * n  # None: saved before versions were kept
+        self.versions = versions[-len(self.history) :] if self.history else []
         self._next = len(self.history)
         self.seen_version = version if meta["live"] == "1" else None
 

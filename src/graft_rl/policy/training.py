@@ -204,6 +204,35 @@ class PolicyTraining:
             self.sync_rollout_weights(tag)
             yield
 
+    def _push_lag(self):
+        """The one-step-off history (``rollout.mode: one_step_off``): a :class:`RolloutLag` of ``k = 1`` that has
+        observed the live weights, as a ``rollout.lag: 1`` generation would at this point."""
+        from graft_rl.policy.lag import RolloutLag
+
+        if self.lag is None or self.lag.k != 1:
+            self.lag = RolloutLag(1) if self.lag is None else self.lag.resized(1)
+        self.lag.observe(self._lag_params(), self.weights_version)
+        return self.lag
+
+    def lag_choice(self) -> int | None:
+        """The weights_version a ``rollout.lag: 1`` generation would sample now (one push back; the live
+        weights on a run's first push). A one-step-off step compares it with its batch in flight."""
+        return self._push_lag().chosen_version()
+
+    @contextlib.contextmanager
+    def generator_weights(self, chosen: bool):
+        """Within the block the live parameters hold what a push to the generators sends, and it yields their
+        weights_version: the live weights (the push of step t+1, made before step t's update), or with
+        ``chosen`` the lag-1 choice (:meth:`lag_choice`: a step whose batch must be sampled again). An FSDP2
+        policy: every rank calls (its shards are swapped)."""
+        lag = self._push_lag()
+        index = lag.chosen() if chosen else None
+        if index is None:
+            yield self.weights_version
+            return
+        with lag.swapped(self._lag_params(), index):
+            yield lag.versions[index]
+
     def _lag_params(self) -> list[tuple[str, torch.Tensor]]:
         """The tensors a lagged snapshot holds and is swapped into: the trainable parameters (an FSDP2
         rank's shards: resharded first, as a forward without backward leaves the root unsharded)."""
@@ -307,7 +336,11 @@ class PolicyTraining:
             self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         self.save_settings(out)
-        state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "weights_version": self.weights_version,
+        }
         tmp = out / "policy_state.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, out / "policy_state.pt")
@@ -352,4 +385,6 @@ class PolicyTraining:
         state = load_state_file(Path(ckpt_dir) / "policy_state.pt")
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
+        # optimiser steps taken (older checkpoints: counted again from 0; only the lag's sample_version reads it)
+        self.weights_version = self._synced_version = int(state.get("weights_version", 0))
         self.load_lag(Path(ckpt_dir) / LAG_FILE)
