@@ -201,3 +201,12 @@ def test_methods_comparison_runs_at_toy_size(tmp_path):
     assert "set: method.composition=pool_all" in out and "| ftis |" in out
     cfg = yaml.safe_load((tmp_path / "ablation" / "runs" / "swarm" / "ftis_s0" / "config.yaml").read_text())
     assert cfg["method"]["composition"] == "pool_all"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
+def test_one_step_off_runs_at_toy_size():
+    """One step off against colocated on 2 cores, and the pace model's predictions (docs/benchmarks.md, "One step off")."""
+    out = _run("one_step_off.py", "--toy", timeout=300)
+    assert "| one step off, 1 + 1 cores |" in out and "| colocated, 2 threads |" in out
+    assert out.strip().splitlines()[-1].startswith("headline: one step off / faster colocated = ")

@@ -267,3 +267,43 @@ def test_plan_counts_the_host_memory_a_sleeping_engine_keeps():
     assert "stays for the run (a quantised engine sleeps at level 1)" in format_plan(plan(q))
     awake = load_config("configs/paper/pair1/graft.yaml", ["policies.0.vllm_kwargs.sleep=false"])
     assert format_plan(plan(awake)).count("host RAM per rank") == 1
+
+
+# --------------------------------------------------------------------------- the pace model (one step off)
+def test_the_pace_model_of_one_policy_is_the_sum_colocated_and_the_longer_side_one_step_off():
+    from graft_rl.commands.pace import PhaseTimes, colocated_step, one_step_off_step
+
+    p = PhaseTimes(generate=3.0, verify=0.25, push=0.5, exchange=0.25, update=2.0)
+    assert colocated_step([p]) == pytest.approx(5.5)
+    # the generator is the longer side; a batch starts after the last one is verified and the weights pushed
+    assert one_step_off_step([p]) == pytest.approx(0.25 + 0.5 + 3.0)
+    slow_update = PhaseTimes(generate=1.0, verify=0.25, push=0.5, exchange=0.25, update=4.0)
+    assert one_step_off_step([slow_update]) == pytest.approx(5.0)  # verify + push + exchange + update
+
+
+def test_under_perfect_scaling_colocated_on_2_devices_equals_one_step_off_on_1_plus_1():
+    from graft_rl.commands.pace import PhaseTimes, colocated_step, one_step_off_step
+
+    gen, upd = 8.0, 8.0  # one device's seconds
+    assert colocated_step([PhaseTimes(generate=gen / 2, update=upd / 2)]) == pytest.approx(
+        one_step_off_step([PhaseTimes(generate=gen, update=upd)])
+    )
+
+
+def test_the_lockstep_waits_for_the_slowest_generator_and_validation_is_amortised():
+    from graft_rl.commands.pace import PhaseTimes, one_step_off_step
+
+    fast, slow = PhaseTimes(generate=1.0, update=2.0), PhaseTimes(generate=5.0, update=1.0)
+    assert one_step_off_step([fast, slow]) == pytest.approx(5.0)
+    every = PhaseTimes(generate=1.0, update=2.0, validation=6.0, every=3)
+    assert one_step_off_step([every], steps=62) == pytest.approx(4.0)
+
+
+def test_plan_with_gpus_prints_both_schedules(capsys):
+    assert main(["plan", "configs/paper/pair1/graft.yaml", "--gpus", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "- colocated (rollout.mode: colocated): SmolLM3-3B-Base 2 / Qwen3-1.7B-Base 2 GPUs" in out
+    assert "- one step off (rollout.mode: one_step_off): SmolLM3-3B-Base 1 generator + 1 trainer" in out
+    assert "Phase times the model played" in out and "push" in out
+    assert main(["plan", "configs/paper/pair1/graft.yaml", "--gpus", "3"]) == 0
+    assert "at least 4 GPUs" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``: two raylets of 2 CPUs, custom
 resources ``node_a`` / ``node_b``), as the README's two-node recipe runs: A pinned to ``node_a``, B
-(``world_size: 2``) to ``node_b``, the advantage from a file plugin. Training places every actor where
-it was pinned, resumes, and ``graft eval RUN`` / ``graft analyze`` of the run finish (``graft eval``
+(``world_size: 2``) to ``node_b``, the advantage from a file plugin, one step off with both policies'
+generators pinned to ``node_a`` (``rollout.generators.resources``: B's weights cross nodes). Training
+places every actor where it was pinned, resumes, and ``graft eval RUN`` / ``graft analyze`` of the run finish (``graft eval``
 used to wait for ever: its replicas did not fit the node A is pinned to)."""
 
 from __future__ import annotations
@@ -85,12 +86,13 @@ def test_two_nodes_train_resume_eval_and_analyze(two_nodes, tiny_pair, tmp_path,
         "execution": "ray",
         "data": {"train": "train.jsonl", "reward": "reward.py:odd", "success_threshold": 1.0},
         "method": {"name": "graft", "advantage": "parts.py:sign", "balance": False},
+        "rollout": {"mode": "one_step_off", "generators": {"num_cpus": 0.5, "resources": {"node_a": 0.25}}},
         "ray": {
             "address": two_nodes.address,
             "num_cpus": 1,
             "torch_threads": 1,
             "placement_timeout": 60,
-            "resources": {"A": {"resources": {"node_a": 1}}, "B": {"resources": {"node_b": 1}}},
+            "resources": {"A": {"resources": {"node_a": 0.5}}, "B": {"resources": {"node_b": 1}}},
         },
         "policies": [
             {"name": "A", "model": str(tiny_pair[0]), "lr": 1e-3},
@@ -100,7 +102,13 @@ def test_two_nodes_train_resume_eval_and_analyze(two_nodes, tiny_pair, tmp_path,
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     tr = Trainer(load_config(tmp_path / "two.yaml"), show_progress=False)
     try:
-        assert _placed() == {("A", None): "node_a", ("B", 0): "node_b", ("B", 1): "node_b"}
+        assert _placed() == {
+            ("A", None): "node_a",
+            ("B", 0): "node_b",
+            ("B", 1): "node_b",
+            ("A generator", 0): "node_a",
+            ("B generator", 0): "node_a",
+        }
         tr.run()
     finally:
         tr.close()

@@ -509,6 +509,10 @@ def _plan(ns) -> int:
             raise ConfigError(f"--gpus must be at least the number of policies ({len(cfg.policies)}), got {ns.gpus}")
         print(format_plan(plan(cfg), ns.gpu_memory, shared=cfg.execution == "local"))
         print("\n" + format_pace(cfg, ns.gpus, ns.gpu_memory))
+        if ns.gpus is not None:
+            from graft_rl.commands.pace import format_schedules
+
+            print("\n" + format_schedules(cfg, ns.gpus, ns.gpu_memory))
         line = eval_estimate(cfg)
         if line:
             print("\n" + line)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 from graft_rl.engine.config import (
     DataConfig,
+    GeneratorsConfig,
     PeerRecords,
     RayConfig,
     RolloutConfig,
@@ -39,6 +40,7 @@ SECTIONS: dict[str, tuple[str, type]] = {
     "data": ("data", DataConfig),
     "validation": ("validation", ValidationConfig),
     "rollout": ("rollout", RolloutConfig),
+    "generators": ("rollout.generators", GeneratorsConfig),
     "ray": ("ray", RayConfig),
     "tracking": ("tracking", TrackingConfig),
     "method": ("method", MethodConfig),

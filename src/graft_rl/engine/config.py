@@ -202,6 +202,7 @@ class RolloutConfig:
     transfer: str = "auto"
     # a checkpoint with step t+1's batch in flight: save it (a resume trains on it) | regenerate it on resume
     inflight_at_checkpoint: str = "save"
+    # one_step_off: each policy's generator actors (graft config show generators: their keys)
     generators: GeneratorsConfig = field(default_factory=GeneratorsConfig)
 
     # rollouts sample the weights of `lag` pushes (steps) earlier, as an async trainer's; 0: the current

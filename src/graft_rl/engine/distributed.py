@@ -155,9 +155,8 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
     for key, want in need.items():  # the totals first: their hint fits every rank at once
         have = total.get(key, 0.0)
         if want > have + 1e-9:
-            per = f"{ranks} rank actors (sum of world_size" + (
-                ", and the generators: rollout.generators.replicas)" if cfg.rollout.mode == "one_step_off" else ")"
-            )
+            gens = sum(len(generator_bundles(cfg, pc)) for pc in policy_configs)
+            per = f"{ranks} rank actors (sum of world_size" + (f", and {gens} generators)" if gens else ")")
             raise ResourceError(
                 f"the policies need {want:g} {key} in all ({per} x their bundles), the Ray cluster has {have:g}; "
                 f"{_fit_hint(cfg, {key: want / ranks}, {key: have}, ranks)}"
@@ -183,8 +182,9 @@ def check_cluster(cfg, policy_configs, nodes: list[dict] | None = None) -> None:
 
 
 def generator_bundles(cfg, pc) -> list[dict]:
-    """One step off (``rollout.mode: one_step_off``): the bundle of each of the policy's generator replicas."""
-    if cfg.rollout.mode != "one_step_off":
+    """One step off (``rollout.mode: one_step_off``): the bundle of each of the policy's generator replicas
+    (none for anything else, ``graft eval``'s replica settings included)."""
+    if getattr(getattr(cfg, "rollout", None), "mode", None) != "one_step_off":
         return []
     from graft_rl.engine.generators import generator_bundle
 
