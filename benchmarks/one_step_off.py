@@ -145,7 +145,7 @@ def main() -> None:
     print("| configuration | measured s / step | model, from its own phases | error |")
     print("|---|---:|---:|---:|")
     errors = []
-    for name, rs in results.items():
+    for name in results:
         phases = {p: med(name, p) for p in (*PHASES, "other")}
         got, want = med(name, "step_s"), predict(name, phases)
         errors.append(abs(want / got - 1))
