@@ -36,8 +36,8 @@ def _strip(lines: list[dict]) -> list[dict]:
         (["rollout.mode=async"], "rollout.mode: 'async' is not one of colocated, one_step_off"),
         (["rollout.transfer=tcp"], "rollout.transfer"),
         (["rollout.inflight_at_checkpoint=drop"], "rollout.inflight_at_checkpoint"),
-        (["rollout.generators.policies={C: {replicas: 2}}"], "'C' is not a policy of this run"),
-        (["rollout.generators.policies={A: {gpus: 2}}"], "rollout.generators.policies.A.gpus: not a generator key"),
+        (["rollout.generators.per_policy={C: {replicas: 2}}"], "'C' is not a policy of this run"),
+        (["rollout.generators.per_policy={A: {gpus: 2}}"], "rollout.generators.per_policy.A.gpus: not a generator key"),
         (
             ["rollout.mode=one_step_off", "execution=ray", "rollout.generators.replicas=0"],
             "rollout.generators.replicas must be an integer >= 1",
@@ -55,7 +55,7 @@ def test_a_generator_may_not_share_a_trainers_gpu():
         load_config(LOOKUP, [*keys, "ray.num_gpus=1", "rollout.generators.num_gpus=0.5"])
     with pytest.raises(ConfigError, match="whole GPUs"):
         load_config(LOOKUP, [*keys, "ray.num_gpus=0.5"])
-    cfg = load_config(LOOKUP, [*keys, "ray.num_gpus=1", "rollout.generators.policies={B: {replicas: 2}}"])
+    cfg = load_config(LOOKUP, [*keys, "ray.num_gpus=1", "rollout.generators.per_policy={B: {replicas: 2}}"])
     assert cfg.rollout.generators.of("B").replicas == 2 and cfg.rollout.generators.of("A").replicas == 1
 
 
@@ -63,7 +63,7 @@ def test_the_cluster_check_counts_generator_bundles():
     from graft_rl.engine.distributed import ResourceError, check_cluster
 
     keys = ["rollout.mode=one_step_off", "execution=ray", "ray.num_cpus=1"]
-    cfg = load_config(LOOKUP, [*keys, "rollout.generators.policies={B: {replicas: 2}}"])
+    cfg = load_config(LOOKUP, [*keys, "rollout.generators.per_policy={B: {replicas: 2}}"])
     check_cluster(cfg, cfg.policies, nodes=[{"CPU": 5.0}])  # 2 trainers + 1 + 2 generators
     with pytest.raises(ResourceError, match="generator"):
         check_cluster(cfg, cfg.policies, nodes=[{"CPU": 4.0}])

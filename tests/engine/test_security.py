@@ -48,7 +48,7 @@ def test_the_policy_state_graft_rl_writes_holds_only_plain_values(make_cfg, fake
     cfg = make_cfg(steps=1, run="plain_state")
     Trainer(cfg, show_progress=False).run()
     state = load_state_file(Path(cfg.run_dir) / "checkpoints" / "step_000001" / "B" / "policy_state.pt")
-    assert set(state) == {"optimizer", "torch_rng"}
+    assert set(state) == {"optimizer", "torch_rng", "weights_version"} and isinstance(state["weights_version"], int)
 
 
 def test_a_config_cannot_name_a_pickled_reward(tmp_path):

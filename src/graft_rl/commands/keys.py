@@ -83,7 +83,7 @@ def describe(cls: type, keys: list[str] | None = None) -> list[tuple[str, str, s
     for f in dataclasses.fields(cls):
         if f.name.startswith("_") or f.name == "params" or (keys is not None and f.name not in keys):
             continue
-        if f.name in ("data", "validation", "rollout", "ray", "tracking", "method", "policies", "peers"):
+        if f.name in ("data", "validation", "rollout", "generators", "ray", "tracking", "method", "policies", "peers"):
             continue  # a section of its own (field types are strings here: name them)
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)

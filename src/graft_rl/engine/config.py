@@ -177,12 +177,12 @@ class GeneratorsConfig:
     resources: dict = field(default_factory=dict)
     vllm_kwargs: dict = field(default_factory=dict)  # merged over the policy's own vllm_kwargs
     # per policy name: any key above for that policy, e.g. {B: {replicas: 2}}
-    policies: dict = field(default_factory=dict)
+    per_policy: dict = field(default_factory=dict)
 
     def of(self, name: str) -> GeneratorsConfig:
-        """The settings of policy ``name``'s generators (its entry of ``policies`` over the rest)."""
-        own = {k: v for k, v in dataclasses.asdict(self).items() if k != "policies"}
-        return GeneratorsConfig(**{**own, **(self.policies.get(name) or {})})
+        """The settings of policy ``name``'s generators (its entry of ``per_policy`` over the rest)."""
+        own = {k: v for k, v in dataclasses.asdict(self).items() if k != "per_policy"}
+        return GeneratorsConfig(**{**own, **(self.per_policy.get(name) or {})})
 
 
 #: rollout.mode values: today's engine (generation and update take turns on the same devices), or
@@ -423,14 +423,14 @@ class TrainConfig:
         for key, allowed in choices.items():
             if getattr(r, key) not in allowed:
                 raise ConfigError(f"rollout.{key}: {getattr(r, key)!r} is not one of {', '.join(allowed)}")
-        unknown = [n for n in r.generators.policies if n not in {p.name for p in self.policies}]
+        unknown = [n for n in r.generators.per_policy if n not in {p.name for p in self.policies}]
         if unknown:
-            raise ConfigError(f"rollout.generators.policies: {unknown[0]!r} is not a policy of this run")
-        for name, own in r.generators.policies.items():
+            raise ConfigError(f"rollout.generators.per_policy: {unknown[0]!r} is not a policy of this run")
+        for name, own in r.generators.per_policy.items():
             bad = [k for k in own or {} if k not in GENERATOR_KEYS]
             if bad:
                 raise ConfigError(
-                    f"rollout.generators.policies.{name}.{bad[0]}: not a generator key ({', '.join(GENERATOR_KEYS)})"
+                    f"rollout.generators.per_policy.{name}.{bad[0]}: not a generator key ({', '.join(GENERATOR_KEYS)})"
                 )
         if r.mode == "colocated":
             return
@@ -458,8 +458,8 @@ class TrainConfig:
 
 #: rollout.transfer values
 TRANSFERS = ("auto", "gloo", "nccl", "object_store")
-#: the keys a rollout.generators.policies entry may set
-GENERATOR_KEYS = tuple(f.name for f in dataclasses.fields(GeneratorsConfig) if f.name != "policies")
+#: the keys a rollout.generators.per_policy entry may set
+GENERATOR_KEYS = tuple(f.name for f in dataclasses.fields(GeneratorsConfig) if f.name != "per_policy")
 
 
 # ---------------------------------------------------------------------------------- building

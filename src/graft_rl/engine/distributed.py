@@ -186,9 +186,24 @@ def generator_bundles(cfg, pc) -> list[dict]:
     (none for anything else, ``graft eval``'s replica settings included)."""
     if getattr(getattr(cfg, "rollout", None), "mode", None) != "one_step_off":
         return []
-    from graft_rl.engine.generators import generator_bundle
-
     return [generator_bundle(cfg, pc) for _ in range(cfg.rollout.generators.of(pc.name).replicas)]
+
+
+def generator_bundle(cfg, pc) -> dict:
+    """One generator replica's Ray bundle: ``rollout.generators`` (per policy) over ``ray.num_cpus`` /
+    ``ray.num_gpus``; its custom resources are ``rollout.generators.resources`` (the node it is pinned to)."""
+    g = cfg.rollout.generators.of(pc.name)
+    bundle = {"CPU": float(cfg.ray.num_cpus if g.num_cpus is None else g.num_cpus)}
+    gpus = cfg.ray.num_gpus if g.num_gpus is None else g.num_gpus
+    if gpus:
+        bundle["GPU"] = float(gpus)
+    bundle.update({k: float(v) for k, v in (g.resources or {}).items()})
+    return bundle
+
+
+def generator_threads(cfg, pc) -> int:
+    g = cfg.rollout.generators.of(pc.name)
+    return g.torch_threads or cfg.ray.torch_threads or max(1, int(generator_bundle(cfg, pc)["CPU"]))
 
 
 def _check_generators(cfg, policy_configs, nodes: list[dict]) -> None:

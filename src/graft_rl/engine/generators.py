@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from graft_rl.engine.distributed import generator_bundle, generator_threads
 from graft_rl.engine.handles import Pending, WorkerHandle
 from graft_rl.engine.timing import PhaseTimer
 from graft_rl.policy import Policy, PolicyConfig
@@ -55,23 +56,6 @@ def generator_config(cfg, pc: PolicyConfig) -> PolicyConfig:
     if pc.backend == "vllm":
         vllm.setdefault("sleep", False)
     return dataclasses.replace(pc, world_size=1, lora=None, vllm_kwargs=vllm, gradient_checkpointing=False)
-
-
-def generator_bundle(cfg, pc: PolicyConfig) -> dict:
-    """One generator replica's Ray bundle: ``rollout.generators`` (per policy) over ``ray.num_cpus`` /
-    ``ray.num_gpus``; its custom resources are ``rollout.generators.resources`` (the node it is pinned to)."""
-    g = cfg.rollout.generators.of(pc.name)
-    bundle = {"CPU": float(cfg.ray.num_cpus if g.num_cpus is None else g.num_cpus)}
-    gpus = cfg.ray.num_gpus if g.num_gpus is None else g.num_gpus
-    if gpus:
-        bundle["GPU"] = float(gpus)
-    bundle.update({k: float(v) for k, v in (g.resources or {}).items()})
-    return bundle
-
-
-def generator_threads(cfg, pc: PolicyConfig) -> int:
-    g = cfg.rollout.generators.of(pc.name)
-    return g.torch_threads or cfg.ray.torch_threads or max(1, int(generator_bundle(cfg, pc)["CPU"]))
 
 
 class GeneratorWorker:
