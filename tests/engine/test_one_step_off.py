@@ -59,6 +59,21 @@ def test_a_generator_may_not_share_a_trainers_gpu():
     assert cfg.rollout.generators.of("B").replicas == 2 and cfg.rollout.generators.of("A").replicas == 1
 
 
+def test_generator_gpus_and_transfers_are_checked_per_policy():
+    gpu = ["rollout.mode=one_step_off", "execution=ray", "policies.0.device=cuda", "policies.1.device=cuda"]
+    per_policy = "ray.resources={A: {num_gpus: 1}, B: {num_gpus: 1}}"
+    cfg = load_config(LOOKUP, [*gpu, per_policy])  # each trainer's GPU from its own ray.resources entry
+    assert cfg.rollout.mode == "one_step_off"
+    with pytest.raises(ConfigError, match="exactly one for each generator replica"):
+        load_config(LOOKUP, [*gpu, "ray.num_gpus=1", "rollout.generators.num_gpus=2"])
+    with pytest.raises(ConfigError, match="rollout.transfer: nccl moves CUDA tensors"):
+        load_config(LOOKUP, ["rollout.mode=one_step_off", "execution=ray", "rollout.transfer=nccl"])
+    with pytest.raises(ConfigError, match="rollout.generators.per_policy.A: expected a mapping"):
+        load_config(LOOKUP, ["rollout.generators.per_policy={A: 2}"])
+    with pytest.raises(ConfigError, match="rollout.generators.num_cpus"):
+        load_config(LOOKUP, ["rollout.mode=one_step_off", "execution=ray", "rollout.generators.num_cpus=many"])
+
+
 def test_the_cluster_check_counts_generator_bundles():
     from graft_rl.engine.distributed import ResourceError, check_cluster
 
@@ -225,6 +240,26 @@ def test_a_batch_in_flight_is_used_only_if_the_lag_1_run_samples_the_same_weight
     assert one.batch("A", 4, ["p4"], None, 4).get()[0] == "sampled from 2"
 
 
+def test_a_batch_read_back_is_used_for_its_own_prompts_and_refills_get_the_choice_pushed(capsys):
+    """After a resume the generators hold the checkpoint's weights, not the lag-1 choice the saved batch was
+    sampled from: a refill pushes the choice first. A saved batch of other prompts (the data changed) is
+    sampled again."""
+    from graft_rl.engine.generators import OneStepOff
+    from graft_rl.policy import RolloutGroup
+
+    trainer, group = _Trainer([(4, 6), (4, 6), (4, 6)]), _Group()
+    one = OneStepOff(load_config(LOOKUP, ["execution=ray"]), {"A": trainer}, {"A": group})
+    saved = [RolloutGroup("q1", "1+1=?", "A", ["2", "3"], [[5], [6]], [[-0.5], [-0.5]], ["stop", "stop"])]
+    one.adopt("A", 3, saved, 1.0, 4)
+    assert one.batch("A", 3, [("q1", "1+1=?")], None, 3).get()[0] is saved
+    assert group.pushes == []
+    one.refill("A", [("q9", "9+9=?")], None, 7)
+    assert group.pushes == [(True, 4)] and group.samples == [([("q9", "9+9=?")], 4)]
+    one.adopt("A", 3, saved, 1.0, 4)
+    assert one.batch("A", 3, [("q2", "2+2=?")], None, 3).get()[0] == "sampled from 4"
+    assert "answers other prompts" in capsys.readouterr().out
+
+
 def test_a_saved_batch_in_flight_reads_back_as_it_was_sampled(tmp_path):
     from graft_rl.engine.generators import InFlight, OneStepOff, _Done, load_inflight, save_inflight
     from graft_rl.policy import RolloutGroup
@@ -330,8 +365,9 @@ def test_a_resume_with_a_batch_in_flight_is_the_uninterrupted_run(lookup_runs, t
 @pytest.mark.slow
 def test_a_lora_policy_and_an_fsdp2_policy_train_one_step_off(make_cfg, ray_local, tiny_pair):
     """A LoRA policy (merged weights pushed to a plain generator) and an FSDP2 policy of world 2 (each
-    tensor gathered and broadcast from rank 0) train one step off, every push verified: step 3 samples the
-    weights after step 1's update, pushed during step 2."""
+    tensor gathered and broadcast from rank 0) train one step off, every push verified, stopped after step 2
+    and resumed (generators load the run's own models, not the checkpoint's adapter): step 3 samples the
+    weights after step 1's update, read back from the checkpoint's batch in flight."""
     from runs import fake_verify
 
     from graft_rl.engine.rollouts import Rollouts
@@ -341,19 +377,25 @@ def test_a_lora_policy_and_an_fsdp2_policy_train_one_step_off(make_cfg, ray_loca
         {"name": "A", "model": str(tiny_pair[0]), "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}},
         {"name": "B", "model": str(tiny_pair[1]), "world_size": 2},
     ]
-    ray_kw = {"execution": "ray", "ray": {"num_cpus": 0.25, "torch_threads": 1}}
+    ray_kw = {"execution": "ray", "ray": {"num_cpus": 0.25, "torch_threads": 1}, "checkpoint_every": 2}
     rollout = {"mode": "one_step_off", "generators": {"num_cpus": 0.25}}
-    cfg = make_cfg({"name": "graft"}, steps=3, run="lora_fsdp", policies=pols, rollout=rollout, **ray_kw)
+    cfg = make_cfg({"name": "graft"}, steps=4, run="lora_fsdp", policies=pols, rollout=rollout, **ray_kw)
     orig = Rollouts.verify_groups
     Rollouts.verify_groups = fake_verify
     try:
         tr = Trainer(cfg, show_progress=False)
-        lines = tr.run()
+        tr.run(max_steps=2)
+        tr.close()
+        tr = Trainer.resume(cfg.run_dir, show_progress=False)
+        assert sorted(tr.one_step.inflight) == ["A", "B"]
+        tr.run()
         versions = {n: g.version for n, g in tr.one_step.groups.items()}
         tr.close()
     finally:
         Rollouts.verify_groups = orig
+    lines = _lines(cfg.run_dir)
+    assert [ln["step"] for ln in lines] == [1, 1, 2, 2, 3, 3, 4, 4]
     assert [ln["sample_version"] for ln in lines[:4]] == [0, 0, 0, 0]
-    assert all(ln["sample_version"] > 0 and ln["time_push"] == 0 for ln in lines[4:])
-    assert all(ln["time_push"] > 0 for ln in lines if ln["step"] != 3)
+    assert all(ln["sample_version"] > 0 for ln in lines[4:])
+    assert all(ln["time_push"] > 0 for ln in lines if ln["step"] in (1, 3))  # the first push, the resumed one
     assert all(v is not None and v > 0 for v in versions.values()), versions

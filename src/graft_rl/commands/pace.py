@@ -124,27 +124,39 @@ def generator_peak(pc, gpu_bytes: float) -> float:
 
 
 def best_one_step_off(cfg, works, gpus: int, gpu_bytes: float):
-    """``(seconds per step, [(generator GPUs, trainer GPUs)] per policy, fits)``: the split of ``gpus`` between
-    each policy's generators and trainers with the shortest one-step-off step (fitting memory first)."""
+    """``(seconds per step, [(generator GPUs, trainer GPUs)] per policy, fits, phase times)``: the split of
+    ``gpus`` with the shortest one-step-off step (fitting memory first). Each split of ``gpus`` between the
+    policies is tried; within a policy's share, the split between its generators and trainers that is best
+    for that policy alone (so the search grows with the shares, not with every way to cut ``gpus``)."""
     from dataclasses import replace
 
     from graft_rl.commands.plan import model_shape, plan_policy
 
     _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
     push = [_BYTES.get(pc.dtype, 2) * model_shape(pc).params / PUSH_BYTES_PER_S for pc in cfg.policies]
+    own: dict[tuple[int, int], tuple] = {}
+
+    def within(i: int, share: int) -> tuple:
+        """Policy ``i``'s best (fits, step, (g, t), times) on ``share`` GPUs."""
+        if (i, share) not in own:
+            pc = cfg.policies[i]
+            options = []
+            for g in range(1, share):
+                t = share - g
+                times = _times(works[i], cfg, g, t, push[i])
+                fits = plan_policy(replace(pc, world_size=t), cfg).peak(gpu_bytes) <= gpu_bytes
+                fits = fits and generator_peak(pc, gpu_bytes) <= gpu_bytes
+                options.append((not fits, one_step_off_step([times]), (g, t), times))
+            own[(i, share)] = min(options, key=lambda o: o[:2])
+        return own[(i, share)]
+
     best = None
-    for parts in _splits(2 * len(works), gpus, 1):
-        pairs = list(zip(parts[::2], parts[1::2], strict=True))
-        times = [_times(w, cfg, g, t, p) for w, (g, t), p in zip(works, pairs, push, strict=True)]
-        step = one_step_off_step(times)
-        fits = all(
-            plan_policy(replace(pc, world_size=t), cfg).peak(gpu_bytes) <= gpu_bytes
-            and generator_peak(pc, gpu_bytes) <= gpu_bytes
-            for pc, (_, t) in zip(cfg.policies, pairs, strict=True)
-        )
-        key = (not fits, step)
+    for shares in _splits(len(works), gpus, 2):
+        picks = [within(i, share) for i, share in enumerate(shares)]
+        step = one_step_off_step([p[3] for p in picks])
+        key = (any(p[0] for p in picks), step)
         if best is None or key < best[0]:
-            best = (key, step, pairs, fits, times)
+            best = (key, step, [p[2] for p in picks], not key[0], [p[3] for p in picks])
     assert best is not None
     return best[1], best[2], best[3], best[4]
 

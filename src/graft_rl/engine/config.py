@@ -427,7 +427,11 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"rollout.generators.per_policy: {unknown[0]!r} is not a policy of this run")
         for name, own in r.generators.per_policy.items():
-            bad = [k for k in own or {} if k not in GENERATOR_KEYS]
+            if not isinstance(own, dict):
+                raise ConfigError(
+                    f"rollout.generators.per_policy.{name}: expected a mapping of generator keys, got {own!r}"
+                )
+            bad = [k for k in own if k not in GENERATOR_KEYS]
             if bad:
                 raise ConfigError(
                     f"rollout.generators.per_policy.{name}.{bad[0]}: not a generator key ({', '.join(GENERATOR_KEYS)})"
@@ -444,16 +448,30 @@ class TrainConfig:
                 "(set rollout.lag: 0)"
             )
         for pc in self.policies:
-            g = r.generators.of(pc.name)
-            if not isinstance(g.replicas, int) or isinstance(g.replicas, bool) or g.replicas < 1:
-                raise ConfigError(f"rollout.generators.replicas must be an integer >= 1, got {g.replicas!r}")
-            gpus = self.ray.num_gpus if g.num_gpus is None else g.num_gpus
-            if pc.device.startswith("cuda") and (gpus < 1 or self.ray.num_gpus < 1 or gpus != int(gpus)):
-                raise ConfigError(
-                    f"policy {pc.name!r}: one_step_off on a GPU needs whole GPUs for the trainer ranks and for each "
-                    f"generator (ray.num_gpus={self.ray.num_gpus:g}, rollout.generators.num_gpus={gpus:g}): a "
-                    "generator that shared a trainer's GPU would take the memory and time the overlap is for"
-                )
+            self._validate_generators(pc)
+
+    def _validate_generators(self, pc) -> None:
+        """One policy's generators: their numbers, and on a GPU whole GPUs apart from its trainer's."""
+        g = self.rollout.generators.of(pc.name)
+        if not isinstance(g.replicas, int) or isinstance(g.replicas, bool) or g.replicas < 1:
+            raise ConfigError(f"rollout.generators.replicas must be an integer >= 1, got {g.replicas!r}")
+        for key in ("num_gpus", "num_cpus", "torch_threads"):
+            v = getattr(g, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
+                raise ConfigError(f"rollout.generators.{key} must be a number >= 0 (or null), got {v!r}")
+        trainer = float({**vars(self.ray), **(self.ray.resources.get(pc.name) or {})}.get("num_gpus") or 0)
+        gpus = trainer if g.num_gpus is None else g.num_gpus
+        if pc.device.startswith("cuda") and (gpus != 1 or trainer < 1 or trainer != int(trainer)):
+            raise ConfigError(
+                f"policy {pc.name!r}: one_step_off on a GPU needs whole GPUs for its trainer ranks and exactly one for "
+                f"each generator replica (trainer {trainer:g}, rollout.generators.num_gpus {gpus:g}): a generator that "
+                "shared a trainer's GPU would take the memory and time the overlap is for"
+            )
+        if self.rollout.transfer == "nccl" and not pc.device.startswith("cuda"):
+            raise ConfigError(
+                f"policy {pc.name!r}: rollout.transfer: nccl moves CUDA tensors, and the policy runs on {pc.device}; "
+                "use auto, gloo or object_store"
+            )
 
 
 #: rollout.transfer values

@@ -193,8 +193,9 @@ def generator_bundle(cfg, pc) -> dict:
     """One generator replica's Ray bundle: ``rollout.generators`` (per policy) over ``ray.num_cpus`` /
     ``ray.num_gpus``; its custom resources are ``rollout.generators.resources`` (the node it is pinned to)."""
     g = cfg.rollout.generators.of(pc.name)
-    bundle = {"CPU": float(cfg.ray.num_cpus if g.num_cpus is None else g.num_cpus)}
-    gpus = cfg.ray.num_gpus if g.num_gpus is None else g.num_gpus
+    rank = _actor_options(cfg, pc)  # the policy's own rank options (ray.resources.NAME over ray.*)
+    bundle = {"CPU": float(rank.get("num_cpus") or 0 if g.num_cpus is None else g.num_cpus)}
+    gpus = rank.get("num_gpus") or 0 if g.num_gpus is None else g.num_gpus
     if gpus:
         bundle["GPU"] = float(gpus)
     bundle.update({k: float(v) for k, v in (g.resources or {}).items()})

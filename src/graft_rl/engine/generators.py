@@ -70,6 +70,7 @@ class GeneratorWorker:
 
             pin_actor_gpu(f"{pc.name} generator", replica)
         self.policy = Policy(pc)
+        self.policy._synced_version = None  # type: ignore[assignment]  # the engine gets the first push, whatever it is
         self.replica, self.replicas = replica, replicas
         self.link: WeightLink | None = None
 
@@ -133,19 +134,17 @@ class GeneratorGroup:
         threads = generator_threads(cfg, pc)
         remote_cls = ray.remote(GeneratorWorker)
         self.actors: list = []
-        for r in range(self.replicas):
-            who = f"policy {pc.name!r} generator {r}"
-            actor = _start_placed(
-                remote_cls,
-                bundle,
-                {"max_restarts": 0},
-                (gpc, threads, r, self.replicas),
-                who,
-                cfg.ray.placement_timeout,
-            )
-            _NAMES[actor._actor_id.hex()] = (f"{pc.name} generator", r)
-            self.actors.append(actor)
-        self.names = get(self.actors[0].manifest.remote(), f"{pc.name} generator")
+        try:
+            for r in range(self.replicas):
+                who = f"policy {pc.name!r} generator {r}"
+                args = (gpc, threads, r, self.replicas)
+                actor = _start_placed(remote_cls, bundle, {"max_restarts": 0}, args, who, cfg.ray.placement_timeout)
+                _NAMES[actor._actor_id.hex()] = (f"{pc.name} generator", r)
+                self.actors.append(actor)
+            self.names = get(self.actors[0].manifest.remote(), f"{pc.name} generator")
+        except BaseException:
+            self.close()  # the replicas started so far go too
+            raise
         _remember(self.actors)
         self.version: int | None = None  # the weights_version the replicas hold (None: as loaded)
         self.link: tuple | None = None
@@ -166,6 +165,7 @@ class GeneratorGroup:
             held = [a.receive.remote(self.names, version, self.transfer, out["tensors"]) for a in self.actors]
         else:  # the trainer's rank 0 and the replicas meet in the link's broadcasts
             held = [a.receive.remote(self.names, version, self.transfer, self.link) for a in self.actors]
+            self._first_error(sent, held, who)
             out = sent.get()
         if out["version"] != version:
             raise RuntimeError(f"{who}: pushed weights_version {out['version']}, expected {version}; this is a bug")
@@ -173,6 +173,25 @@ class GeneratorGroup:
             check_delivery(f"{who} {r}", out["digests"], get(ref, who))
         self.version = version
         return time.perf_counter() - t0
+
+    def _first_error(self, sent: Pending, held: list, who: str) -> None:
+        """Wait for both sides of a link push at once: an error on either is raised as soon as it comes. A
+        replica that failed is killed with the others, so the trainer's broadcast ends instead of waiting for
+        the link's timeout (the trainer's own error leaves the replicas to :meth:`close`)."""
+        import ray
+
+        from graft_rl.engine.distributed import get
+
+        refs = list(sent.ref) if isinstance(sent.ref, list) else [sent.ref]
+        waiting = [*refs, *held]
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1)
+            try:
+                get(ready[0], who)
+            except BaseException:
+                if ready[0] in held:
+                    self.close()
+                raise
 
     def generate(self, prompts, sampling, seed: int) -> Pending:
         return Pending(self, [a.generate.remote(prompts, sampling, seed) for a in self.actors])  # type: ignore[arg-type]
@@ -200,6 +219,7 @@ class InFlight:
     step: int
     pending: Pending
     version: int | None
+    saved: bool = False  # read back from a checkpoint
 
 
 class OneStepOff:
@@ -207,10 +227,18 @@ class OneStepOff:
     what :class:`~graft_rl.engine.rollouts.Rollouts` calls instead of a worker's generation."""
 
     def __init__(self, cfg, workers: dict[str, WorkerHandle], groups: dict[str, GeneratorGroup] | None = None):
+        """``groups``: each policy's generators; default: started here, from the run's own policy configs (a
+        resumed trainer loads its checkpoint, a LoRA one only the adapter; a generator loads the model the run
+        started from and is pushed the trainer's weights before it samples)."""
         self.cfg, self.workers = cfg, workers
-        self.groups = (
-            groups if groups is not None else {n: GeneratorGroup(cfg, h.policy, h) for n, h in workers.items()}
-        )
+        self.groups: dict[str, GeneratorGroup] = {} if groups is None else groups
+        if groups is None:
+            try:
+                for pc in cfg.policies:
+                    self.groups[pc.name] = GeneratorGroup(cfg, pc, workers[pc.name])
+            except BaseException:
+                self.close()
+                raise
         self.inflight: dict[str, InFlight] = {}
         self.notes: dict[str, dict] = {}  # per policy, this step's push seconds and the version its batch sampled
 
@@ -227,17 +255,23 @@ class OneStepOff:
         rollout.lag: 1 run samples now, else sampled now from them (pushed first)."""
         choice, _ = self.workers[name].lag_choice().get()
         held = self.inflight.pop(name, None)
-        if held is not None and held.step == step and held.version == choice:
+        if held is not None and held.step == step and held.version == choice and _same_prompts(held, prompts):
             self._note(name, sample_version=choice)
             return held.pending
+        self._hold(name, choice)
+        self._note(name, sample_version=choice)
+        return self.groups[name].generate(prompts, sampling, seed)
+
+    def _hold(self, name: str, choice: int | None) -> None:
+        """Push the lag-1 choice to the generators unless they hold it."""
         group = self.groups[name]
         if group.version != choice:
             self._note(name, time_push=group.push(chosen=True, version=choice))
-        self._note(name, sample_version=choice)
-        return group.generate(prompts, sampling, seed)
 
     def refill(self, name: str, prompts, sampling, seed: int) -> Pending:
-        """A rollout filter's refill: sampled on the generators, which hold the step's weights still."""
+        """A rollout filter's refill: sampled on the generators from the step's weights (pushed first when the
+        step's batch was read from a checkpoint, so they hold other weights)."""
+        self._hold(name, self.workers[name].lag_choice().get()[0])
         return self.groups[name].generate(prompts, sampling, seed)
 
     def advance(self, name: str, step: int, prompts, sampling, seed: int) -> None:
@@ -250,7 +284,7 @@ class OneStepOff:
 
     def adopt(self, name: str, step: int, groups: list, seconds: float, version: int | None) -> None:
         """A batch a checkpoint saved in flight: step ``step``'s, sampled from ``version``."""
-        self.inflight[name] = InFlight(step, _Done((groups, seconds)), version)
+        self.inflight[name] = InFlight(step, _Done((groups, seconds)), version, saved=True)
 
     def overlap(self, lines: dict[str, dict], wall: float) -> None:
         """A step's overlap in each policy's metric line: ``time_push`` (its pushes to the generators),
@@ -285,6 +319,16 @@ class OneStepOff:
         for g in self.groups.values():
             g.close()
         self.groups = {}
+
+
+def _same_prompts(held: InFlight, prompts) -> bool:
+    """A batch read back from a checkpoint answers the step's prompts (``allow_changed: data`` may change them)."""
+    if not held.saved:
+        return True  # sampled in this run for these very prompts
+    same = [g.prompt_id for g in held.pending.get()[0]] == [pid for pid, _ in prompts]
+    if not same:
+        print(f"graft train: step {held.step}'s saved batch answers other prompts (the data changed); sampled again")
+    return same
 
 
 class _Done(Pending):

@@ -325,11 +325,12 @@ HARMLESS_KEYS = (
     "validation.every",
     "validation.at_start",
     "method.max_num_gen_batches",  # whether a dynamic-sampling step may go on, never what it computes
-    # one step off: how weights travel and where generators sit, never what they sample (rollout.mode is not:
-    # a one-step-off run is the lag-1 run, which a colocated run at lag 0 is not)
+    # one step off: how weights travel and which node generators sit on, never what they sample (not their
+    # replicas, which deal the prompts and seeds, nor their threads; nor rollout.mode: a one-step-off run is
+    # the lag-1 run, which a colocated run at lag 0 is not)
     "rollout.transfer",
     "rollout.inflight_at_checkpoint",
-    "rollout.generators",
+    "rollout.generators.resources",
 )
 
 
