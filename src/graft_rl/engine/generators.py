@@ -80,7 +80,7 @@ class GeneratorWorker:
     def manifest(self) -> list[tuple[str, str, tuple[int, ...]]]:
         return manifest(self.policy.model)
 
-    def receive(self, names, version: int, transfer: str, source: Any) -> dict:
+    def receive(self, names, version: int | None, transfer: str, source: Any) -> dict:
         """Take a push: from the trainer's link (``source``: ``(backend, addr, port, world)``) or from the
         object store (``source``: ``[ref]``), into the model; returns the row digests of what it now holds.
         A vLLM engine gets them at the next generation, through its own verified push."""
@@ -98,7 +98,12 @@ class GeneratorWorker:
         with torch.no_grad():
             for n, t in stream:
                 state[n].copy_(t)
-        self.policy.weights_version = version  # the engine's copy is pushed (and verified) before sampling
+        # the engine's copy is pushed (and verified) before sampling; a version an old checkpoint's lag history did
+        # not record (None) makes it push regardless
+        if version is None:
+            self.policy._synced_version = None  # type: ignore[assignment]
+        else:
+            self.policy.weights_version = version
         return received_digest(self.policy.model, names)
 
     def generate(self, prompts, sampling, seed: int):
@@ -149,7 +154,7 @@ class GeneratorGroup:
         self.version: int | None = None  # the weights_version the replicas hold (None: as loaded)
         self.link: tuple | None = None
 
-    def push(self, chosen: bool, version: int) -> float:
+    def push(self, chosen: bool, version: int | None) -> float:
         """Push the trainer's weights (the live ones, or with ``chosen`` the lag-1 choice), whose weights_version
         is ``version``, to every replica and verify each replica's copy; returns the seconds it took."""
         from graft_rl.engine.distributed import get
