@@ -124,19 +124,28 @@ def _policy(path, **kw):
     return Policy(PolicyConfig(name="A", model=str(path), **kw))
 
 
-def test_a_push_streams_and_verifies_every_tensor(tiny_pair):
-    from graft_rl.policy.transfer import check_delivery, generator_stream, manifest, received_digest
+def _push(trainer, generator) -> tuple[list, dict]:
+    """A push in one process, as a generator takes it: ``(the generator's names, the digests sent)``."""
+    from graft_rl.policy.transfer import generator_stream, manifest
 
-    trainer, generator = _policy(tiny_pair[1]), _policy(tiny_pair[1])  # GPT-2: tied head, Conv1D
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.add_(0.01)
     names = manifest(generator.model)
     sent: dict = {}
     state = generator.model.state_dict()
     with torch.no_grad():
         for n, t in generator_stream(trainer, names, sent):
             state[n].copy_(t)
+    return names, sent
+
+
+def test_a_push_streams_and_verifies_every_tensor(tiny_pair):
+    from graft_rl.policy.transfer import check_delivery, received_digest
+
+    trainer, generator = _policy(tiny_pair[1]), _policy(tiny_pair[1])  # GPT-2: tied head, Conv1D
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.01)
+    names, sent = _push(trainer, generator)
+    state = generator.model.state_dict()
     check_delivery("A generator 0", sent, received_digest(generator.model, names))
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), generator.model.parameters(), strict=True))
     with torch.no_grad():
@@ -146,7 +155,7 @@ def test_a_push_streams_and_verifies_every_tensor(tiny_pair):
 
 
 def test_a_lora_policy_pushes_its_merged_weights_into_a_plain_generator(tiny_pair):
-    from graft_rl.policy.transfer import check_delivery, generator_stream, manifest, received_digest
+    from graft_rl.policy.transfer import check_delivery, received_digest
 
     lora = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
     trainer, generator = _policy(tiny_pair[0], lora=lora), _policy(tiny_pair[0])
@@ -154,13 +163,8 @@ def test_a_lora_policy_pushes_its_merged_weights_into_a_plain_generator(tiny_pai
         for n, p in trainer.model.named_parameters():
             if "lora_B" in n:
                 p.fill_(0.05)  # adapters that change the weights
-    names = manifest(generator.model)
     before = {n: t.clone() for n, t in generator.model.state_dict().items()}
-    sent: dict = {}
-    state = generator.model.state_dict()
-    with torch.no_grad():
-        for n, t in generator_stream(trainer, names, sent):
-            state[n].copy_(t)
+    names, sent = _push(trainer, generator)
     check_delivery("A generator 0", sent, received_digest(generator.model, names))
     moved = [n for n, t in generator.model.state_dict().items() if not torch.equal(t, before[n])]
     assert moved and all(n.endswith("proj.weight") for n in moved), moved

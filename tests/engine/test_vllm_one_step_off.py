@@ -19,13 +19,9 @@ from graft_rl.engine.rollouts import Rollouts  # noqa: E402
 from graft_rl.engine.store import RecordStore  # noqa: E402
 from graft_rl.engine.trainer import Trainer  # noqa: E402
 
+from . import test_vllm_ray  # noqa: E402
 
-@pytest.fixture(scope="module")
-def vllm_pair(tmp_path_factory):
-    from graft_rl.commands.preflight import build_toy_model
-
-    root = tmp_path_factory.mktemp("vllm_pair")
-    return build_toy_model(root / "a", "llama", 0, seed=0), build_toy_model(root / "b", "qwen3", 1, seed=1)
+vllm_pair = test_vllm_ray.vllm_pair  # the two toy models vLLM's CPU attention accepts (one fixture, shared)
 
 
 def test_vllm_generators_sample_what_the_lag_1_run_samples(make_cfg, vllm_pair, monkeypatch):
